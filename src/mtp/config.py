@@ -1,0 +1,269 @@
+"""Qwen3.5 text config as a dataclass that round-trips HF `config.json` (both checkpoint shapes)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+MTP_STYLES = ("sequential", "parallel")
+
+
+class ConfigError(ValueError):
+    """A config value is missing, malformed or contradicts another key (the message names the key)."""
+
+
+@dataclass
+class Qwen35Config:
+    vocab_size: int = 248320
+    hidden_size: int = 1024
+    intermediate_size: int = 3584
+    num_hidden_layers: int = 24
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 2
+    head_dim: int = 256
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 16
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    full_attention_interval: int = 4
+    layer_types: list[str] | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+    rope_parameters: dict[str, Any] | None = None
+    max_position_embeddings: int = 262144
+    tie_word_embeddings: bool = True
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    attn_output_gate: bool = True
+    initializer_range: float = 0.02
+    mtp_num_hidden_layers: int = 1
+    mtp_use_dedicated_embeddings: bool = False
+    # "sequential": the Qwen3.5/DeepSeek chain; "parallel": Meta-style independent heads (an mtp extension).
+    mtp_style: str = "sequential"
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    # Keys we do not model, kept verbatim so a round trip loses nothing.
+    extra: dict[str, Any] = field(default_factory=dict)
+    # For multimodal checkpoints (`model_type: qwen3_5`): every top-level key except `text_config`.
+    outer: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.rope_parameters is None:
+            self.rope_parameters = {
+                "rope_type": "default",
+                "rope_theta": self.rope_theta,
+                "partial_rotary_factor": self.partial_rotary_factor,
+            }
+        if self.layer_types is None:
+            self.layer_types = [
+                "full_attention" if (i + 1) % self.full_attention_interval == 0 else "linear_attention"
+                for i in range(self.num_hidden_layers)
+            ]
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Raise ConfigError naming the first bad or contradictory key."""
+        positive = [
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+            "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+            "full_attention_interval", "max_position_embeddings",
+        ]
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"config key '{name}' must be a positive integer, got {value!r}")
+        if not isinstance(self.mtp_num_hidden_layers, int) or self.mtp_num_hidden_layers < 0:
+            raise ConfigError(f"config key 'mtp_num_hidden_layers' must be an integer >= 0, got {self.mtp_num_hidden_layers!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"config key 'num_key_value_heads' ({self.num_key_value_heads}) must divide "
+                f"'num_attention_heads' ({self.num_attention_heads})"
+            )
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError(
+                f"config key 'linear_num_key_heads' ({self.linear_num_key_heads}) must divide "
+                f"'linear_num_value_heads' ({self.linear_num_value_heads})"
+            )
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"config key 'layer_types' has {len(self.layer_types)} entries but "
+                f"'num_hidden_layers' is {self.num_hidden_layers}"
+            )
+        for i, kind in enumerate(self.layer_types):
+            if kind not in LAYER_TYPES:
+                raise ConfigError(f"config key 'layer_types[{i}]' is {kind!r}; expected one of {LAYER_TYPES}")
+        if self.hidden_act != "silu":
+            raise ConfigError(f"config key 'hidden_act' must be 'silu' for Qwen3.5, got {self.hidden_act!r}")
+        if self.attention_bias:
+            raise ConfigError("config key 'attention_bias' must be false for Qwen3.5")
+        if not self.attn_output_gate:
+            raise ConfigError("config key 'attn_output_gate' must be true: Qwen3.5 attention is always gated")
+        if self.mtp_style not in MTP_STYLES:
+            raise ConfigError(f"config key 'mtp_style' is {self.mtp_style!r}; expected one of {MTP_STYLES}")
+        if self.mtp_style == "parallel" and self.mtp_use_dedicated_embeddings:
+            raise ConfigError("config key 'mtp_use_dedicated_embeddings' must be false with mtp_style 'parallel'")
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            raise ConfigError(f"config key 'partial_rotary_factor' must be in (0, 1], got {self.partial_rotary_factor}")
+        if self.rotary_dim % 2 or self.rotary_dim == 0:
+            raise ConfigError(
+                f"config keys 'head_dim' x 'partial_rotary_factor' give rotary dim {self.rotary_dim}; it must be even and > 0"
+            )
+        rope_type = self.rope_parameters.get("rope_type", "default")
+        if rope_type != "default":
+            raise ConfigError(f"config key 'rope_parameters.rope_type' is {rope_type!r}; only 'default' is supported")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        if self.eos_token_id is None:
+            return []
+        return [self.eos_token_id] if isinstance(self.eos_token_id, int) else list(self.eos_token_id)
+
+    # ------------------------------------------------------------------ HF dict round trip
+    @classmethod
+    def from_hf_dict(cls, data: dict[str, Any]) -> Qwen35Config:
+        """Parse a HF config dict: `qwen3_5` (nested `text_config`) or `qwen3_5_text` (flat)."""
+        data = copy.deepcopy(data)
+        outer = None
+        if "text_config" in data:
+            text = data.pop("text_config")
+            if not isinstance(text, dict):
+                raise ConfigError("config key 'text_config' must be an object")
+            outer = data
+            # Real multimodal configs keep tie_word_embeddings at the top level; it may also be in text_config.
+            if "tie_word_embeddings" in outer:
+                if "tie_word_embeddings" in text and text["tie_word_embeddings"] != outer["tie_word_embeddings"]:
+                    raise ConfigError(
+                        "config key 'tie_word_embeddings' differs between the top level "
+                        f"({outer['tie_word_embeddings']}) and text_config ({text['tie_word_embeddings']})"
+                    )
+        else:
+            text = data
+        model_type = text.get("model_type", "qwen3_5_text")
+        if model_type not in ("qwen3_5_text", "qwen3_5"):
+            raise ConfigError(f"config key 'model_type' is {model_type!r}; expected 'qwen3_5' or 'qwen3_5_text'")
+
+        known = {f.name for f in fields(cls)} - {"extra", "outer"}
+        kwargs: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        for key, value in text.items():
+            (kwargs if key in known else extra)[key] = value
+        if outer is not None and "tie_word_embeddings" not in kwargs and "tie_word_embeddings" in outer:
+            kwargs["tie_word_embeddings"] = outer["tie_word_embeddings"]
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if outer is not None and key not in kwargs and key in outer:
+                kwargs[key] = outer[key]
+
+        rope = kwargs.get("rope_parameters")
+        if rope is not None:
+            if not isinstance(rope, dict):
+                raise ConfigError("config key 'rope_parameters' must be an object")
+            for key in ("rope_theta", "partial_rotary_factor"):
+                if key in rope:
+                    if key in kwargs and float(kwargs[key]) != float(rope[key]):
+                        raise ConfigError(
+                            f"config key '{key}' ({kwargs[key]}) contradicts rope_parameters.{key} ({rope[key]})"
+                        )
+                    kwargs[key] = rope[key]
+        else:
+            # Old-style flat rope keys: remember we saw them flat so we write them back flat.
+            extra["__flat_rope__"] = True
+
+        given_types = "layer_types" in kwargs and kwargs["layer_types"] is not None
+        cfg_interval = kwargs.get("full_attention_interval")
+        if given_types and cfg_interval is not None:
+            expect = [
+                "full_attention" if (i + 1) % cfg_interval == 0 else "linear_attention"
+                for i in range(len(kwargs["layer_types"]))
+            ]
+            if expect != kwargs["layer_types"]:
+                raise ConfigError(
+                    f"config key 'layer_types' contradicts 'full_attention_interval' ({cfg_interval})"
+                )
+        if cfg_interval is None:
+            extra["__no_interval__"] = True
+        if not given_types:
+            extra["__no_layer_types__"] = True
+        for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
+            if key not in kwargs:
+                raise ConfigError(f"config key '{key}' is missing")
+        extra["__model_type__"] = model_type
+        try:
+            return cls(**kwargs, extra=extra, outer=outer)
+        except TypeError as e:  # wrong value types surface here
+            raise ConfigError(f"bad config: {e}") from None
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The HF `config.json` dict, in the shape (flat or nested) this config came from."""
+        extra = dict(self.extra)
+        flat_rope = extra.pop("__flat_rope__", False)
+        no_interval = extra.pop("__no_interval__", False)
+        no_layer_types = extra.pop("__no_layer_types__", False)
+        model_type = extra.pop("__model_type__", "qwen3_5_text")
+        text: dict[str, Any] = {}
+        for f in fields(self):
+            if f.name in ("extra", "outer"):
+                continue
+            text[f.name] = copy.deepcopy(getattr(self, f.name))
+        text["model_type"] = model_type if self.outer is None else "qwen3_5_text"
+        if model_type == "qwen3_5" and self.outer is None:
+            text["model_type"] = "qwen3_5_text"
+        rope = dict(text["rope_parameters"])
+        rope["rope_theta"] = self.rope_theta
+        rope["partial_rotary_factor"] = self.partial_rotary_factor
+        text["rope_parameters"] = rope
+        if flat_rope:
+            del text["rope_parameters"]
+        else:
+            del text["rope_theta"], text["partial_rotary_factor"]
+        if no_interval:
+            del text["full_attention_interval"]
+        if no_layer_types:
+            del text["layer_types"]
+        if self.mtp_style == "sequential":
+            del text["mtp_style"]  # keep configs we write identical to Qwen's own
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if text[key] is None:
+                del text[key]
+        text.update(extra)
+        if self.outer is None:
+            text.setdefault("architectures", ["Qwen3_5ForCausalLM"])
+            return text
+        outer = copy.deepcopy(self.outer)
+        outer["text_config"] = text
+        return outer
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> Qwen35Config:
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        try:
+            return cls.from_hf_dict(data)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+
+    def to_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_hf_dict(), indent=2, sort_keys=True) + "\n")
+
+    def text_only(self) -> Qwen35Config:
+        """A copy that writes as a flat `qwen3_5_text` config (what `save_model` writes)."""
+        c = copy.deepcopy(self)
+        c.outer = None
+        c.extra = {k: v for k, v in c.extra.items() if k != "__model_type__"}
+        return c

@@ -1,0 +1,4 @@
+from .checkpoint import MissingMTPWarning, load_model, save_model
+from .safetensors_mmap import CheckpointError
+
+__all__ = ["CheckpointError", "MissingMTPWarning", "load_model", "save_model"]

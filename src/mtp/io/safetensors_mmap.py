@@ -1,0 +1,87 @@
+"""A memory-mapped safetensors reader with errors that name the file and the tensor.
+
+The `safetensors` package reads whole tensors into memory and reports a damaged file without saying
+which tensor is cut off; this reader maps the file copy-on-write, so tensors are views of the page
+cache until they are converted or written to.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from pathlib import Path
+
+import torch
+
+DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file or tensor is missing, damaged or does not fit the model (names file and tensor)."""
+
+
+class SafetensorsFile:
+    """Lazy tensors of one .safetensors file: `keys()`, `shape(name)`, `dtype(name)`, `tensor(name)`."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            self._fh = open(self.path, "rb")
+        except OSError as e:
+            raise CheckpointError(f"{self.path}: cannot open ({e.strerror})") from None
+        size = self.path.stat().st_size
+        head = self._fh.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{self.path}: truncated or corrupt safetensors file (only {size} bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise CheckpointError(f"{self.path}: truncated or corrupt safetensors file (header of {n} bytes "
+                                  f"in a file of {size})")
+        try:
+            header = json.loads(self._fh.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise CheckpointError(f"{self.path}: corrupt safetensors header (not JSON)") from None
+        self.metadata = header.pop("__metadata__", None) or {}
+        self._entries = header
+        self._base = 8 + n
+        data_size = size - self._base
+        for name, e in header.items():
+            start, end = e["data_offsets"]
+            if e["dtype"] not in DTYPES:
+                raise CheckpointError(f"{self.path}: tensor '{name}' has unsupported dtype {e['dtype']}")
+            if end > data_size:
+                raise CheckpointError(f"{self.path}: truncated: tensor '{name}' needs bytes {start}..{end} "
+                                      f"but the file holds {data_size} data bytes")
+            numel = 1
+            for s in e["shape"]:
+                numel *= s
+            if end - start != numel * DTYPES[e["dtype"]].itemsize:
+                raise CheckpointError(f"{self.path}: corrupt: tensor '{name}' byte size does not match its shape")
+        self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._entries[name]["shape"])
+
+    def dtype(self, name: str) -> torch.dtype:
+        return DTYPES[self._entries[name]["dtype"]]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        e = self._entries[name]
+        start, end = e["data_offsets"]
+        dtype = DTYPES[e["dtype"]]
+        if end == start:
+            return torch.empty(e["shape"], dtype=dtype)
+        t = torch.frombuffer(self._mm, dtype=dtype, count=(end - start) // dtype.itemsize,
+                             offset=self._base + start)
+        return t.view(e["shape"])
+
+    def close(self) -> None:
+        self._fh.close()

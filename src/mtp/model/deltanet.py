@@ -1,0 +1,162 @@
+"""Gated DeltaNet (linear attention) of Qwen3.5.
+
+Per value head, with state S [Kd, Vd]:  S <- S * exp(g);  delta = beta * (v - k^T S);  S <- S + k delta^T;
+o = q^T S.  Two forms: a chunked (parallel within chunks) form for prefill and training, and a
+recurrent form for decoding and verification (which can keep the state after every position).
+"""
+
+from __future__ import annotations
+
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import Qwen35Config
+from .cache import DeltaCache
+from .norm import RMSNormGated
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None, chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k [B, H, T, Kd] (normalised, q scaled), v [B, H, T, Vd], g, beta [B, H, T]; all fp32.
+
+    Returns o [B, H, T, Vd] and the final state [B, H, Kd, Vd]. Within a chunk the delta-rule updates
+    are solved at once with a unit-lower-triangular system (the WY/UT form); chunks are scanned in order.
+    """
+    B, H, T, Kd = k.shape
+    Vd = v.shape[-1]
+    C = chunk_size
+    pad = (C - T % C) % C
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    n = (T + pad) // C
+    q, k, v = (x.reshape(B, H, n, C, x.shape[-1]) for x in (q, k, v))
+    g, beta = g.reshape(B, H, n, C), beta.reshape(B, H, n, C)
+
+    gc = g.cumsum(-1)  # log decay from chunk start to each position
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    # decay[i, j] = exp(gc_i - gc_j) for j <= i
+    decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    kb, vb = k * beta[..., None], v * beta[..., None]
+    # Solve (I + A) x = b with A[i, j] = beta_i k_i.k_j decay[i, j] for j < i; `unitriangular` makes the
+    # solver read only the strictly lower part, so the diagonal and the (zero) upper part need no masking.
+    system = (kb @ k.transpose(-1, -2)) * decay
+    u = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)  # new values
+    w = torch.linalg.solve_triangular(system, kb * gc.exp()[..., None], upper=False, unitriangular=True)
+    attn = (q @ k.transpose(-1, -2)) * decay  # intra-chunk, includes the diagonal
+    q_dec = q * gc.exp()[..., None]
+    k_dec = k * (gc[..., -1:] - gc).exp()[..., None]
+    chunk_decay = gc[..., -1].exp()[..., None, None]
+
+    S = q.new_zeros(B, H, Kd, Vd) if initial_state is None else initial_state.to(q.dtype)
+    outs = []
+    for i in range(n):
+        v_new = u[:, :, i] - w[:, :, i] @ S
+        outs.append(q_dec[:, :, i] @ S + attn[:, :, i] @ v_new)
+        S = S * chunk_decay[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ v_new
+    o = torch.stack(outs, dim=2).reshape(B, H, n * C, Vd)[:, :, :T]
+    return o, S
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, keep_states: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One token at a time. Same shapes as the chunked form; state [B, H, Kd, Vd] fp32.
+
+    Returns o [B, H, T, Vd], the final state, and (keep_states) every state [B, T, H, Kd, Vd].
+    """
+    T = q.shape[2]
+    outs, states = [], []
+    S = state
+    for t in range(T):
+        S = S * g[:, :, t].exp()[..., None, None]
+        kt = k[:, :, t]
+        kv = (kt.unsqueeze(-2) @ S).squeeze(-2)  # k^T S: [B, H, Vd]
+        delta = (v[:, :, t] - kv) * beta[:, :, t, None]
+        S = S + kt.unsqueeze(-1) * delta.unsqueeze(-2)
+        outs.append((q[:, :, t].unsqueeze(-2) @ S).squeeze(-2))
+        if keep_states:
+            states.append(S)
+    o = torch.stack(outs, dim=2)
+    return o, S, (torch.stack(states, dim=1) if keep_states else None)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: Qwen35Config):
+        super().__init__()
+        c = config
+        self.num_k_heads, self.num_v_heads = c.linear_num_key_heads, c.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = c.linear_key_head_dim, c.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = c.linear_conv_kernel_dim
+        self.in_proj_qkv = nn.Linear(c.hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(c.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(c.hidden_size, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(c.hidden_size, self.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim,
+                                padding=self.kernel - 1, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads).uniform_(0.01, 16).log())
+        self.norm = RMSNormGated(self.head_v_dim, c.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cache: DeltaCache | None = None, record: bool = False) -> torch.Tensor:
+        """x [B, T, H] -> [B, T, H]. With a cache, continue from its state and update it in place;
+        `record` keeps the state after each position in `cache.window`/`cache.states` (for rollback)."""
+        B, T, _ = x.shape
+        qkv = self.in_proj_qkv(x).transpose(1, 2)  # [B, C, T]
+        weight = self.conv1d.weight  # [C, 1, kernel]
+        if cache is None:
+            qkv = F.conv1d(qkv, weight, padding=self.kernel - 1, groups=self.conv_dim)[..., :T]
+        else:
+            window = torch.cat([cache.conv, qkv.to(cache.conv.dtype)], dim=-1)  # [B, C, kernel-1+T]
+            qkv = F.conv1d(window, weight, groups=self.conv_dim)
+            cache.conv.copy_(window[..., -(self.kernel - 1):])
+            if record:
+                cache.window = window
+        qkv = F.silu(qkv).transpose(1, 2)
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(B, T, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(B, T, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(B, T, self.num_v_heads, self.head_v_dim)
+        rep = self.num_v_heads // self.num_k_heads
+        if rep > 1:  # each q/k head serves `rep` consecutive value heads
+            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+        q, k, v = (t.transpose(1, 2).float() for t in (q, k, v))  # [B, Hv, T, d] fp32
+        q = l2norm(q) * (self.head_k_dim**-0.5)
+        k = l2norm(k)
+        beta = torch.sigmoid(self.in_proj_b(x).float()).transpose(1, 2)  # [B, Hv, T]
+        g = (-self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())).transpose(1, 2)
+
+        if cache is not None and (T == 1 or record):
+            o, S, states = recurrent_gated_delta_rule(q, k, v, g, beta, cache.ssm, keep_states=record)
+            cache.ssm.copy_(S)
+            if record:
+                cache.states = states
+        else:
+            o, S = chunk_gated_delta_rule(q, k, v, g, beta, None if cache is None else cache.ssm)
+            if cache is not None:
+                cache.ssm.copy_(S)
+        o = o.transpose(1, 2).to(x.dtype)  # [B, T, Hv, Vd]
+        z = self.in_proj_z(x).view(B, T, self.num_v_heads, self.head_v_dim)
+        o = self.norm(o, z).reshape(B, T, self.value_dim)
+        return self.out_proj(o)
+
+
+def init_deltanet_(m: GatedDeltaNet) -> None:
+    """Qwen's initialisation of the decay parameters (used when training from scratch)."""
+    with torch.no_grad():
+        m.dt_bias.fill_(1.0)
+        m.A_log.copy_(torch.empty_like(m.A_log).uniform_(0.01, 16).log())
+        m.norm.weight.fill_(1.0)
