@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -21,10 +22,12 @@ from ..config import Qwen35Config
 from ..model import Qwen35ForCausalLM
 from ..model.rope import rope_inv_freq
 from .safetensors_mmap import CheckpointError, SafetensorsFile
+from .tokenizer import Tokenizer
 
 log = logging.getLogger("mtp")
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                "float16": torch.float16, "fp16": torch.float16}
 
@@ -146,6 +149,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, devic
     model.inv_freq = rope_inv_freq(config.rotary_dim, config.rope_theta).to(device)
     model.eval()
     model.source_path = str(path)
+    model.tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
     return model
 
 
@@ -218,3 +222,8 @@ def save_model(model: Qwen35ForCausalLM, path: str | Path, max_shard_size: int |
     config.extra["architectures"] = ["Qwen3_5ForCausalLM"]
     _atomic_write(path / "config.json", lambda tmp: Path(tmp).write_text(
         json.dumps(config.to_hf_dict(), indent=2, sort_keys=True) + "\n"))
+    source = getattr(model, "source_path", None)
+    if source and Path(source).resolve() != path.resolve():
+        for name in TOKENIZER_FILES:
+            if (Path(source) / name).exists():
+                shutil.copyfile(Path(source) / name, path / name)

@@ -7,7 +7,6 @@ recurrent form for decoding and verification (which can keep the state after eve
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -53,6 +53,7 @@ class Qwen35ForCausalLM(nn.Module):
         self.mtp = MTPModule(config) if with_mtp and config.mtp_num_hidden_layers > 0 else None
         self.register_buffer("inv_freq", rope_inv_freq(config.rotary_dim, config.rope_theta), persistent=False)
         self.gradient_checkpointing = False
+        self.tokenizer = None  # set by load_model when the folder has tokenizer.json
 
     # ------------------------------------------------------------------ basics
     @property
@@ -114,6 +115,19 @@ class Qwen35ForCausalLM(nn.Module):
         shape = (batch, c.num_key_value_heads, max_len, c.head_dim)
         return [AttnCache(torch.zeros(shape, dtype=self.dtype, device=self.device),
                           torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in self.mtp.layers]
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, input_ids, **kwargs):
+        """See `mtp.decode.generate`: tokens, text, finish reason and statistics for one sequence."""
+        from ..decode import generate
+
+        return generate(self, input_ids, **kwargs)
+
+    def stream(self, input_ids, **kwargs):
+        """See `mtp.decode.stream`: iterate over the tokens emitted at each step."""
+        from ..decode import stream
+
+        return stream(self, input_ids, **kwargs)
 
     # ------------------------------------------------------------------ MTP, teacher forced
     def mtp_hidden_states(self, input_ids: torch.Tensor, depth: int | None = None,

@@ -1,0 +1,70 @@
+"""Tokenizer of a checkpoint folder: `tokenizer.json` (the `tokenizers` library) + chat template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+class Tokenizer:
+    """encode(str) -> list[int], decode(list[int]) -> str, plus special ids and the chat template."""
+
+    def __init__(self, tok: _HFTokenizer, config: dict | None = None):
+        self.tok = tok
+        self.config = config or {}
+        self.chat_template: str | None = self.config.get("chat_template")
+        eos = self.config.get("eos_token")
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        self.eos_token = eos
+        self.eos_token_id = tok.token_to_id(eos) if isinstance(eos, str) else None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        f = path / "tokenizer.json"
+        if not f.exists():
+            raise FileNotFoundError(f"{path}: no tokenizer.json")
+        try:
+            tok = _HFTokenizer.from_file(str(f))
+        except Exception as e:  # the tokenizers library raises bare Exceptions
+            raise ValueError(f"{f}: cannot load tokenizer ({e})") from None
+        config = {}
+        tc = path / "tokenizer_config.json"
+        if tc.exists():
+            config = json.loads(tc.read_text())
+        ct = path / "chat_template.jinja"
+        if "chat_template" not in config and ct.exists():
+            config["chat_template"] = ct.read_text()
+        return cls(tok, config)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render chat messages with the model's Jinja template, or a plain documented fallback:
+        `role: content` lines followed by `assistant:` when there is no template."""
+        if self.chat_template:
+            import jinja2
+
+            env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+
+            def raise_exception(msg):
+                raise ValueError(msg)
+
+            env.globals["raise_exception"] = raise_exception
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                eos_token=self.eos_token or "", bos_token=self.config.get("bos_token") or "",
+            )
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return text + ("assistant:" if add_generation_prompt else "")
