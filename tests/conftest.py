@@ -37,3 +37,38 @@ def tiny_model(seed: int = 0, std: float = 0.2, **overrides) -> Qwen35ForCausalL
 @pytest.fixture
 def make_tiny():
     return tiny_model
+
+
+def pattern_batch(vocab: int, batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
+    """Sequences that repeat a random motif (period 2..5) with 10% noise: learnable, so a quickly
+    trained MTP head agrees with the backbone often but not always (every acceptance pattern occurs)."""
+    rows = []
+    for _ in range(batch):
+        period = int(torch.randint(2, 6, (1,), generator=gen))
+        motif = torch.randint(0, vocab, (period,), generator=gen)
+        seq = motif.repeat(length // period + 1)[:length].clone()
+        noise = torch.rand(length, generator=gen) < 0.1
+        seq[noise] = torch.randint(0, vocab, (int(noise.sum()),), generator=gen)
+        rows.append(seq)
+    return torch.stack(rows)
+
+
+def trained_tiny_model(steps: int = 100, seed: int = 0, depth: int | None = None, **overrides) -> Qwen35ForCausalLM:
+    """A tiny model whose backbone and MTP module were trained together (main + MTP cross-entropy) on
+    `pattern_batch` data for a few seconds."""
+    overrides.setdefault("vocab_size", 8)
+    model = tiny_model(seed=seed, std=0.02, **overrides).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(seed)
+    depth = depth or model.config.mtp_num_hidden_layers
+    for _ in range(steps):
+        ids = pattern_batch(model.config.vocab_size, 8, 32, gen)
+        h = model.hidden(ids)
+        loss = torch.nn.functional.cross_entropy(model.head(h[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+        for d, hd in enumerate(model.mtp_hidden_states(ids, depth, hidden=h), start=1):
+            logits = model.head(hd[:, :-1], for_mtp=True)
+            loss = loss + torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, d + 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()

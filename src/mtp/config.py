@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -182,8 +182,12 @@ class Qwen35Config:
             # Old-style flat rope keys: remember we saw them flat so we write them back flat.
             extra["__flat_rope__"] = True
 
-        given_types = "layer_types" in kwargs and kwargs["layer_types"] is not None
+        given_types = kwargs.get("layer_types") is not None
         cfg_interval = kwargs.get("full_attention_interval")
+        if given_types:
+            for i, kind in enumerate(kwargs["layer_types"]):
+                if kind not in LAYER_TYPES:
+                    raise ConfigError(f"config key 'layer_types[{i}]' is {kind!r}; expected one of {LAYER_TYPES}")
         if given_types and cfg_interval is not None:
             expect = [
                 "full_attention" if (i + 1) % cfg_interval == 0 else "linear_attention"
@@ -193,10 +197,8 @@ class Qwen35Config:
                 raise ConfigError(
                     f"config key 'layer_types' contradicts 'full_attention_interval' ({cfg_interval})"
                 )
-        if cfg_interval is None:
-            extra["__no_interval__"] = True
-        if not given_types:
-            extra["__no_layer_types__"] = True
+        # Remember which keys the file had, so that writing it back adds none of our defaults.
+        extra["__keys__"] = sorted(k for k in text if k in known)
         for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
             if key not in kwargs:
                 raise ConfigError(f"config key '{key}' is missing")
@@ -210,8 +212,7 @@ class Qwen35Config:
         """The HF `config.json` dict, in the shape (flat or nested) this config came from."""
         extra = dict(self.extra)
         flat_rope = extra.pop("__flat_rope__", False)
-        no_interval = extra.pop("__no_interval__", False)
-        no_layer_types = extra.pop("__no_layer_types__", False)
+        present = extra.pop("__keys__", None)
         model_type = extra.pop("__model_type__", "qwen3_5_text")
         text: dict[str, Any] = {}
         for f in fields(self):
@@ -229,15 +230,25 @@ class Qwen35Config:
             del text["rope_parameters"]
         else:
             del text["rope_theta"], text["partial_rotary_factor"]
-        if no_interval:
-            del text["full_attention_interval"]
-        if no_layer_types:
-            del text["layer_types"]
         if self.mtp_style == "sequential":
             del text["mtp_style"]  # keep configs we write identical to Qwen's own
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if text[key] is None:
                 del text[key]
+        if present is not None:  # read from a file: write back its keys, plus any value changed since
+            defaults = {f.name: f.default for f in fields(self) if f.default is not MISSING}
+            rope_keys = {"rope_theta", "partial_rotary_factor"} if flat_rope else {"rope_parameters"}
+            for key in list(text):
+                if key in present or key == "model_type" or key in rope_keys:
+                    continue
+                if key in ("layer_types", "full_attention_interval"):
+                    interval = self.full_attention_interval
+                    derived = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                               for i in range(self.num_hidden_layers)]
+                    if self.layer_types == derived:
+                        del text[key]
+                elif key in defaults and text[key] == defaults[key]:
+                    del text[key]
         text.update(extra)
         if self.outer is None:
             text.setdefault("architectures", ["Qwen3_5ForCausalLM"])

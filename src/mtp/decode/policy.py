@@ -1,0 +1,101 @@
+"""How many tokens to draft per round: fixed k, or `auto`.
+
+`auto` picks, before every round, the k in [k_min, k_max] that maximises the expected tokens per second
+          E(k) / (t_draft(k) + t_verify(k + 1)),   E(k) = 1 + sum_{j=1..k} prod_{i<=j} a_i
+from what this generation has measured so far: a_i = acceptance at draft position i (counts with
+exponential forgetting, so it follows the text: code accepts more than prose), t_draft = catch-up +
+(k-1) chain steps, and t_verify(q) fitted as alpha + beta*q over the verify lengths seen. Unseen deeper
+positions get an optimistic estimate (the last seen acceptance), and every 8th round drafts one token
+more than the estimate says, so the policy keeps learning the deeper positions. The seeds suggest k in 2..5; the bounds default to 1..6.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DraftPolicy:
+    k_fixed: int | None  # None: auto
+    k_min: int = 1
+    k_max: int = 6
+    forget: float = 0.97  # per-round decay of the acceptance counts
+    prior: float = 2.0  # pseudo-counts of the starting guess
+    start_acceptance: float = 0.7
+    offered: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+    t_first: float | None = None  # catch-up + first draft step (EMA, seconds)
+    t_chain: float | None = None  # one more chained draft step
+    t_verify: dict[int, float] = field(default_factory=dict)  # verify length -> EMA seconds
+    k_last: int = 3
+    probe_every: int = 8  # every n-th round try one more draft than the estimate says, to keep learning
+    rounds: int = 0
+
+    @classmethod
+    def from_arg(cls, draft_tokens: int | str, limit: int) -> DraftPolicy:
+        if draft_tokens == "auto":
+            return cls(None, k_max=min(6, limit))
+        if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or not 1 <= draft_tokens <= limit:
+            raise ValueError(f"draft_tokens must be None, 0, an integer in 1..{limit} or 'auto', got {draft_tokens!r}")
+        return cls(draft_tokens, k_max=draft_tokens)
+
+    def acceptance(self, j: int) -> float:
+        """Estimated P(draft j accepted | drafts before it accepted), j >= 1."""
+        if j <= len(self.offered) and self.offered[j - 1] > 0:
+            return (self.accepted[j - 1] + self.prior * self.start_acceptance) / (self.offered[j - 1] + self.prior)
+        return self.acceptance(j - 1) if j > 1 else self.start_acceptance
+
+    def verify_time(self, q: int) -> float | None:
+        seen = sorted(self.t_verify.items())
+        if not seen:
+            return None
+        if len(seen) == 1:
+            return seen[0][1] * (1 + 0.1 * (q - seen[0][0]))  # assume +10%/token until a second length is seen
+        n = len(seen)
+        mx = sum(x for x, _ in seen) / n
+        my = sum(y for _, y in seen) / n
+        var = sum((x - mx) ** 2 for x, _ in seen)
+        beta = max(0.0, sum((x - mx) * (y - my) for x, y in seen) / var)
+        return max(1e-9, my + beta * (q - mx))
+
+    def next_k(self) -> int:
+        if self.k_fixed is not None:
+            return self.k_fixed
+        if self.t_first is None or not self.t_verify:
+            return self.k_last
+        best_k, best = self.k_last, -1.0
+        for k in range(self.k_min, self.k_max + 1):
+            expected, run = 1.0, 1.0
+            for j in range(1, k + 1):
+                run *= self.acceptance(j)
+                expected += run
+            cost = self.t_first + (k - 1) * (self.t_chain if self.t_chain is not None else self.t_first) + self.verify_time(k + 1)
+            if expected / cost > best:
+                best_k, best = k, expected / cost
+        self.k_last = best_k
+        self.rounds += 1
+        if self.rounds % self.probe_every == 0 and best_k < self.k_max:
+            return best_k + 1
+        return best_k
+
+    def update(self, k: int, n: int, t_draft: float, t_verify: float) -> None:
+        """After a round that drafted k, accepted n, and took these times (seconds)."""
+        while len(self.offered) < k:
+            self.offered.append(0.0)
+            self.accepted.append(0.0)
+        for j in range(len(self.offered)):
+            self.offered[j] *= self.forget
+            self.accepted[j] *= self.forget
+        for j in range(min(k, n + 1)):
+            self.offered[j] += 1
+        for j in range(n):
+            self.accepted[j] += 1
+        ema = lambda old, new: new if old is None else 0.8 * old + 0.2 * new  # noqa: E731
+        if k >= 1:
+            if k == 1:
+                self.t_first = ema(self.t_first, t_draft)
+            elif self.t_first is not None:
+                self.t_chain = ema(self.t_chain, max(0.0, (t_draft - self.t_first) / (k - 1)))
+            else:
+                self.t_first = ema(self.t_first, t_draft / k)
+        self.t_verify[k + 1] = ema(self.t_verify.get(k + 1), t_verify)
