@@ -1,0 +1,68 @@
+"""`mtp serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn), loopback by default."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+DEFAULT_PORT = 8000
+DEFAULT_MAX_CONCURRENCY = 8
+DEFAULT_MAX_TOKENS = 256
+LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+
+
+def register(subparsers) -> None:
+    from ..cli import add_model_args, parse_draft_tokens
+
+    p = subparsers.add_parser("serve", help="serve the model behind an OpenAI-compatible HTTP API",
+                              description=__doc__)
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback by default; anything else exposes the API)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT})")
+    p.add_argument("--draft-tokens", type=parse_draft_tokens, default="auto",
+                   help="MTP drafts per step: 0 = plain decoding, 1..8, or 'auto' (default)")
+    p.add_argument("--api-key", default=os.environ.get("MTP_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $MTP_API_KEY; unset = no auth)")
+    p.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY,
+                   help="requests generating at once (interleaved step by step); more get 429 + Retry-After "
+                        f"(default {DEFAULT_MAX_CONCURRENCY})")
+    p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help="max_tokens when a request gives none (capped by the room left in the context; default "
+                        f"{DEFAULT_MAX_TOKENS})")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model folder's name)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from ..cli import default_model_path, load_from_args
+    from .app import create_app
+    from .engine import Engine
+    from .requestlog import setup_request_log
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_request_log()
+    if args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if args.default_max_tokens < 1:
+        raise ValueError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
+    model = load_from_args(args)
+    if model.tokenizer is None:
+        raise SystemExit(f"mtp serve: {model.source_path} has no tokenizer.json; the server needs one")
+    name = args.served_model_name or (args.model or default_model_path()).resolve().name
+    engine = Engine(model, args.draft_tokens, args.max_concurrency)
+    app = create_app(engine, name, api_key=args.api_key, default_max_tokens=args.default_max_tokens)
+    if args.host not in LOOPBACK:
+        print(f"mtp serve: warning: binding {args.host} exposes the API beyond this machine"
+              f"{'' if args.api_key else ' WITHOUT an API key'}", file=sys.stderr)
+    print(f"mtp serve: {name} (context {engine.context}, draft_tokens {engine.draft_tokens}) on "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, access_log=False, log_level=args.log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()
+    return 0
