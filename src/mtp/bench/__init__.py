@@ -1,0 +1,221 @@
+"""`mtp bench`: plain greedy vs MTP speculative decoding vs transformers, side by side in one run.
+
+Everything runs on the same weights, prompts and thread count, interleaved (A B C … C B A …, several
+repeats, medians). Greedy outputs must be identical in every configuration: the command fails loudly
+otherwise. It writes `report.json`, `report.md` and two plots to `--out`, and prints the tables and the
+cost model (what the measured acceptance allows on this machine, see `costmodel.py`).
+
+`mtp bench --shape qwen3.5-0.8b` runs only the cost measurement, on a random-weight model of that
+shape built in code: what the technique buys at real size on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from .costmodel import SHAPES, bounds_table, build_shape_model, format_costs, measure_costs
+from .measure import check_identical, configs_for, load_transformers, run_interleaved
+from .prompts import DEFAULT_PROMPTS, load_prompts
+from .report import ACCEPTED_LENGTH_NOTE, markdown_report, plot, summarize
+
+DEFAULT_OUT = Path("runs/bench")
+
+
+def parse_draft_list(value: str) -> list[int | str]:
+    """'1,2,3,4,auto' -> [1, 2, 3, 4, 'auto']."""
+    out: list[int | str] = []
+    for part in value.split(","):
+        part = part.strip()
+        if part == "auto":
+            out.append("auto")
+            continue
+        try:
+            k = int(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--draft-tokens takes integers 1..8 and 'auto', got {part!r}") from None
+        if not 1 <= k <= 8:
+            raise argparse.ArgumentTypeError(f"--draft-tokens values must be in 1..8 or 'auto', got {k}")
+        out.append(k)
+    return out
+
+
+def register(subparsers) -> None:
+    from ..cli import add_model_args
+
+    p = subparsers.add_parser("bench", help="measure tokens/s: plain vs MTP speculative vs transformers",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.add_argument("--prompts", type=Path, default=None, help=f"prompt JSONL (kind/text); default: {DEFAULT_PROMPTS.name}")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per run (default 256; 24 with --quick)")
+    p.add_argument("--draft-tokens", type=parse_draft_list, default=None,
+                   help="comma list of k and 'auto' (default 1,2,3,4,auto; 1,3,auto with --quick)")
+    p.add_argument("--repeats", type=int, default=None, help="interleaved repeats per prompt (default 3; 2 with --quick)")
+    p.add_argument("--max-prompts", type=int, default=None, help="use at most this many prompts of each kind")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for report.json, report.md and plots")
+    p.add_argument("--quick", action="store_true", help="a CI-sized run: 1 prompt per kind, few tokens, 2 repeats")
+    p.add_argument("--no-transformers", action="store_true", help="leave transformers' generate out")
+    p.add_argument("--no-cost-model", action="store_true", help="skip the cost measurement")
+    p.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                   help="only measure the cost model on a random-weight model of this shape (no --model needed)")
+    p.set_defaults(func=cmd_bench)
+
+
+def machine_info() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {"cpu": cpu, "logical_cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "threads": torch.get_num_threads()}
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        info["transformers"] = None
+    return info
+
+
+def _costs_json(costs: dict) -> dict:
+    return {k: ({str(q): v for q, v in val.items()} if isinstance(val, dict) else val) for k, val in costs.items()}
+
+
+def cmd_shape(args) -> int:
+    """Cost model alone on a random-weight model of a named shape."""
+    from ..draft_vocab import ReducedVocabHead
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"building a random-weight {args.shape} model ({args.dtype}) …", file=sys.stderr)
+    model = build_shape_model(args.shape, getattr(torch, args.dtype))
+    n_params = sum(p.numel() for p in model.parameters())
+    g = torch.Generator().manual_seed(0)
+    counts = torch.rand(model.config.vocab_size, generator=g)  # random weights: any subset costs the same
+    heads = {f"{n // 1024}k-token": ReducedVocabHead.from_counts(model, counts, n) for n in (32768, 8192)}
+    iters = 3 if args.quick else 10
+    costs = measure_costs(model, q_max=8, context=128, iters=iters, extra_heads=heads)
+    print(format_costs(costs, f"cost model, random-weight {args.shape} ({n_params / 1e6:.0f}M parameters, {args.dtype})"))
+    print("\nspeedup the cost model allows at acceptance a per position (full head / reduced heads):")
+    for a in (0.6, 0.7, 0.8, 0.9):
+        row = []
+        for k in (1, 2, 3, 4):
+            full = bounds_table([a] * k, costs, k)[k]
+            reduced = [bounds_table([a] * k, {**costs, "c_draft": c}, k)[k] for c in costs.get("c_draft_reduced", {}).values()]
+            row.append(f"k={k}: {full:.2f}" + "".join(f" / {r:.2f}" for r in reduced))
+        print(f"  a = {a}: " + ", ".join(row))
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"costs_{args.shape}.json"
+    path.write_text(json.dumps({"shape": args.shape, "dtype": args.dtype, "parameters": n_params, "machine": machine_info(),
+                                "costs": _costs_json(costs)}, indent=2))
+    print(f"\nwrote {path}", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from tqdm import tqdm
+
+    from ..cli import default_model_path, load_from_args
+
+    if args.shape:
+        return cmd_shape(args)
+    max_new = args.max_new_tokens or (24 if args.quick else 256)
+    repeats = args.repeats or (2 if args.quick else 3)
+    drafts = args.draft_tokens or ([1, 3, "auto"] if args.quick else [1, 2, 3, 4, "auto"])
+    max_prompts = args.max_prompts or (1 if args.quick else None)
+    if max_new < 1 or repeats < 1:
+        raise ValueError("--max-new-tokens and --repeats must be >= 1")
+
+    model = load_from_args(args)
+    path = args.model or default_model_path()
+    tok = model.tokenizer
+    if tok is None:
+        raise ValueError(f"{path} has no tokenizer.json: the benchmark prompts are text")
+    prompts = load_prompts(args.prompts)
+    if max_prompts:
+        prompts = [p for kind in ("code", "text") for p in [q for q in prompts if q.kind == kind][:max_prompts]]
+    prompt_ids = [tok.encode(p.text) for p in prompts]
+    room = model.config.max_position_embeddings - max_new - 16
+    if room < 1:
+        raise ValueError(f"--max-new-tokens {max_new} leaves no room for a prompt in the context of "
+                         f"{model.config.max_position_embeddings}")
+    notes = {}
+    for i, (p, ids) in enumerate(zip(prompts, prompt_ids)):
+        if not ids:
+            raise ValueError(f"prompt from {p.source or p.kind} encodes to no tokens")
+        if len(ids) > room:  # keep the end, which the continuation depends on
+            notes[f"prompt {i}"] = f"{len(ids)} tokens cut to the last {room} to fit the context"
+            prompt_ids[i] = ids[-room:]
+
+    hf_model, hf_note = (None, "left out (--no-transformers)") if args.no_transformers else load_transformers(path, args.dtype)
+    pad = model.config.pad_token_id
+    if pad is None:
+        pad = tok.eos_token_id if tok.eos_token_id is not None else 0
+
+    costs = None
+    if not args.no_cost_model:
+        print("measuring the cost model …", file=sys.stderr)
+        costs = measure_costs(model, q_max=max(k for k in drafts if isinstance(k, int)) + 1 if any(
+            isinstance(k, int) for k in drafts) else 5, context=min(128, room), iters=3 if args.quick else 15)
+
+    configs = configs_for(drafts, hf_model is not None)
+    total = repeats * len(prompts) * len(configs)
+    with tqdm(total=total, unit="run", file=sys.stderr, dynamic_ncols=True) as bar:
+        runs, skipped = run_interleaved(model, hf_model, configs, prompts, prompt_ids, max_new, repeats, pad, bar)
+    if hf_note:
+        skipped["transformers"] = hf_note
+    skipped.update(notes)
+    problems = check_identical(runs)
+    summary = summarize(runs, prompts, configs, costs)
+
+    meta = {
+        "command": "mtp " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("mtp") else None,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "model": str(path), "dtype": args.dtype, "parameters": sum(p.numel() for p in model.parameters()),
+        "vocab_size": model.config.vocab_size, "max_new_tokens": max_new, "repeats": repeats,
+        "threads": torch.get_num_threads(), "draft_tokens": drafts, "machine": machine_info(),
+        "prompt_counts": {k: sum(p.kind == k for p in prompts) for k in ("code", "text")},
+        "prompts": [{"kind": p.kind, "source": p.source, "tokens": len(ids)} for p, ids in zip(prompts, prompt_ids)],
+        "skipped": skipped, "mean_accepted_length_note": ACCEPTED_LENGTH_NOTE,
+    }
+    report = {
+        "meta": meta,
+        "identical_outputs": not problems,
+        "mismatches": problems,
+        "summary": summary,
+        "cost_model": _costs_json(costs) if costs else None,
+        "runs": [{"config": r.config, "prompt": r.prompt, "repeat": r.repeat, "seconds": round(r.seconds, 5),
+                  "new_tokens": len(r.tokens), "peak_rss_mb": round(r.peak_rss_mb, 1), "stats": r.stats} for r in runs],
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    md = markdown_report(summary, meta)
+    if costs:
+        md += "\n\n" + format_costs(costs, "cost model (this model)")
+    (args.out / "report.md").write_text(md + "\n")
+    plots = plot(summary, args.out)
+
+    m = meta["machine"]
+    print(f"\nmtp bench · {path} ({meta['parameters'] / 1e6:.1f}M parameters, {args.dtype}) · {m['cpu']}, "
+          f"{m['logical_cpus']} logical CPUs, {meta['threads']} thread(s) · torch {m['torch']}\n")
+    print(md)
+    print(f"\nwrote {args.out / 'report.json'}, {args.out / 'report.md'}"
+          + "".join(f", {p}" for p in plots) + ("" if plots else " (no plots: matplotlib is not installed)"), file=sys.stderr)
+    if problems:
+        print(f"\nmtp bench: FAILED: greedy outputs differ between configurations ({len(problems)} run(s)):", file=sys.stderr)
+        for line in problems[:10]:
+            print("  " + line, file=sys.stderr)
+        return 1
+    print("greedy outputs identical in every configuration", file=sys.stderr)
+    return 0

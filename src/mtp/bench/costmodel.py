@@ -1,0 +1,184 @@
+"""Cost model of MTP speculative decoding: what the measured acceptance allows on this machine.
+
+With per-position acceptance a_1..a_k (a_j = P(draft j accepted | drafts before it accepted)), one step
+emits on average E(k) = sum_{j=0..k} prod_{i<=j} a_i tokens (j = 0: the verified/bonus token, always 1),
+and costs k draft steps plus one verify forward of k+1 tokens. In units of one plain decode step t(1):
+
+    speedup bound(k) = E(k) / (k * c_draft + c_verify(k + 1)),   c_verify(q) = t(verify q) / t(1),
+                                                                 c_draft = t(one MTP draft step) / t(1).
+
+The bound leaves out the per-step bookkeeping (acceptance, rollback, the MTP catching up on accepted
+tokens), so the measured speedup sits below it; the gap is the overhead of the loop.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from ..config import Qwen35Config
+
+# Qwen3.5-0.8B's text shape (hidden 1024, 24 layers, real 248,320-token vocabulary, one MTP layer).
+SHAPES = {
+    "qwen3.5-0.8b": dict(
+        vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+        linear_key_head_dim=128, linear_value_head_dim=128, full_attention_interval=4, tie_word_embeddings=True,
+        mtp_num_hidden_layers=1, max_position_embeddings=4096,
+    ),
+}
+
+
+def expected_tokens(acceptance: list[float], k: int) -> float:
+    """E(k) = 1 + a1 + a1 a2 + ... + a1..ak: tokens emitted per verify step (bonus included)."""
+    total, run = 1.0, 1.0
+    for j in range(k):
+        run *= acceptance[j] if j < len(acceptance) else 0.0
+        total += run
+    return total
+
+
+def speedup_bound(acceptance: list[float], k: int, c_draft: float, c_verify: dict[int, float]) -> float | None:
+    """E(k) / (k c_draft + c_verify(k+1)); None when c_verify(k+1) was not measured."""
+    cv = c_verify.get(k + 1)
+    if cv is None:
+        return None
+    return expected_tokens(acceptance, k) / (k * c_draft + cv)
+
+
+def build_shape_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """A random-weight model of a named shape, built in code (no download)."""
+    from ..model import Qwen35ForCausalLM, init_weights_
+
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}; known: {sorted(SHAPES)}")
+    torch.manual_seed(seed)
+    with torch.device("meta"):  # skip the default init (slow at 0.8B), then materialise once
+        model = Qwen35ForCausalLM(Qwen35Config(**SHAPES[name]))
+    model = model.to_empty(device="cpu")
+    model.inv_freq.copy_(_inv_freq(model.config))
+    init_weights_(model, seed=seed)
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.to(dtype).eval()
+
+
+def _inv_freq(c: Qwen35Config) -> torch.Tensor:
+    from ..model.rope import rope_inv_freq
+
+    return rope_inv_freq(c.rotary_dim, c.rope_theta)
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+@torch.inference_mode()
+def measure_costs(model, q_max: int = 8, context: int = 128, iters: int = 15, warmup: int = 2,
+                  extra_heads: dict | None = None) -> dict:
+    """Median wall times of: one plain decode step t(1); a verify forward of q = 1..q_max tokens (with
+    per-position DeltaNet states recorded, as speculative decoding does) and the same q tokens without
+    recording (the chunked form); one MTP draft step (embed + MTP layer + head + argmax) and its parts.
+
+    All kinds are interleaved within each iteration at the same cache position (`context`), so machine
+    noise hits them alike. `extra_heads`: {name: fn(hidden [1,1,H]) -> token} alternative draft heads
+    (e.g. a reduced vocabulary) timed beside the full head. Returns times (s) and ratios to t(1).
+    """
+    dev = model.device
+    c = model.config
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, c.vocab_size, (1, context), generator=g).to(dev)
+    cache = model.new_cache(1, context + q_max + 4)
+    hidden = model.hidden(prompt, cache)[:, -1:]  # [1, 1, H]
+    p0 = cache.pos
+    toks = {q: torch.randint(0, c.vocab_size, (1, q), generator=g).to(dev) for q in range(1, q_max + 1)}
+
+    def plain():
+        cache.pos = p0
+        int(model(toks[1], cache)[0, -1].argmax())
+
+    def verify(q: int, record: bool):
+        def f():
+            cache.pos = p0
+            if record:
+                cache.begin_verify(q)
+            model(toks[q], cache).argmax(-1).tolist()
+            if record:
+                cache.accept(q)
+        return f
+
+    fns = {"plain": plain}
+    fns.update({f"verify{q}": verify(q, True) for q in range(1, q_max + 1)})
+    fns.update({f"chunked{q}": verify(q, False) for q in range(2, q_max + 1)})
+    if model.mtp is not None:
+        mcache = model.new_mtp_cache(1, context + q_max + 4)
+
+        def mtp_layer():
+            emb = model.embed(toks[1], for_mtp=True)
+            cos, sin = model.rope(p0, 1)
+            return model.mtp.step(1, hidden, emb, cos, sin, mcache[0], p0)
+
+        h_mtp = mtp_layer()
+        fns["draft"] = lambda: int(model.head(mtp_layer(), for_mtp=True)[0, -1].argmax())
+        fns["draft_layer"] = mtp_layer
+        fns["draft_head"] = lambda: int(model.head(h_mtp, for_mtp=True)[0, -1].argmax())
+        for name, head in (extra_heads or {}).items():
+            fns[f"draft_head[{name}]"] = lambda head=head: int(head(h_mtp))
+            fns[f"draft[{name}]"] = lambda head=head: int(head(mtp_layer()))
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for it in range(warmup + iters):
+        for name, fn in fns.items():
+            t = _timed(fn)
+            if it >= warmup:
+                times[name].append(t)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    t1 = med["plain"]
+    out = {
+        "context": context, "iters": iters, "threads": torch.get_num_threads(), "t1_s": t1,
+        "plain_tokens_per_s": 1.0 / t1,
+        "c_verify": {q: med[f"verify{q}"] / t1 for q in range(1, q_max + 1)},
+        "c_chunked": {q: med[f"chunked{q}"] / t1 for q in range(2, q_max + 1)},
+        "times_s": med,
+    }
+    if "draft" in med:
+        out["c_draft"] = med["draft"] / t1
+        out["c_draft_layer"] = med["draft_layer"] / t1
+        out["c_draft_head"] = med["draft_head"] / t1
+        for name in extra_heads or {}:
+            out.setdefault("c_draft_reduced", {})[name] = med[f"draft[{name}]"] / t1
+            out.setdefault("c_draft_head_reduced", {})[name] = med[f"draft_head[{name}]"] / t1
+    return out
+
+
+def bounds_table(acceptance: list[float], costs: dict, k_max: int | None = None) -> dict[int, float]:
+    """{k: speedup bound} for k = 1..k_max (default: as many positions as were measured, up to q_max-1)."""
+    c_verify = {int(q): v for q, v in costs["c_verify"].items()}
+    k_max = k_max or min(max(len(acceptance), 1), max(c_verify) - 1)
+    out = {}
+    for k in range(1, k_max + 1):
+        b = speedup_bound(acceptance, k, costs.get("c_draft", 0.0), c_verify)
+        if b is not None:
+            out[k] = b
+    return out
+
+
+def format_costs(costs: dict, title: str) -> str:
+    """A small Markdown table of the measured cost ratios."""
+    lines = [f"### {title}", "",
+             f"t(1) = {costs['t1_s'] * 1e3:.2f} ms per plain decode step ({costs['plain_tokens_per_s']:.1f} tokens/s), "
+             f"context {costs['context']}, {costs['threads']} thread(s), median of {costs['iters']}", "",
+             "| q | " + " | ".join(str(q) for q in costs["c_verify"]) + " |",
+             "|---|" + "---:|" * len(costs["c_verify"]),
+             "| t(verify q)/t(1), recurrent + states kept | " + " | ".join(f"{v:.2f}" for v in costs["c_verify"].values()) + " |",
+             "| t(q)/t(1), chunked form, no states | – | " + " | ".join(f"{v:.2f}" for v in costs["c_chunked"].values()) + " |"]
+    if "c_draft" in costs:
+        lines += ["", f"one MTP draft step: c_draft = {costs['c_draft']:.3f} x t(1) "
+                      f"(MTP layer {costs['c_draft_layer']:.3f}, full-vocabulary head + argmax {costs['c_draft_head']:.3f})"]
+        for name, v in costs.get("c_draft_reduced", {}).items():
+            lines.append(f"with the {name} draft head: c_draft = {v:.3f} (head + argmax "
+                         f"{costs['c_draft_head_reduced'][name]:.3f})")
+    return "\n".join(lines)

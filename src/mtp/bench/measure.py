@@ -1,0 +1,168 @@
+"""Interleaved end-to-end measurement: every configuration on the same weights, prompts and threads.
+
+Runs go A B C … C B A … (the order reverses every repeat so slow drift of the machine cancels), each
+run is one greedy generation of exactly `max_new_tokens` tokens (EOS stops disabled, so every
+configuration does the same work), timed with the wall clock around the call for `mtp` and
+transformers alike. Peak memory is the resident set's high-water mark (VmHWM), reset before each run
+where Linux allows it — no tracemalloc, which would slow the run it measures.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .prompts import Prompt
+
+PLAIN = "mtp plain"
+HF = "transformers"
+
+
+@dataclass
+class BenchConfig:
+    """One configuration: `mtp` with `draft_tokens` (None = plain greedy), or transformers' generate."""
+
+    name: str
+    engine: str  # "mtp" or "transformers"
+    draft_tokens: int | str | None = None
+
+
+@dataclass
+class Run:
+    """One measured generation."""
+
+    config: str
+    prompt: int  # index in the prompt list
+    repeat: int
+    tokens: list[int]
+    seconds: float
+    peak_rss_mb: float
+    stats: dict | None = None  # GenerationStats.as_dict() for mtp runs
+    k_history: list[int] = field(default_factory=list)
+
+
+def configs_for(draft_tokens: list[int | str], with_transformers: bool) -> list[BenchConfig]:
+    """plain, one per draft setting, then transformers (when available)."""
+    out = [BenchConfig(PLAIN, "mtp", None)]
+    out += [BenchConfig(f"mtp k={k}", "mtp", k) for k in draft_tokens]
+    if with_transformers:
+        out.append(BenchConfig(HF, "transformers"))
+    return out
+
+
+# ---------------------------------------------------------------------- memory
+def _reset_peak_rss() -> bool:
+    """Reset this process's VmHWM (Linux >= 4.0); False where not possible."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_mb() -> float:
+    """Resident-set high-water mark in MiB: VmHWM (resettable) or ru_maxrss (process lifetime)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ---------------------------------------------------------------------- engines
+def load_transformers(path: Path, dtype: str):
+    """transformers' Qwen3_5ForCausalLM on the same folder, or (None, reason) when it cannot be used."""
+    try:
+        import transformers
+        from transformers import Qwen3_5ForCausalLM
+    except ImportError as e:
+        return None, f"transformers is not installed ({e})"
+    transformers.logging.set_verbosity_error()  # it warns about the mtp.* tensors it does not use
+    try:
+        model = Qwen3_5ForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
+    except Exception as e:  # noqa: BLE001 - any failure becomes a note in the report, not a crash
+        return None, f"transformers could not load {path}: {type(e).__name__}: {e}"
+    return model.eval(), None
+
+
+def make_generate_fn(model, hf_model, cfg: BenchConfig, max_new_tokens: int, pad_token_id: int) -> Callable:
+    """A function prompt_ids -> (new token ids, mtp stats or None, k history), greedy, EOS stops disabled."""
+    if cfg.engine == "mtp":
+        def run_mtp(ids: list[int]):
+            r = model.generate(ids, max_new_tokens=max_new_tokens, temperature=0.0, draft_tokens=cfg.draft_tokens,
+                               eos_token_ids=[])
+            return r.tokens, r.stats.as_dict(), list(r.stats.k_history)
+        return run_mtp
+
+    from transformers import GenerationConfig
+
+    # eos_token_id=None: run to max_new_tokens like the mtp runs. attention_mask and pad_token_id are passed
+    # explicitly: otherwise transformers infers a padding mask from pad_token_id occurrences in the prompt.
+    gen_config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                                  pad_token_id=pad_token_id, bos_token_id=None)
+
+    def run_hf(ids: list[int]):
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            out = hf_model.generate(x, attention_mask=torch.ones_like(x), generation_config=gen_config)
+        return out[0, len(ids):].tolist(), None, []
+    return run_hf
+
+
+# ---------------------------------------------------------------------- the loop
+def run_interleaved(model, hf_model, configs: list[BenchConfig], prompts: list[Prompt], prompt_ids: list[list[int]],
+                    max_new_tokens: int, repeats: int, pad_token_id: int, progress=None,
+                    warmup_tokens: int = 8) -> tuple[list[Run], dict[str, str]]:
+    """Warm every configuration up, then measure repeats x prompts x configs, interleaved.
+
+    Returns the runs and {config name: reason} for configurations skipped (e.g. speculative decoding not
+    available in this build)."""
+    skipped: dict[str, str] = {}
+    fns = {}
+    for cfg in configs:
+        fns[cfg.name] = make_generate_fn(model, hf_model, cfg, max_new_tokens, pad_token_id)
+        warm = make_generate_fn(model, hf_model, cfg, warmup_tokens, pad_token_id)
+        try:
+            warm(prompt_ids[0])
+        except (ImportError, NotImplementedError) as e:
+            skipped[cfg.name] = f"{type(e).__name__}: {e}"
+    active = [c for c in configs if c.name not in skipped]
+    runs: list[Run] = []
+    for r in range(repeats):
+        for p, ids in enumerate(prompt_ids):
+            order = active if (r + p) % 2 == 0 else active[::-1]
+            for cfg in order:
+                if progress is not None:
+                    progress.set_description(f"{cfg.name:>14} · prompt {p + 1}/{len(prompts)} · repeat {r + 1}/{repeats}")
+                _reset_peak_rss()
+                t0 = time.perf_counter()
+                tokens, stats, k_hist = fns[cfg.name](ids)
+                seconds = time.perf_counter() - t0
+                runs.append(Run(cfg.name, p, r, tokens, seconds, _peak_rss_mb(), stats, k_hist))
+                if progress is not None:
+                    progress.update(1)
+    return runs, skipped
+
+
+def check_identical(runs: list[Run], reference: str = PLAIN) -> list[str]:
+    """Every run's tokens must equal the reference configuration's for the same prompt (repeat 0).
+
+    Returns one message per mismatch (empty: all identical)."""
+    ref = {r.prompt: r.tokens for r in runs if r.config == reference and r.repeat == 0}
+    problems = []
+    for r in runs:
+        want = ref.get(r.prompt)
+        if want is None or r.tokens == want:
+            continue
+        first = next((i for i, (a, b) in enumerate(zip(r.tokens, want)) if a != b), min(len(r.tokens), len(want)))
+        problems.append(f"{r.config} (prompt {r.prompt}, repeat {r.repeat}): differs from {reference} at new token "
+                        f"{first}: {r.tokens[first:first + 5]} vs {want[first:first + 5]} "
+                        f"(lengths {len(r.tokens)} vs {len(want)})")
+    return problems

@@ -1,0 +1,135 @@
+"""`mtp bench`: report structure, the identical-output check, the cost model's formula (never speed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import mtp
+from conftest import tiny_model
+from mtp.bench.costmodel import expected_tokens, measure_costs, speedup_bound
+from mtp.bench.measure import Run, check_identical
+from mtp.bench.prompts import DEFAULT_PROMPTS, cut_code_prompt, load_prompts
+from mtp.cli import main
+from mtp.draft_vocab import ReducedVocabHead
+
+
+def byte_tokenizer(vocab_size: int = 300):
+    """A byte-level BPE (any text encodes) with a few merges, trained on a tiny corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|endoftext|>"])
+    tok.train_from_iterator(["def f(x):\n    return x + 1\n", "The river cuts its valley."] * 20, trainer)
+    return tok
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench_model")
+    mtp.save_model(tiny_model(seed=3, vocab_size=300), path)
+    byte_tokenizer(300).save(str(path / "tokenizer.json"))
+    return path
+
+
+def test_shipped_prompts_have_both_kinds():
+    prompts = load_prompts(DEFAULT_PROMPTS)
+    assert {p.kind for p in prompts} == {"code", "text"}
+    assert all(p.source for p in prompts)
+
+
+def test_cut_code_prompt_ends_after_a_signature():
+    text = "import os\n\n" + "X = 1\n" * 100 + 'def f(a, b):\n    """Add."""\n    return a + b\n'
+    cut = cut_code_prompt(text, max_chars=300, min_chars=100)
+    assert cut.endswith('def f(a, b):\n    """Add."""\n') and len(cut) <= 300
+
+
+def test_expected_tokens_and_bound():
+    assert expected_tokens([1.0, 1.0, 1.0], 3) == 4.0
+    assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens([], 2) == 1.0
+    assert speedup_bound([1.0, 1.0], 2, 0.0, {3: 1.0}) == 3.0
+    assert speedup_bound([0.5], 1, 0.5, {2: 1.0}) == pytest.approx(1.5 / 1.5)
+    assert speedup_bound([0.5], 4, 0.5, {2: 1.0}) is None
+
+
+def test_check_identical_reports_the_first_difference():
+    runs = [Run("mtp plain", 0, 0, [1, 2, 3], 1.0, 0.0), Run("mtp k=2", 0, 0, [1, 2, 3], 1.0, 0.0),
+            Run("transformers", 0, 1, [1, 9, 3], 1.0, 0.0)]
+    problems = check_identical(runs)
+    assert len(problems) == 1 and "transformers" in problems[0] and "new token 1" in problems[0]
+
+
+def test_measure_costs_structure():
+    costs = measure_costs(tiny_model(seed=1), q_max=3, context=8, iters=1, warmup=0)
+    assert set(costs["c_verify"]) == {1, 2, 3} and set(costs["c_chunked"]) == {2, 3}
+    assert costs["c_draft"] > 0 and costs["t1_s"] > 0
+
+
+def test_reduced_vocab_head_maps_back_to_full_ids():
+    model = tiny_model(seed=2)
+    ids = [5, 17, 40]
+    head = ReducedVocabHead(model, ids)
+    h = torch.randn(1, 2, model.config.hidden_size)
+    full = model.head(h, for_mtp=True)[0, -1]
+    want = ids[int(full[ids].argmax())]
+    assert int(head(h)) == want
+    counts = torch.zeros(model.config.vocab_size)
+    counts[[3, 9]] = 5
+    assert ReducedVocabHead.from_counts(model, counts, 2).token_ids.tolist() == [3, 9]
+
+
+def test_bench_quick_writes_report(model_dir, tmp_path, capsys):
+    out = tmp_path / "bench"
+    rc = main(["bench", "--model", str(model_dir), "--quick", "--out", str(out), "--threads", "1"])
+    report = json.loads((out / "report.json").read_text())
+    assert rc == 0, report["mismatches"]
+    assert report["identical_outputs"] is True and report["mismatches"] == []
+    summary = report["summary"]
+    assert set(summary) == {"code", "text", "all"}
+    code = summary["code"]
+    assert "mtp plain" in code and code["mtp plain"]["speedup_vs_plain"] == pytest.approx(1.0)
+    for fig in code.values():
+        assert fig["tokens_per_s"] > 0 and fig["peak_rss_mb"] > 0 and fig["new_tokens"] == 24
+    cfgs = report["meta"]["draft_tokens"]
+    assert cfgs == [1, 3, "auto"]
+    for k in cfgs:  # speculative configurations ran unless this build lacks them (then a note says why)
+        name = f"mtp k={k}"
+        assert name in code or name in report["meta"]["skipped"]
+        if name in code:
+            assert len(code[name]["acceptance_per_position"]) >= 1 and "time_split" in code[name]
+    assert "transformers" in code or "transformers" in report["meta"]["skipped"]
+    assert report["cost_model"]["c_verify"]["1"] > 0
+    assert (out / "report.md").exists()
+    assert (out / "acceptance_by_position.png").exists() and (out / "speedup_vs_k.png").exists()
+    printed = capsys.readouterr().out
+    assert "| configuration | tokens/s |" in printed
+
+
+def test_bench_fails_loudly_when_outputs_differ(model_dir, tmp_path, monkeypatch):
+    import mtp.bench.measure as measure
+
+    real = measure.make_generate_fn
+
+    def corrupt(model, hf_model, cfg, max_new_tokens, pad):
+        fn = real(model, hf_model, cfg, max_new_tokens, pad)
+        if cfg.name != "mtp k=1":
+            return fn
+        def wrong(ids):
+            tokens, stats, k = fn(ids)
+            return [(tokens[0] + 1) % 300] + tokens[1:], stats, k
+        return wrong
+
+    monkeypatch.setattr(measure, "make_generate_fn", corrupt)
+    out = tmp_path / "bench"
+    rc = main(["bench", "--model", str(model_dir), "--quick", "--out", str(out), "--no-transformers",
+               "--no-cost-model", "--draft-tokens", "1", "--max-new-tokens", "4", "--repeats", "1"])
+    report = json.loads((out / "report.json").read_text())
+    if "mtp k=1" in report["meta"]["skipped"]:
+        pytest.skip("speculative decoding is not in this build")
+    assert rc == 1 and report["identical_outputs"] is False and report["mismatches"]
