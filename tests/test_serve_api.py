@@ -68,6 +68,7 @@ def raw(server, path: str, body=None, key: str | None = KEY, **kw) -> httpx.Resp
 
 def test_models_and_health(client, server):
     assert [m.id for m in client.models.list().data] == [NAME]
+    assert client.models.retrieve(NAME).id == NAME
     h = server.health()
     assert h["status"] == "ok" and h["model"] == NAME and h["context"] == 4096 and h["draft_tokens"] == "auto"
 
@@ -116,12 +117,12 @@ def test_chat_uses_the_template_and_equals_generate(client, model):
 
 
 def test_stop_strings_cut_the_text_streaming_or_not(client, model):
-    _, full = reference(model, model.tokenizer.encode(LONG_PROMPT), max_new_tokens=60)
-    stop = full[25:28]
+    _, full = reference(model, model.tokenizer.encode(LONG_PROMPT), max_new_tokens=40)
+    stop = full[15:18]
     cut = full[: full.find(stop)]
-    out = client.completions.create(model=NAME, prompt=LONG_PROMPT, max_tokens=60, temperature=0, stop=[stop, "never-seen"])
+    out = client.completions.create(model=NAME, prompt=LONG_PROMPT, max_tokens=40, temperature=0, stop=[stop, "never-seen"])
     assert out.choices[0].text == cut and out.choices[0].finish_reason == "stop"
-    chunks = [c.choices[0].text for c in client.completions.create(model=NAME, prompt=LONG_PROMPT, max_tokens=60,
+    chunks = [c.choices[0].text for c in client.completions.create(model=NAME, prompt=LONG_PROMPT, max_tokens=40,
                                                                      temperature=0, stop=stop, stream=True)]
     assert "".join(chunks) == cut
 
@@ -159,6 +160,7 @@ BAD_REQUESTS = [  # (path, body, status, param, words in the message)
     ("/v1/completions", {"model": NAME, "prompt": "x " * 4200}, 400, "prompt", "context of 4096"),
     ("/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 5000}, 400, "max_tokens", "exceeds the context"),
     ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model", "not served"),
+    ("/v1/completions", {"model": NAME, "prompt": "x", "seed": 2**70}, 400, "seed", "less than or equal"),
     ("/v1/completions", '{"model": "tiny-chat", "prompt": ', 400, None, "not valid JSON"),
     ("/v1/chat/completions", {"model": NAME, "messages": []}, 400, "messages", "at least 1"),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages", "messages[0].role"),
@@ -201,6 +203,19 @@ def test_busy_server_answers_429_and_disconnected_streams_stop(server, client):
     time.sleep(0.2)  # the log line of a stream is written as its task winds down
     gone = [e for e in server.request_logs() if e.get("finish_reason") == "disconnected"]
     assert len(gone) == MAX_CONCURRENCY and all(e["completion_tokens"] < 3000 for e in gone)
+
+
+def test_a_client_giving_up_on_a_whole_answer_stops_its_generation(server):
+    body = {"model": NAME, "prompt": LONG_PROMPT, "max_tokens": 3000, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=1.0)
+    deadline = time.monotonic() + 15
+    while server.health()["active"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server.health()["active"] == 0
+    time.sleep(0.2)
+    last = [e for e in server.request_logs() if e["path"] == "/v1/completions"][-1]
+    assert last["status"] == 499 and last["finish_reason"] == "disconnected" and last["completion_tokens"] < 3000
 
 
 def test_request_log_is_one_json_line_per_request(server, client):

@@ -155,10 +155,17 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, defa
         return {"status": "ok", "model": model_name, "active": engine.active, "max_concurrency": engine.max_concurrency,
                 "served": engine.served, "draft_tokens": engine.draft_tokens, "context": engine.context}
 
+    model_card = {"id": model_name, "object": "model", "created": created, "owned_by": "mtp",
+                  "max_model_len": engine.context, "draft_tokens": engine.draft_tokens}
+
     @v1.get("/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "mtp",
-                                            "max_model_len": engine.context, "draft_tokens": engine.draft_tokens}]}
+        return {"object": "list", "data": [model_card]}
+
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        check_model(model_id)
+        return model_card
 
     @v1.post("/completions")
     async def completions(body: P.CompletionRequest, request: Request) -> Response:

@@ -37,7 +37,7 @@ class SamplingFields(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=1, description="extension: keep the k most likely tokens")
     repetition_penalty: float = Field(1.0, gt=0.0, description="extension: CTRL/HF repetition penalty")
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # the range torch.Generator.manual_seed takes
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
