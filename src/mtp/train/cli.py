@@ -1,0 +1,63 @@
+"""`mtp train` and `mtp heal` subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def cmd_train(args) -> int:
+    from .config import load_config
+    from .trainer import train
+
+    if args.config is None and args.preset is None:
+        raise SystemExit("mtp train: give --config FILE or --preset NAME (see --list-presets)")
+    cfg = load_config(args.config, args.preset, args.overrides)
+    if args.fresh:
+        import shutil
+
+        shutil.rmtree(Path(cfg.out) / "checkpoints", ignore_errors=True)
+        (Path(cfg.out) / "latest").unlink(missing_ok=True)
+    val = train(cfg)
+    if val:
+        print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in val.items()}))
+    return 0
+
+
+def cmd_heal(args) -> int:
+    from .heal import heal
+
+    report = heal(args.base, args.finetuned, args.out, train=args.train, data=args.data, steps=args.steps,
+                  lr=args.lr, seq_len=args.seq_len, micro_batch=args.micro_batch, eval_seqs=args.eval_seqs,
+                  threads=args.threads, seed=args.seed)
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from .config import PRESETS
+
+    p = sub.add_parser("train", help="train with the MTP objective (pretrain / heads / finetune)",
+                       description="Config: the preset, then --config JSON on top, then key=value overrides "
+                                   "(model.key=value for model config keys). Resumes from OUT/latest when present.")
+    p.add_argument("--config", type=Path, default=None, help="JSON train config")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS))
+    p.add_argument("--fresh", action="store_true", help="ignore (delete) the run folder's checkpoints instead of resuming")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data=DIR out=DIR max_steps=100")
+    p.set_defaults(func=cmd_train)
+
+    h = sub.add_parser("heal", help="graft a base checkpoint's mtp.* into a fine-tune that lost them (+ optional re-alignment)")
+    h.add_argument("--base", type=Path, required=True, help="original checkpoint with mtp.* tensors")
+    h.add_argument("--finetuned", type=Path, required=True, help="fine-tuned checkpoint without mtp.*")
+    h.add_argument("--out", type=Path, required=True, help="output folder (a normal Qwen3.5 checkpoint)")
+    h.add_argument("--train", action="store_true", help="re-align the grafted MTP by self-distillation (heads mode)")
+    h.add_argument("--data", type=Path, default=None, help="data folder (`mtp data`) for --train and the acceptance report")
+    h.add_argument("--steps", type=int, default=200)
+    h.add_argument("--lr", type=float, default=1e-3)
+    h.add_argument("--seq-len", type=int, default=256)
+    h.add_argument("--micro-batch", type=int, default=8)
+    h.add_argument("--eval-seqs", type=int, default=64)
+    h.add_argument("--threads", type=int, default=None)
+    h.add_argument("--seed", type=int, default=0)
+    h.set_defaults(func=cmd_heal)

@@ -1,0 +1,71 @@
+"""Run checkpoints: HF-layout model folder + `trainer_state.pt` (optimizer, RNG, step, tokens), atomically.
+
+`out/checkpoints/step-000123/` is written as `.step-000123.tmp/` and renamed when complete; `out/latest`
+names the newest complete one (replaced atomically), so a kill at any point leaves a loadable run.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..io import save_model
+from ..io.checkpoint import _atomic_write
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+STATE = "trainer_state.pt"
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def set_rng_state(s: dict) -> None:
+    torch.set_rng_state(s["torch"])
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+
+
+def copy_tokenizer(src: str | Path | None, dst: Path) -> None:
+    if src is None:
+        return
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).exists():
+            shutil.copyfile(Path(src) / name, dst / name)
+
+
+def save_checkpoint(out: Path, step: int, model, optimizer, extra: dict, tokenizer_dir: str | Path | None,
+                    keep: int = 2) -> Path:
+    """Write out/checkpoints/step-XXXXXX atomically, point out/latest at it, prune to `keep` checkpoints."""
+    root = out / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:06d}"
+    tmp = root / f".step-{step:06d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_model(model, tmp)
+    copy_tokenizer(tokenizer_dir, tmp)
+    torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": rng_state(), **extra}, tmp / STATE)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _atomic_write(out / "latest", lambda t: Path(t).write_text(final.name + "\n"))
+    done = sorted(p for p in root.glob("step-*") if p.is_dir())
+    for old in done[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    f = out / "latest"
+    if not f.exists():
+        return None
+    p = out / "checkpoints" / f.read_text().strip()
+    if not (p / STATE).exists():
+        raise FileNotFoundError(f"{f} names {p}, which has no {STATE}")
+    return p
