@@ -1,38 +1,71 @@
-"""Chat without a chat template (in process, no server): the documented plain fallback
-`role: content` lines + `assistant:` is what the model sees."""
+"""The app in process (no server, httpx's ASGI transport): the plain chat fallback when the model has no
+chat template, and a generation that fails mid-way (500 / an in-band error event, the slot freed)."""
 
 from __future__ import annotations
 
 import asyncio
 
 import httpx
+import pytest
 
 import mtp
+from mtp.decode import GenerationStream
 from mtp.serve.app import create_app
 from mtp.serve.engine import Engine
 from serve_support import build_model_dir
 
 
-def test_chat_without_template_uses_the_plain_fallback(tmp_path):
-    model = mtp.load_model(build_model_dir(tmp_path / "plain", chat_template=False))
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    model = mtp.load_model(build_model_dir(tmp_path_factory.mktemp("inproc") / "plain", chat_template=False))
+    eng = Engine(model, draft_tokens=None, max_concurrency=2)
+    yield eng
+    eng.shutdown()
+
+
+def post(app, path: str, body: dict) -> httpx.Response:
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            return await c.post(path, json=body)
+    return asyncio.run(go())
+
+
+def test_chat_without_template_uses_the_plain_fallback(engine):
+    model = engine.model
     assert model.tokenizer.chat_template is None
-    engine = Engine(model, draft_tokens=None, max_concurrency=2)
-    app = create_app(engine, "plain")
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Hello"}]
     ids = model.tokenizer.encode("system: be brief\nuser: Hello\nassistant:")
     ref = model.generate(ids, max_new_tokens=12)
-
-    async def ask() -> dict:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
-            r = await c.post("/v1/chat/completions", json={"model": "plain", "messages": messages, "max_tokens": 12,
-                                                           "temperature": 0})
-            assert r.status_code == 200, r.text
-            return r.json()
-
-    try:
-        out = asyncio.run(ask())
-    finally:
-        engine.shutdown()
+    r = post(create_app(engine, "plain"), "/v1/chat/completions",
+             {"model": "plain", "messages": messages, "max_tokens": 12, "temperature": 0})
+    assert r.status_code == 200, r.text
+    out = r.json()
     assert out["usage"]["prompt_tokens"] == len(ids)
     assert out["choices"][0]["message"]["content"] == ref.text.removesuffix("<|endoftext|>")
-    assert engine.active == 0 and engine.served == 1
+    assert engine.active == 0
+
+
+def test_a_generation_that_fails_midway_is_reported_and_frees_its_slot(engine, monkeypatch):
+    real_stream = engine.model.stream
+
+    def failing_stream(prompt_ids, **kw):
+        session = real_stream(prompt_ids, **kw).session
+
+        def steps():
+            session.emit([1])
+            yield [1]
+            raise RuntimeError("simulated failure")
+        return GenerationStream(session, steps())
+
+    app = create_app(engine, "plain")
+    body = {"model": "plain", "prompt": "Hello", "max_tokens": 5, "temperature": 0}
+    monkeypatch.setattr(engine.model, "stream", failing_stream)
+    r = post(app, "/v1/completions", body)
+    assert r.status_code == 500 and "simulated failure" in r.json()["error"]["message"]
+    r = post(app, "/v1/completions", {**body, "stream": True})
+    assert r.status_code == 200
+    events = [line.removeprefix("data: ") for line in r.text.splitlines() if line.startswith("data: ")]
+    assert "simulated failure" in events[-2] and events[-1] == "[DONE]"
+    assert engine.active == 0
+    monkeypatch.undo()
+    assert post(app, "/v1/completions", body).json()["usage"]["completion_tokens"] == 5

@@ -92,7 +92,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, defa
         """Put what the generation did into the request log."""
         stats = job.stream.session.stats
         result = job.stream.result
-        finish = result.finish_reason if result is not None else ("disconnected" if job.cancelled else "error")
+        finish = result.finish_reason if result is not None else ("error" if job.failed else "disconnected")
         request.state.log.update(completion_tokens=len(job.new_tokens), finish_reason=finish, **job.timing(),
                                  draft_tokens=engine.draft_tokens, mean_accepted_length=round(stats.mean_accepted_length, 4),
                                  acceptance_per_position=[round(a, 4) for a in stats.acceptance_per_position])

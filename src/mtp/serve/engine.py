@@ -74,7 +74,8 @@ class Job:
         self.prompt_tokens = prompt_tokens
         self._it = iter(stream)
         self._finished = False
-        self.cancelled = False
+        self.cancelled = False  # stopped because the client went away
+        self.failed = False  # stopped by an error in generation
         self.t_start = time.perf_counter()
         self.t_first: float | None = None
 
@@ -96,6 +97,9 @@ class Job:
         except (asyncio.CancelledError, GeneratorExit):
             self.cancelled = True  # the client went away (Starlette cancels the response task)
             raise
+        except Exception:
+            self.failed = True
+            raise
         finally:
             self.finish()
 
@@ -105,7 +109,7 @@ class Job:
             return
         self._finished = True
         if self.stream.result is None:
-            self.cancelled = True
+            self.cancelled = not self.failed
             self.engine.worker.submit(self._close)
         self.engine.release()
 
