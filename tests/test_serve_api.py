@@ -221,9 +221,10 @@ def test_a_client_giving_up_on_a_whole_answer_stops_its_generation(server):
 def test_request_log_is_one_json_line_per_request(server, client):
     client.completions.create(model=NAME, prompt="x", max_tokens=3, temperature=0)
     raw(server, "/v1/models", key="wrong")
-    raw(server, "/v1/completions", {"model": NAME, "prompt": "x", "n": 3})
+    bad = raw(server, "/v1/completions", {"model": NAME, "prompt": "x", "n": 3})
     time.sleep(0.2)
     logs = server.request_logs()
+    assert [e["status"] for e in logs if e["request_id"] == bad.headers["x-request-id"]] == [400]
     last = [e for e in logs if e["path"] == "/v1/completions" and e["status"] == 200][-1]
     for key in ("request_id", "ts", "duration_s", "prompt_tokens", "completion_tokens", "finish_reason",
                 "time_to_first_token_s", "mean_accepted_length", "acceptance_per_position", "draft_tokens"):
