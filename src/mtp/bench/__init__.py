@@ -104,8 +104,8 @@ def cmd_shape(args) -> int:
     g = torch.Generator().manual_seed(0)
     counts = torch.rand(model.config.vocab_size, generator=g)  # random weights: any subset costs the same
     heads = {f"{n // 1024}k-token": ReducedVocabHead.from_counts(model, counts, n) for n in (32768, 8192)}
-    iters = 3 if args.quick else 10
-    costs = measure_costs(model, q_max=8, context=128, iters=iters, extra_heads=heads)
+    iters = 2 if args.quick else 5
+    costs = measure_costs(model, q_max=8, context=128, iters=iters, warmup=1, extra_heads=heads)
     print(format_costs(costs, f"cost model, random-weight {args.shape} ({n_params / 1e6:.0f}M parameters, {args.dtype})"))
     print("\nspeedup the cost model allows at acceptance a per position (full head / reduced heads):")
     for a in (0.6, 0.7, 0.8, 0.9):

@@ -13,6 +13,7 @@ tokens), so the measured speedup sits below it; the gap is the overhead of the l
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -79,14 +80,15 @@ def _timed(fn) -> float:
 
 @torch.inference_mode()
 def measure_costs(model, q_max: int = 8, context: int = 128, iters: int = 15, warmup: int = 2,
-                  extra_heads: dict | None = None) -> dict:
+                  extra_heads: dict | None = None, compare_threads: bool = True) -> dict:
     """Median wall times of: one plain decode step t(1); a verify forward of q = 1..q_max tokens (with
     per-position DeltaNet states recorded, as speculative decoding does) and the same q tokens without
-    recording (the chunked form); one MTP draft step (embed + MTP layer + head + argmax) and its parts.
+    recording (the chunked form, q = 2, 4, 8); one MTP draft step (embed + MTP layer + head + argmax) and its parts.
 
     All kinds are interleaved within each iteration at the same cache position (`context`), so machine
     noise hits them alike. `extra_heads`: {name: fn(hidden [1,1,H]) -> token} alternative draft heads
-    (e.g. a reduced vocabulary) timed beside the full head. Returns times (s) and ratios to t(1).
+    (e.g. a reduced vocabulary) timed beside the full head. `compare_threads`: also time the plain step
+    at 1 and 2 threads (those this machine has). Returns times (s) and ratios to t(1).
     """
     dev = model.device
     c = model.config
@@ -113,7 +115,8 @@ def measure_costs(model, q_max: int = 8, context: int = 128, iters: int = 15, wa
 
     fns = {"plain": plain}
     fns.update({f"verify{q}": verify(q, True) for q in range(1, q_max + 1)})
-    fns.update({f"chunked{q}": verify(q, False) for q in range(2, q_max + 1)})
+    chunked = [q for q in (2, 4, 8) if q <= q_max]
+    fns.update({f"chunked{q}": verify(q, False) for q in chunked})
     if model.mtp is not None:
         mcache = model.new_mtp_cache(1, context + q_max + 4)
 
@@ -130,19 +133,33 @@ def measure_costs(model, q_max: int = 8, context: int = 128, iters: int = 15, wa
             fns[f"draft_head[{name}]"] = lambda head=head: int(head(h_mtp))
             fns[f"draft[{name}]"] = lambda head=head: int(head(mtp_layer()))
     times: dict[str, list[float]] = {k: [] for k in fns}
+    threads = torch.get_num_threads()
+    other_threads = [n for n in (1, 2) if n != threads and n <= (os.cpu_count() or 1)] if compare_threads else []
     for it in range(warmup + iters):
         for name, fn in fns.items():
             t = _timed(fn)
             if it >= warmup:
                 times[name].append(t)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    by_threads: dict[int, list[float]] = {n: [] for n in [threads] + other_threads}
+    for it in range(warmup + iters if other_threads else 0):  # the plain step by thread count, A B A B
+        for n in by_threads:
+            torch.set_num_threads(n)
+            try:
+                plain()  # the first step after a change of thread count pays for waking the pool
+                t = _timed(plain)
+            finally:
+                torch.set_num_threads(threads)
+            if it >= warmup:
+                by_threads[n].append(t)
+    med = {k: statistics.median(v) for k, v in times.items() if v}
     t1 = med["plain"]
     out = {
         "context": context, "iters": iters, "threads": torch.get_num_threads(), "t1_s": t1,
         "plain_tokens_per_s": 1.0 / t1,
         "c_verify": {q: med[f"verify{q}"] / t1 for q in range(1, q_max + 1)},
-        "c_chunked": {q: med[f"chunked{q}"] / t1 for q in range(2, q_max + 1)},
+        "c_chunked": {q: med[f"chunked{q}"] / t1 for q in chunked},
         "times_s": med,
+        "t1_by_threads_s": {n: statistics.median(v) for n, v in by_threads.items() if v},
     }
     if "draft" in med:
         out["c_draft"] = med["draft"] / t1
@@ -174,7 +191,12 @@ def format_costs(costs: dict, title: str) -> str:
              "| q | " + " | ".join(str(q) for q in costs["c_verify"]) + " |",
              "|---|" + "---:|" * len(costs["c_verify"]),
              "| t(verify q)/t(1), recurrent + states kept | " + " | ".join(f"{v:.2f}" for v in costs["c_verify"].values()) + " |",
-             "| t(q)/t(1), chunked form, no states | – | " + " | ".join(f"{v:.2f}" for v in costs["c_chunked"].values()) + " |"]
+             "| t(q)/t(1), chunked form, no states | " + " | ".join(
+                 f"{costs['c_chunked'][q]:.2f}" if q in costs["c_chunked"] else "–" for q in costs["c_verify"]) + " |"]
+    by_threads = costs.get("t1_by_threads_s", {})
+    if len(by_threads) > 1:
+        lines += ["", "plain decode step by thread count: " + ", ".join(
+            f"{n} thread(s) {t * 1e3:.2f} ms" for n, t in sorted(by_threads.items(), key=lambda kv: int(kv[0])))]
     if "c_draft" in costs:
         lines += ["", f"one MTP draft step: c_draft = {costs['c_draft']:.3f} x t(1) "
                       f"(MTP layer {costs['c_draft_layer']:.3f}, full-vocabulary head + argmax {costs['c_draft_head']:.3f})"]
