@@ -6,7 +6,8 @@ from what this generation has measured so far: a_i = acceptance at draft positio
 exponential forgetting, so it follows the text: code accepts more than prose), t_draft = catch-up +
 (k-1) chain steps, and t_verify(q) fitted as alpha + beta*q over the verify lengths seen. Unseen deeper
 positions get an optimistic estimate (the last seen acceptance), and every 8th round drafts one token
-more than the estimate says, so the policy keeps learning the deeper positions. The seeds suggest k in 2..5; the bounds default to 1..6.
+more than the estimate says, so the policy keeps learning the deeper positions. The seeds suggest k in
+2..5; the bounds default to 1..6.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ class GenerationStats:
     time_other: float = 0.0
     time_total: float = 0.0
     k_history: list[int] = field(default_factory=list)  # k used at each verify step
+    n_history: list[int] = field(default_factory=list)  # drafts accepted at each verify step
 
     def record_step(self, k: int, n_accepted: int) -> None:
         """One verify step that offered k drafts and accepted the first n of them."""
@@ -32,6 +33,7 @@ class GenerationStats:
         for j in range(n_accepted):
             self.accepted[j] += 1
         self.k_history.append(k)
+        self.n_history.append(n_accepted)
 
     @property
     def acceptance_per_position(self) -> list[float]:

@@ -1,0 +1,156 @@
+"""Lossless MTP speculative decoding: token equality, acceptance patterns, cache state, forward counts."""
+
+import pytest
+import torch
+
+from conftest import pattern_batch, tiny_model, trained_tiny_model
+from mtp.decode.accept import accept_greedy, accept_sampling
+from mtp.decode.policy import DraftPolicy
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {
+        "sequential-hybrid": trained_tiny_model(depth=3),
+        "sequential-attention": trained_tiny_model(depth=2, full_attention_interval=1, seed=1),
+        "sequential-2-layers": trained_tiny_model(mtp_num_hidden_layers=2, seed=2),
+        "parallel": trained_tiny_model(mtp_style="parallel", mtp_num_hidden_layers=3, seed=3),
+        "untrained-vocab-4": tiny_model(vocab_size=4, seed=4),
+    }
+
+
+def prompts(vocab, n=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [pattern_batch(vocab, 1, int(torch.randint(1, 20, (1,), generator=g)), g)[0].tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("name", ["sequential-hybrid", "sequential-attention", "sequential-2-layers", "parallel",
+                                  "untrained-vocab-4"])
+def test_greedy_speculative_equals_plain_for_every_k(models, name):
+    model = models[name]
+    ks = [1, 2, 3] if name == "parallel" else [1, 2, 3, 4, 5, 6]
+    patterns = set()
+    for prompt in prompts(model.config.vocab_size, n=4):
+        for max_new in (3, 25):
+            want = model.generate(prompt, max_new_tokens=max_new).tokens
+            for k in ks + ["auto"]:
+                r = model.generate(prompt, max_new_tokens=max_new, draft_tokens=k)
+                assert r.tokens == want, (prompt, max_new, k)
+                assert r.stats.backbone_forwards == len(r.stats.k_history)
+                for kk, n in zip(r.stats.k_history, r.stats.n_history):
+                    patterns.add("none" if n == 0 else "all" if n == kk else "some")
+    if name != "untrained-vocab-4":
+        assert {"none", "some", "all"} <= patterns, patterns
+
+
+def test_one_backbone_forward_per_verify_step(models):
+    model = models["sequential-hybrid"]
+    calls = []
+    handle = model.model.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[1]))
+    try:
+        r = model.generate(prompts(8)[0], max_new_tokens=30, draft_tokens=4)
+    finally:
+        handle.remove()
+    assert len(calls) == 1 + r.stats.backbone_forwards  # prefill + one forward per verify
+    assert calls[1:] == [k + 1 for k in r.stats.k_history]  # each verifies [last token, k drafts] at once
+    assert r.stats.mean_accepted_length == (r.stats.new_tokens - 1) / r.stats.backbone_forwards
+
+
+@pytest.mark.parametrize("n_keep", [1, 2, 4])
+@torch.no_grad()
+def test_cache_after_accept_equals_plain_decoding(models, n_keep):
+    model = models["sequential-hybrid"]
+    prompt = torch.tensor([prompts(8)[1] + [1, 2, 3]])
+    block = torch.tensor([[5, 1, 7, 2]])  # [last token, 3 drafts]; keep n_keep of the 4 positions
+    spec = model.new_cache(1, 64)
+    model(prompt, spec)
+    spec.begin_verify(4)
+    model(block, spec)
+    spec.accept(n_keep)
+    plain = model.new_cache(1, 64)
+    model(prompt, plain)
+    for i in range(n_keep):
+        model(block[:, i : i + 1], plain)
+    assert spec.pos == plain.pos == prompt.shape[1] + n_keep
+    for a, b in zip(spec.layers, plain.layers):
+        if hasattr(a, "ssm"):
+            torch.testing.assert_close(a.conv, b.conv, atol=1e-6, rtol=0)
+            torch.testing.assert_close(a.ssm, b.ssm, atol=1e-5, rtol=0)
+        else:
+            torch.testing.assert_close(a.k[:, :, : spec.pos], b.k[:, :, : plain.pos], atol=1e-5, rtol=0)
+            torch.testing.assert_close(a.v[:, :, : spec.pos], b.v[:, :, : plain.pos], atol=1e-5, rtol=0)
+    # and decoding continues identically from either
+    nxt = torch.tensor([[3]])
+    torch.testing.assert_close(model(nxt, spec), model(nxt, plain), atol=1e-5, rtol=0)
+
+
+def test_accept_greedy_patterns():
+    assert accept_greedy([1, 2, 3], [4, 2, 3, 9]) == (0, 4)  # none: the target's own token
+    assert accept_greedy([1, 2, 3], [1, 2, 5, 9]) == (2, 5)  # some: correction at the first mismatch
+    assert accept_greedy([1, 2, 3], [1, 2, 3, 9]) == (3, 9)  # all: plus the bonus token
+    assert accept_greedy([], [7]) == (0, 7)
+
+
+def test_accept_sampling_hand_made_distributions():
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    q_never = torch.tensor([[1.0, 0.0, 0.0]])
+    assert accept_sampling([0], p, q_never, g) == (0, 1)  # p(x)=0: always rejected, residual is p
+    assert accept_sampling([1], p, torch.tensor([[0.0, 1.0, 0.0]]), g) == (1, 2)  # p=q: always accepted + bonus
+    p2 = torch.tensor([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]])
+    q2 = torch.tensor([[0.0, 1.0, 0.0]])
+    outcomes = [accept_sampling([1], p2, q2, g) for _ in range(4000)]
+    accepted = sum(n for n, _ in outcomes) / len(outcomes)
+    assert 0.45 < accepted < 0.55  # min(1, 0.5/1)
+    assert all(tok == 0 for n, tok in outcomes)  # rejected -> residual max(0, p-q) = token 0; accepted -> bonus 0
+
+
+def test_auto_policy_stays_in_bounds_and_follows_acceptance():
+    pol = DraftPolicy.from_arg("auto", 8)
+    for _ in range(50):
+        k = pol.next_k()
+        assert pol.k_min <= k <= pol.k_max
+        pol.update(k, k, 0.001 * k, 0.01 + 0.001 * k)  # everything accepted, cheap drafts
+    assert pol.k_last >= 5
+    for _ in range(200):
+        k = pol.next_k()
+        pol.update(k, 0, 0.001 * k, 0.01 + 0.001 * k)  # nothing accepted
+    assert pol.k_last == 1
+    with pytest.raises(ValueError, match="draft_tokens"):
+        DraftPolicy.from_arg(9, 8)
+
+
+@pytest.mark.parametrize("stop_kind", ["eos", "length"])
+def test_stops_are_exact_under_speculation(models, stop_kind):
+    model = models["sequential-hybrid"]
+    for prompt in prompts(8, n=6, seed=3):
+        full = model.generate(prompt, max_new_tokens=40).tokens
+        if stop_kind == "eos":
+            eos = full[len(full) // 2]
+            want = full[: full.index(eos) + 1]
+            for k in (2, 4, "auto"):
+                r = model.generate(prompt, max_new_tokens=40, eos_token_ids=[eos], draft_tokens=k)
+                assert r.tokens == want and r.finish_reason == "eos"
+        else:
+            for n in (1, 2, 5, 13):
+                r = model.generate(prompt, max_new_tokens=n, draft_tokens=6)
+                assert r.tokens == full[:n] and r.finish_reason == "length"
+
+
+def test_context_limit_is_never_overrun():
+    model = trained_tiny_model(steps=30, max_position_embeddings=40)
+    prompt = list(range(8)) * 4  # 32 tokens
+    r = model.generate(prompt, max_new_tokens=100, draft_tokens=6)
+    assert len(prompt) + len(r.tokens) == 40 and r.finish_reason == "length"
+    assert r.tokens == model.generate(prompt, max_new_tokens=100).tokens
+    with pytest.raises(ValueError, match="does not fit the context"):
+        model.generate(list(range(8)) * 5, max_new_tokens=1, draft_tokens=2)
+
+
+def test_streaming_yields_the_same_tokens(models):
+    model = models["sequential-hybrid"]
+    prompt = prompts(8)[2]
+    s = model.stream(prompt, max_new_tokens=30, draft_tokens=3)
+    chunks = list(s)
+    assert sum(chunks, []) == s.result.tokens == model.generate(prompt, max_new_tokens=30).tokens
+    assert max(len(c) for c in chunks) > 1  # several tokens per step at least once
