@@ -108,7 +108,7 @@ _SMALL_MODEL = dict(
 PRESETS: dict[str, dict] = {
     # The shipped default model (models/code-small): trained on the stdlib corpus on 2 CPU cores.
     "code-small": dict(mode="pretrain", model=_SMALL_MODEL, seq_len=256, micro_batch=8, grad_accum=1,
-                       max_steps=500, lr=2e-3, warmup_steps=20, min_lr_ratio=0.1, weight_decay=0.1,
+                       max_steps=350, lr=2e-3, warmup_steps=20, min_lr_ratio=0.1, weight_decay=0.1,
                        mtp_schedule="deepseek", mtp_lambda=0.3, eval_every=100, eval_seqs=128, save_every=50,
                        threads=1),
     # A few-second run for smoke tests and the experiments' shape.
