@@ -8,6 +8,9 @@ import torch
 from mtp import Qwen35Config, Qwen35ForCausalLM
 from mtp.model import init_weights_
 
+# Tiny models: one intra-op thread is fastest (and the suite must not thrash a shared 2-core machine).
+torch.set_num_threads(1)
+
 
 def tiny_config(**overrides) -> Qwen35Config:
     base = dict(

@@ -1,0 +1,83 @@
+"""Speculative sampling keeps the target distribution exactly: chi-square tests against the backbone's
+exact joint distribution of the first three tokens, and the same test catches a wrong acceptance rule."""
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import mtp.decode.speculative as speculative
+from conftest import tiny_model
+from mtp.decode.sampling import SamplingParams, apply_repetition_penalty, probs_from_logits
+
+PROMPT = [1, 3, 0, 2, 2]
+N = 1500
+
+
+@pytest.fixture(scope="module")
+def model():
+    # vocab 4 and a random MTP head: q differs from p, drafts are accepted often but not always
+    return tiny_model(vocab_size=4, seed=11, std=0.15)
+
+
+@torch.no_grad()
+def exact_joint(model, params: SamplingParams) -> dict[tuple, float]:
+    """P(t1, t2, t3) computed from full backbone forwards with the same logits processing."""
+    out = {}
+    for seq in itertools.product(range(4), repeat=3):
+        prob, ctx = 1.0, list(PROMPT)
+        for t in seq:
+            logits = model(torch.tensor([ctx]))[0, -1]
+            if params.repetition_penalty != 1.0:
+                logits = apply_repetition_penalty(logits[None], torch.tensor([ctx]), params.repetition_penalty)[0]
+            prob *= float(probs_from_logits(logits, params)[t])
+            ctx.append(t)
+        out[seq] = prob
+    return out
+
+
+def chi2_pvalue(model, params: SamplingParams, k: int) -> float:
+    counts = {}
+    for i in range(N):
+        r = model.generate(PROMPT, max_new_tokens=4, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                           repetition_penalty=params.repetition_penalty, seed=10_000 * k + i, draft_tokens=k)
+        key = tuple(r.tokens[:3])
+        counts[key] = counts.get(key, 0) + 1
+    exact = exact_joint(model, params)
+    assert sum(counts.get(c, 0) for c, p in exact.items() if p == 0) == 0  # never a token the target forbids
+    cells = sorted((p, counts.get(c, 0)) for c, p in exact.items() if p > 0)
+    # merge the rarest cells so every expected count is >= 5
+    obs, exp, acc_p, acc_o = [], [], 0.0, 0
+    for p, o in cells:
+        acc_p, acc_o = acc_p + p, acc_o + o
+        if acc_p * N >= 5:
+            exp.append(acc_p * N)
+            obs.append(acc_o)
+            acc_p, acc_o = 0.0, 0
+    exp[-1] += acc_p * N
+    obs[-1] += acc_o
+    scale = sum(obs) / sum(exp)
+    return float(chisquare(obs, [e * scale for e in exp]).pvalue)
+
+
+@pytest.mark.parametrize("params, k", [
+    (SamplingParams(temperature=1.0), 2),
+    (SamplingParams(temperature=0.7, top_k=3), 3),
+    (SamplingParams(temperature=1.3, top_p=0.8, repetition_penalty=1.3), 2),
+])
+def test_speculative_sampling_matches_the_target_distribution(model, params, k):
+    assert chi2_pvalue(model, params, k) > 1e-3
+
+
+def test_the_test_detects_a_wrong_acceptance_rule(model, monkeypatch):
+    def accept_without_residual(drafts, p, q, generator=None):
+        # wrong: resample from p on rejection instead of norm(max(0, p - q))
+        for j, x in enumerate(drafts):
+            if float(torch.rand(1, generator=generator)) * float(q[j, x]) < float(p[j, x]):
+                continue
+            return j, int(torch.multinomial(p[j], 1, generator=generator))
+        return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=generator))
+
+    monkeypatch.setattr(speculative, "accept_sampling", accept_without_residual)
+    assert chi2_pvalue(model, SamplingParams(temperature=1.0), 2) < 1e-3
