@@ -1,0 +1,68 @@
+"""`mtp generate` as a real process, and stop strings through a real tokenizer."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import mtp
+from serve_support import build_model_dir
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_model_dir(tmp_path_factory.mktemp("cli") / "tiny", chat_template=False)
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "mtp.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_generate_json_equals_the_library_for_plain_and_speculative(model_dir):
+    model = mtp.load_model(model_dir)
+    prompt = "def add(a, b):"
+    want = model.generate(model.tokenizer.encode(prompt), max_new_tokens=24)
+    for k in ("0", "3", "auto"):
+        proc = run_cli("generate", "--model", str(model_dir), "--prompt", prompt, "--max-new-tokens", "24",
+                       "--draft-tokens", k, "--json", "--threads", "1")
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout)
+        assert out["tokens"] == want.tokens
+        assert out["text"] == want.text
+        assert out["prompt_tokens"] == model.tokenizer.encode(prompt)
+        assert out["stats"]["new_tokens"] == len(want.tokens) and out["wall_time_s"] > 0
+        if k != "0":
+            assert out["stats"]["backbone_forwards"] <= len(want.tokens) - 1
+
+
+def test_generate_prints_text(model_dir):
+    proc = run_cli("generate", "--model", str(model_dir), "--prompt", "for i in", "--max-new-tokens", "8", "--threads", "1")
+    assert proc.returncode == 0, proc.stderr
+    model = mtp.load_model(model_dir)
+    assert proc.stdout == model.generate(model.tokenizer.encode("for i in"), max_new_tokens=8).text + "\n"
+    assert "mean accepted length" in proc.stderr
+
+
+def test_bad_arguments_get_clear_errors(model_dir, tmp_path):
+    proc = run_cli("generate", "--model", str(model_dir), "--prompt", "x", "--draft-tokens", "nine")
+    assert proc.returncode == 2 and "--draft-tokens must be" in proc.stderr
+    proc = run_cli("generate", "--model", str(tmp_path / "nope"), "--prompt", "x")
+    assert proc.returncode != 0 and "does not exist" in proc.stderr
+    proc = run_cli("generate", "--model", str(model_dir), "--prompt", "x", "--top-p", "1.5")
+    assert proc.returncode == 2 and "top_p must be in (0, 1]" in proc.stderr
+
+
+def test_stop_strings_cut_exactly_under_speculation(model_dir):
+    model = mtp.load_model(model_dir)
+    ids = model.tokenizer.encode("import torch")
+    full = model.generate(ids, max_new_tokens=40, eos_token_ids=[])
+    text = full.text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop.strip(), "pick a non-empty stop string"
+    cut = text.index(stop)
+    for k in (None, 2, 5, "auto"):
+        r = model.generate(ids, max_new_tokens=40, eos_token_ids=[], stop=[stop], draft_tokens=k)
+        assert r.finish_reason == "stop" and r.text == text[:cut]
+        assert r.tokens == full.tokens[: len(r.tokens)]
+        assert stop not in model.tokenizer.decode(r.tokens[:-1])  # nothing emitted past the stop's token
