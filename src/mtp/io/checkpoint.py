@@ -147,6 +147,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, devic
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(config.rotary_dim, config.rope_theta).to(device)
+    model._rope_table = None
     model.eval()
     model.source_path = str(path)
     model.tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None

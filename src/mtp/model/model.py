@@ -54,6 +54,7 @@ class Qwen35ForCausalLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config.rotary_dim, config.rope_theta), persistent=False)
         self.gradient_checkpointing = False
         self.tokenizer = None  # set by load_model when the folder has tokenizer.json
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ basics
     @property
@@ -70,9 +71,17 @@ class Qwen35ForCausalLM(nn.Module):
         return self.model.embed_tokens.weight.device
 
     def rope(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [length, rotary_dim] for positions start..start+length-1."""
-        positions = torch.arange(start, start + length, device=self.inv_freq.device)
-        return rope_cos_sin(positions, self.inv_freq, self.dtype)
+        """cos, sin [length, rotary_dim] for positions start..start+length-1 (slices of a cached table, so
+        a decode step allocates nothing here)."""
+        end = start + length
+        table = self._rope_table
+        if table is None or table[0].shape[0] < end or table[0].dtype != self.dtype or table[0].device != self.inv_freq.device:
+            n = max(end, 2 * (0 if table is None else table[0].shape[0]), 1024)
+            # a normal tensor even when first built under inference_mode, so training can reuse it
+            with torch.inference_mode(False), torch.no_grad():
+                positions = torch.arange(n, device=self.inv_freq.device)
+                table = self._rope_table = rope_cos_sin(positions, self.inv_freq.clone(), self.dtype)
+        return table[0][start:end], table[1][start:end]
 
     def embed(self, input_ids: torch.Tensor, for_mtp: bool = False) -> torch.Tensor:
         """[B, T] -> [B, T, H] (the MTP's own table when it has dedicated embeddings)."""
