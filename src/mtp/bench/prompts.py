@@ -122,12 +122,13 @@ def write_prompts(prompts: list[Prompt], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="rebuild the shipped benchmark prompt set")
     ap.add_argument("--out", type=Path, default=DEFAULT_PROMPTS)
-    ap.add_argument("--code", type=int, default=6, help="number of code prompts")
+    ap.add_argument("--code", type=int, default=5, help="number of code prompts")
+    ap.add_argument("--text", type=int, default=2, help=f"number of natural-language prompts (at most {len(TEXT_PROMPTS)})")
     ap.add_argument("--val-fraction", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     prompts = build_code_prompts(args.code, args.val_fraction, args.seed)
-    prompts += [Prompt("text", t, "hand-written") for t in TEXT_PROMPTS]
+    prompts += [Prompt("text", t, "hand-written") for t in TEXT_PROMPTS[: args.text]]
     write_prompts(prompts, args.out)
     print(f"wrote {len(prompts)} prompts to {args.out}")
     return 0

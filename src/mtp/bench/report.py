@@ -126,11 +126,17 @@ def plot(summary: dict, out: Path) -> list[Path]:
     styles = {"code": "-", "text": "--", "all": ":"}
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    names = [n for n, f in summary[kinds[0]].items() if f.get("acceptance_per_position")]
+    colors = {n: f"C{i}" for i, n in enumerate(names)}  # one colour per configuration, one line style per kind
+    longest = 1
     for kind in kinds:
         for name, f in summary[kind].items():
             acc = f.get("acceptance_per_position")
             if acc:
-                ax.plot(range(1, len(acc) + 1), acc, styles.get(kind, "-"), marker="o", label=f"{name} ({kind})")
+                longest = max(longest, len(acc))
+                ax.plot(range(1, len(acc) + 1), acc, styles.get(kind, "-"), marker="o", color=colors.get(name),
+                        label=f"{name} ({kind})")
+    ax.set_xticks(range(1, longest + 1))
     ax.set_xlabel("draft position j")
     ax.set_ylabel("P(draft j accepted | drafts before accepted)")
     ax.set_ylim(0, 1.02)
@@ -165,7 +171,11 @@ def plot(summary: dict, out: Path) -> list[Path]:
             ax.axhline(hf["speedup_vs_plain"], color="grey", linestyle=styles.get(kind, "-"), linewidth=1,
                        label=f"transformers generate ({kind})")
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xlabel("draft tokens k (star: auto)")
+    ks = sorted({f["draft_tokens"] for kind in kinds for f in summary[kind].values() if isinstance(f.get("draft_tokens"), int)})
+    if ks:
+        has_auto = any(f.get("draft_tokens") == "auto" for kind in kinds for f in summary[kind].values())
+        ax.set_xticks(ks + ([max(ks) + 1] if has_auto else []), [str(k) for k in ks] + (["auto"] if has_auto else []))
+    ax.set_xlabel("draft tokens k")
     ax.set_ylabel("tokens/s relative to mtp plain greedy")
     ax.set_title("Speculative decoding speedup vs k")
     ax.grid(alpha=0.3)
