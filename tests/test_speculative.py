@@ -154,3 +154,20 @@ def test_streaming_yields_the_same_tokens(models):
     chunks = list(s)
     assert sum(chunks, []) == s.result.tokens == model.generate(prompt, max_new_tokens=30).tokens
     assert max(len(c) for c in chunks) > 1  # several tokens per step at least once
+
+
+def test_verify_form_equals_the_recurrent_form_state_by_state():
+    from mtp.model.deltanet import l2norm, recurrent_gated_delta_rule, verify_gated_delta_rule
+
+    g = torch.Generator().manual_seed(0)
+    B, H, T, K, V = 2, 3, 9, 16, 8
+    q = l2norm(torch.randn(B, H, T, K, generator=g)) * K**-0.5
+    k = l2norm(torch.randn(B, H, T, K, generator=g))
+    v, S0 = torch.randn(B, H, T, V, generator=g), torch.randn(B, H, K, V, generator=g)
+    decay, beta = -torch.rand(B, H, T, generator=g), torch.rand(B, H, T, generator=g)
+    o, states = verify_gated_delta_rule(q, k, v, decay, beta, S0)
+    for t in range(T):
+        o_ref, s_ref = recurrent_gated_delta_rule(q[:, :, : t + 1], k[:, :, : t + 1], v[:, :, : t + 1],
+                                                  decay[:, :, : t + 1], beta[:, :, : t + 1], S0)
+        torch.testing.assert_close(states[:, t], s_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(o[:, :, t], o_ref[:, :, t], atol=1e-5, rtol=1e-5)

@@ -1,8 +1,9 @@
 """Gated DeltaNet (linear attention) of Qwen3.5.
 
 Per value head, with state S [Kd, Vd]:  S <- S * exp(g);  delta = beta * (v - k^T S);  S <- S + k delta^T;
-o = q^T S.  Two forms: a chunked (parallel within chunks) form for prefill and training, and a
-recurrent form for decoding and verification (which can keep the state after every position).
+o = q^T S.  Three forms: a chunked (parallel within chunks) form for prefill and training, a
+recurrent form for one-token decoding, and a one-chunk form for verification that also returns the state
+after every verified position (rollback selects one).
 """
 
 from __future__ import annotations
@@ -65,28 +66,44 @@ def chunk_gated_delta_rule(
     return o, S
 
 
-def recurrent_gated_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    state: torch.Tensor, keep_states: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One token at a time. Same shapes as the chunked form; state [B, H, Kd, Vd] fp32.
+def verify_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked form as ONE chunk of T (a verify block, T <= ~16), also returning the state after every
+    position, so that rollback selects a state instead of recomputing one.
 
-    Returns o [B, H, T, Vd], the final state, and (keep_states) every state [B, T, H, Kd, Vd].
+    Shapes as `chunk_gated_delta_rule`; state [B, H, Kd, Vd]. Returns o [B, H, T, Vd] and
+    states [B, T, H, Kd, Vd] with S_t = exp(gc_t) S_0 + sum_{j<=t} exp(gc_t - gc_j) k_j v'_j^T.
     """
     T = q.shape[2]
-    outs, states = [], []
+    gc = g.cumsum(-1)  # [B, H, T]
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [B, H, T, T]
+    kb, vb = k * beta[..., None], v * beta[..., None]
+    system = (kb @ k.transpose(-1, -2)) * decay
+    u = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, kb * gc.exp()[..., None], upper=False, unitriangular=True)
+    v_new = u - w @ state  # [B, H, T, Vd]
+    o = (q * gc.exp()[..., None]) @ state + ((q @ k.transpose(-1, -2)) * decay) @ v_new
+    states = gc.exp()[..., None, None] * state[:, :, None] + torch.einsum("bhtj,bhjk,bhjv->bhtkv", decay, k, v_new)
+    return o, states.transpose(1, 2)
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token at a time (decoding). Same shapes as the chunked form; state [B, H, Kd, Vd] fp32.
+    Returns o [B, H, T, Vd] and the final state."""
+    outs = []
     S = state
-    for t in range(T):
+    for t in range(q.shape[2]):
         S = S * g[:, :, t].exp()[..., None, None]
         kt = k[:, :, t]
         kv = (kt.unsqueeze(-2) @ S).squeeze(-2)  # k^T S: [B, H, Vd]
         delta = (v[:, :, t] - kv) * beta[:, :, t, None]
         S = S + kt.unsqueeze(-1) * delta.unsqueeze(-2)
         outs.append((q[:, :, t].unsqueeze(-2) @ S).squeeze(-2))
-        if keep_states:
-            states.append(S)
-    o = torch.stack(outs, dim=2)
-    return o, S, (torch.stack(states, dim=1) if keep_states else None)
+    return torch.stack(outs, dim=2), S
 
 
 class GatedDeltaNet(nn.Module):
@@ -120,7 +137,10 @@ class GatedDeltaNet(nn.Module):
             qkv = F.conv1d(qkv, weight, padding=self.kernel - 1, groups=self.conv_dim)[..., :T]
         else:
             window = torch.cat([cache.conv, qkv.to(cache.conv.dtype)], dim=-1)  # [B, C, kernel-1+T]
-            qkv = F.conv1d(window, weight, groups=self.conv_dim)
+            if T <= 16:  # decode/verify: multiply-add over the windows; mkldnn's conv1d costs ~10x more here
+                qkv = (window.unfold(-1, self.kernel, 1) * weight.view(self.conv_dim, 1, self.kernel)).sum(-1)
+            else:
+                qkv = F.conv1d(window, weight, groups=self.conv_dim)
             cache.conv.copy_(window[..., -(self.kernel - 1):])
             if record:
                 cache.window = window
@@ -138,11 +158,13 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(self.in_proj_b(x).float()).transpose(1, 2)  # [B, Hv, T]
         g = (-self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())).transpose(1, 2)
 
-        if cache is not None and (T == 1 or record):
-            o, S, states = recurrent_gated_delta_rule(q, k, v, g, beta, cache.ssm, keep_states=record)
+        if cache is not None and record:
+            o, states = verify_gated_delta_rule(q, k, v, g, beta, cache.ssm)
+            cache.ssm.copy_(states[:, -1])
+            cache.states = states
+        elif cache is not None and T == 1:
+            o, S = recurrent_gated_delta_rule(q, k, v, g, beta, cache.ssm)
             cache.ssm.copy_(S)
-            if record:
-                cache.states = states
         else:
             o, S = chunk_gated_delta_rule(q, k, v, g, beta, None if cache is None else cache.ssm)
             if cache is not None:
