@@ -9,7 +9,7 @@ import torch
 
 import mtp
 from conftest import tiny_model
-from mtp.bench.costmodel import expected_tokens, measure_costs, speedup_bound
+from mtp.bench.costmodel import cost_model_speedup, expected_tokens, measure_costs
 from mtp.bench.measure import Run, check_identical
 from mtp.bench.prompts import DEFAULT_PROMPTS, cut_code_prompt, load_prompts
 from mtp.cli import main
@@ -49,13 +49,13 @@ def test_cut_code_prompt_ends_after_a_signature():
     assert cut.endswith('def f(a, b):\n    """Add."""\n') and len(cut) <= 300
 
 
-def test_expected_tokens_and_bound():
+def test_expected_tokens_and_cost_model_speedup():
     assert expected_tokens([1.0, 1.0, 1.0], 3) == 4.0
     assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1 + 0.5 + 0.25)
     assert expected_tokens([], 2) == 1.0
-    assert speedup_bound([1.0, 1.0], 2, 0.0, {3: 1.0}) == 3.0
-    assert speedup_bound([0.5], 1, 0.5, {2: 1.0}) == pytest.approx(1.5 / 1.5)
-    assert speedup_bound([0.5], 4, 0.5, {2: 1.0}) is None
+    assert cost_model_speedup([1.0, 1.0], 2, 0.0, {3: 1.0}) == 3.0
+    assert cost_model_speedup([0.5], 1, 0.5, {2: 1.0}) == pytest.approx(1.5 / 1.5)
+    assert cost_model_speedup([0.5], 4, 0.5, {2: 1.0}) is None
 
 
 def test_check_identical_reports_the_first_difference():

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .costmodel import SHAPES, bounds_table, build_shape_model, format_costs, measure_costs
+from .costmodel import SHAPES, build_shape_model, format_costs, measure_costs, speedup_table
 from .measure import check_identical, configs_for, load_transformers, run_interleaved
 from .prompts import DEFAULT_PROMPTS, load_prompts
 from .report import ACCEPTED_LENGTH_NOTE, markdown_report, plot, summarize
@@ -111,8 +111,8 @@ def cmd_shape(args) -> int:
     for a in (0.6, 0.7, 0.8, 0.9):
         row = []
         for k in (1, 2, 3, 4):
-            full = bounds_table([a] * k, costs, k)[k]
-            reduced = [bounds_table([a] * k, {**costs, "c_draft": c}, k)[k] for c in costs.get("c_draft_reduced", {}).values()]
+            full = speedup_table([a] * k, costs, k)[k]
+            reduced = [speedup_table([a] * k, {**costs, "c_draft": c}, k)[k] for c in costs.get("c_draft_reduced", {}).values()]
             row.append(f"k={k}: {full:.2f}" + "".join(f" / {r:.2f}" for r in reduced))
         print(f"  a = {a}: " + ", ".join(row))
     args.out.mkdir(parents=True, exist_ok=True)

@@ -4,11 +4,13 @@ With per-position acceptance a_1..a_k (a_j = P(draft j accepted | drafts before 
 emits on average E(k) = sum_{j=0..k} prod_{i<=j} a_i tokens (j = 0: the verified/bonus token, always 1),
 and costs k draft steps plus one verify forward of k+1 tokens. In units of one plain decode step t(1):
 
-    speedup bound(k) = E(k) / (k * c_draft + c_verify(k + 1)),   c_verify(q) = t(verify q) / t(1),
+    cost-model speedup(k) = E(k) / (k * c_draft + c_verify(k + 1)),   c_verify(q) = t(verify q) / t(1),
                                                                  c_draft = t(one MTP draft step) / t(1).
 
-The bound leaves out the per-step bookkeeping (acceptance, rollback, the MTP catching up on accepted
-tokens), so the measured speedup sits below it; the gap is the overhead of the loop.
+It is an estimate, not a strict bound: it leaves out the per-step bookkeeping (acceptance, rollback,
+the MTP catching up on accepted tokens over several positions), which pulls the measured speedup below
+it, and it prices every step at the cost model's context length, while plain decoding also pays for
+its growing context.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def expected_tokens(acceptance: list[float], k: int) -> float:
     return total
 
 
-def speedup_bound(acceptance: list[float], k: int, c_draft: float, c_verify: dict[int, float]) -> float | None:
+def cost_model_speedup(acceptance: list[float], k: int, c_draft: float, c_verify: dict[int, float]) -> float | None:
     """E(k) / (k c_draft + c_verify(k+1)); None when c_verify(k+1) was not measured."""
     cv = c_verify.get(k + 1)
     if cv is None:
@@ -171,13 +173,13 @@ def measure_costs(model, q_max: int = 8, context: int = 128, iters: int = 15, wa
     return out
 
 
-def bounds_table(acceptance: list[float], costs: dict, k_max: int | None = None) -> dict[int, float]:
-    """{k: speedup bound} for k = 1..k_max (default: as many positions as were measured, up to q_max-1)."""
+def speedup_table(acceptance: list[float], costs: dict, k_max: int | None = None) -> dict[int, float]:
+    """{k: cost-model speedup} for k = 1..k_max (default: as many positions as were measured, up to q_max-1)."""
     c_verify = {int(q): v for q, v in costs["c_verify"].items()}
     k_max = k_max or min(max(len(acceptance), 1), max(c_verify) - 1)
     out = {}
     for k in range(1, k_max + 1):
-        b = speedup_bound(acceptance, k, costs.get("c_draft", 0.0), c_verify)
+        b = cost_model_speedup(acceptance, k, costs.get("c_draft", 0.0), c_verify)
         if b is not None:
             out[k] = b
     return out

@@ -6,7 +6,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from .costmodel import speedup_bound
+from .costmodel import cost_model_speedup
 from .measure import HF, PLAIN, BenchConfig, Run
 from .prompts import Prompt
 
@@ -63,7 +63,7 @@ def _summarize_kind(runs: list[Run], configs: list[BenchConfig], costs: dict | N
                 fig["mean_k"] = sum(ks) / len(ks)
             if costs and isinstance(cfg.draft_tokens, int) and "c_draft" in costs:
                 cv = {int(q): v for q, v in costs["c_verify"].items()}
-                fig["speedup_bound"] = speedup_bound(fig["acceptance_per_position"], cfg.draft_tokens, costs["c_draft"], cv)
+                fig["cost_model_speedup"] = cost_model_speedup(fig["acceptance_per_position"], cfg.draft_tokens, costs["c_draft"], cv)
         res[cfg.name] = fig
     base = res.get(PLAIN, {}).get("tokens_per_s")
     hf = res.get(HF, {}).get("tokens_per_s")
@@ -85,7 +85,7 @@ def _x(v: float | None, fmt: str = "{:.2f}x") -> str:
 def markdown_table(summary: dict, kind: str) -> str:
     """One Markdown table for a prompt kind."""
     head = ("| configuration | tokens/s | vs mtp plain | vs transformers | accepted length* | acceptance by position "
-            "| time draft / verify / other / prefill | peak RSS MiB | cost-model bound |")
+            "| time draft / verify / other / prefill | peak RSS MiB | cost-model speedup |")
     lines = [head, "|---|---:|---:|---:|---:|---|---|---:|---:|"]
     for name, f in summary[kind].items():
         split = f.get("time_split")
@@ -95,7 +95,7 @@ def markdown_table(summary: dict, kind: str) -> str:
         mal = f.get("mean_accepted_length")
         label = name + (f" (mean k {f['mean_k']:.1f})" if f.get("draft_tokens") == "auto" and "mean_k" in f else "")
         lines.append(f"| {label} | {f['tokens_per_s']:.1f} | {_x(f['speedup_vs_plain'])} | {_x(f['speedup_vs_transformers'])} "
-                     f"| {_x(mal, '{:.2f}')} | {acc_s} | {split_s} | {f['peak_rss_mb']:.0f} | {_x(f.get('speedup_bound'))} |")
+                     f"| {_x(mal, '{:.2f}')} | {acc_s} | {split_s} | {f['peak_rss_mb']:.0f} | {_x(f.get('cost_model_speedup'))} |")
     return "\n".join(lines)
 
 
@@ -106,7 +106,7 @@ def markdown_report(summary: dict, meta: dict) -> str:
         parts.append(f"#### {kind} prompts ({n}), {meta['max_new_tokens']} new tokens, {meta['repeats']} repeats, "
                      f"{meta['threads']} thread(s)\n\n" + markdown_table(summary, kind))
     parts.append(f"\\* {ACCEPTED_LENGTH_NOTE}. Speedups are ratios of tokens/s (medians over interleaved repeats). "
-                 "The cost-model bound is E(k) / (k c_draft + c_verify(k+1)) from the measured acceptance.")
+                 "The cost-model speedup is E(k) / (k c_draft + c_verify(k+1)) from the measured acceptance.")
     for name, why in meta.get("skipped", {}).items():
         parts.append(f"note: {name}: {why}")
     return "\n\n".join(parts)
@@ -158,10 +158,10 @@ def plot(summary: dict, out: Path) -> list[Path]:
         if ks:
             line = ax.plot(ks, [f["speedup_vs_plain"] for _, f in pts], styles.get(kind, "-"), marker="o",
                            label=f"measured ({kind})")[0]
-            bounds = [(k, f["speedup_bound"]) for k, f in pts if f.get("speedup_bound") is not None]
-            if bounds:
-                ax.plot([k for k, _ in bounds], [b for _, b in bounds], ":", marker="x", color=line.get_color(),
-                        label=f"cost-model bound ({kind})")
+            points = [(k, f["cost_model_speedup"]) for k, f in pts if f.get("cost_model_speedup") is not None]
+            if points:
+                ax.plot([k for k, _ in points], [b for _, b in points], ":", marker="x", color=line.get_color(),
+                        label=f"cost-model speedup ({kind})")
             auto = next((f for f in summary[kind].values() if f.get("draft_tokens") == "auto"), None)
             if auto:
                 ax.scatter([max(ks) + 1], [auto["speedup_vs_plain"]], marker="*", s=120, color=line.get_color(),
