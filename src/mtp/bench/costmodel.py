@@ -85,7 +85,7 @@ def measure_costs(model, q_max: int = 8, context: int = 128, iters: int = 15, wa
                   extra_heads: dict | None = None, compare_threads: bool = True) -> dict:
     """Median wall times of: one plain decode step t(1); a verify forward of q = 1..q_max tokens (with
     per-position DeltaNet states recorded, as speculative decoding does) and the same q tokens without
-    recording (the chunked form, q = 2, 4, 8); one MTP draft step (embed + MTP layer + head + argmax) and its parts.
+    recording (the prefill path, q = 2, 4, 8); one MTP draft step (embed + MTP layer + head + argmax) and its parts.
 
     All kinds are interleaved within each iteration at the same cache position (`context`), so machine
     noise hits them alike. `extra_heads`: {name: fn(hidden [1,1,H]) -> token} alternative draft heads
@@ -192,8 +192,9 @@ def format_costs(costs: dict, title: str) -> str:
              f"context {costs['context']}, {costs['threads']} thread(s), median of {costs['iters']}", "",
              "| q | " + " | ".join(str(q) for q in costs["c_verify"]) + " |",
              "|---|" + "---:|" * len(costs["c_verify"]),
-             "| t(verify q)/t(1), recurrent + states kept | " + " | ".join(f"{v:.2f}" for v in costs["c_verify"].values()) + " |",
-             "| t(q)/t(1), chunked form, no states | " + " | ".join(
+             "| t(verify q)/t(1): verify forward, per-position states kept | "
+             + " | ".join(f"{v:.2f}" for v in costs["c_verify"].values()) + " |",
+             "| t(q)/t(1): same q tokens through the prefill path (chunks of 64) | " + " | ".join(
                  f"{costs['c_chunked'][q]:.2f}" if q in costs["c_chunked"] else "–" for q in costs["c_verify"]) + " |"]
     by_threads = costs.get("t1_by_threads_s", {})
     if len(by_threads) > 1:
