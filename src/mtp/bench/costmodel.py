@@ -200,6 +200,10 @@ def format_costs(costs: dict, title: str) -> str:
     if len(by_threads) > 1:
         lines += ["", "plain decode step by thread count: " + ", ".join(
             f"{n} thread(s) {t * 1e3:.2f} ms" for n, t in sorted(by_threads.items(), key=lambda kv: int(kv[0])))]
+        t_by = {int(n): t for n, t in by_threads.items()}
+        if 1 in t_by and 2 in t_by and t_by[2] > 1.5 * t_by[1]:
+            lines.append("2 threads are much slower than 1: other jobs are using the cores (pass --threads 1, "
+                         "or benchmark on a quiet machine)")
     if "c_draft" in costs:
         lines += ["", f"one MTP draft step: c_draft = {costs['c_draft']:.3f} x t(1) "
                       f"(MTP layer {costs['c_draft_layer']:.3f}, full-vocabulary head + argmax {costs['c_draft_head']:.3f})"]
