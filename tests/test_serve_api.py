@@ -21,8 +21,11 @@ from serve_support import EOS, ServerProcess, build_model_dir
 KEY = "test-key-123"
 NAME = "tiny-chat"
 MAX_CONCURRENCY = 8
-ENDING_PROMPT = "def add(a, b):"  # this model ends it with EOS after 47 tokens
-LONG_PROMPT = "Hello"  # ... and runs this one past 3000 tokens
+# Prompts whose greedy continuation by the test model ends with EOS early ("ending") or runs past 200
+# tokens ("long"); picked from candidates at fixture time so that a numerical change in the model cannot
+# silently change what a test exercises. The 3000-token requests also set `ignore_eos`.
+CANDIDATES = ["def add(a, b):", "Hello", "for i in range(10):", "import torch", "The quick brown fox", "x", "Héllo wörld"]
+PROMPTS: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +36,17 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model(model_dir):
     return mtp.load_model(model_dir)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prompts(model):
+    for text in CANDIDATES:
+        r = model.generate(model.tokenizer.encode(text), max_new_tokens=200)
+        if r.finish_reason == "eos" and len(r.tokens) <= 60:
+            PROMPTS.setdefault("ending", text)
+        elif r.finish_reason == "length":
+            PROMPTS.setdefault("long", text)
+    assert {"ending", "long"} <= PROMPTS.keys(), f"no suitable prompts among {CANDIDATES}"
 
 
 @pytest.fixture(scope="module")
@@ -74,25 +88,25 @@ def test_models_and_health(client, server):
 
 
 def test_greedy_completion_equals_generate_and_cli(client, model, model_dir):
-    r, text = reference(model, model.tokenizer.encode(ENDING_PROMPT), max_new_tokens=64)
+    r, text = reference(model, model.tokenizer.encode(PROMPTS["ending"]), max_new_tokens=64)
     assert r.finish_reason == "eos" and len(r.tokens) < 64
-    out = client.completions.create(model=NAME, prompt=ENDING_PROMPT, max_tokens=64, temperature=0)
+    out = client.completions.create(model=NAME, prompt=PROMPTS["ending"], max_tokens=64, temperature=0)
     assert out.choices[0].text == text
     assert out.choices[0].finish_reason == "stop"  # EOS maps to OpenAI's "stop"
-    assert out.usage.prompt_tokens == len(model.tokenizer.encode(ENDING_PROMPT))
+    assert out.usage.prompt_tokens == len(model.tokenizer.encode(PROMPTS["ending"]))
     assert out.usage.completion_tokens == len(r.tokens)
     spec = out.usage.model_extra["speculative"]
     assert spec["draft_tokens"] == "auto" and spec["mean_accepted_length"] >= 1.0
     assert all(0.0 <= a <= 1.0 for a in spec["acceptance_per_position"])
-    cli = subprocess.run([sys.executable, "-m", "mtp.cli", "generate", "--model", str(model_dir), "--prompt", ENDING_PROMPT,
+    cli = subprocess.run([sys.executable, "-m", "mtp.cli", "generate", "--model", str(model_dir), "--prompt", PROMPTS["ending"],
                           "--max-new-tokens", "64", "--temperature", "0", "--draft-tokens", "0", "--json"],
                          capture_output=True, text=True, timeout=60, check=True)
     assert json.loads(cli.stdout)["tokens"] == r.tokens
 
 
 def test_streaming_completion_adds_up_to_the_same_text(client, model):
-    _, text = reference(model, model.tokenizer.encode(LONG_PROMPT), max_new_tokens=40)
-    chunks = list(client.completions.create(model=NAME, prompt=LONG_PROMPT, max_tokens=40, temperature=0, stream=True,
+    _, text = reference(model, model.tokenizer.encode(PROMPTS["long"]), max_new_tokens=40)
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPTS["long"], max_tokens=40, temperature=0, stream=True,
                                             stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -117,18 +131,18 @@ def test_chat_uses_the_template_and_equals_generate(client, model):
 
 
 def test_stop_strings_cut_the_text_streaming_or_not(client, model):
-    _, full = reference(model, model.tokenizer.encode(LONG_PROMPT), max_new_tokens=40)
+    _, full = reference(model, model.tokenizer.encode(PROMPTS["long"]), max_new_tokens=40)
     stop = full[15:18]
     cut = full[: full.find(stop)]
-    out = client.completions.create(model=NAME, prompt=LONG_PROMPT, max_tokens=40, temperature=0, stop=[stop, "never-seen"])
+    out = client.completions.create(model=NAME, prompt=PROMPTS["long"], max_tokens=40, temperature=0, stop=[stop, "never-seen"])
     assert out.choices[0].text == cut and out.choices[0].finish_reason == "stop"
-    chunks = [c.choices[0].text for c in client.completions.create(model=NAME, prompt=LONG_PROMPT, max_tokens=40,
+    chunks = [c.choices[0].text for c in client.completions.create(model=NAME, prompt=PROMPTS["long"], max_tokens=40,
                                                                      temperature=0, stop=stop, stream=True)]
     assert "".join(chunks) == cut
 
 
 def test_sampling_with_a_seed_is_reproducible(client):
-    kw = dict(model=NAME, prompt=LONG_PROMPT, max_tokens=20, temperature=0.9, top_p=0.95, seed=7,
+    kw = dict(model=NAME, prompt=PROMPTS["long"], max_tokens=20, temperature=0.9, top_p=0.95, seed=7,
               extra_body={"top_k": 50, "repetition_penalty": 1.1})
     a, b = client.completions.create(**kw), client.completions.create(**kw)
     assert a.choices[0].text == b.choices[0].text and a.usage.completion_tokens == b.usage.completion_tokens
@@ -181,7 +195,7 @@ def test_bad_requests_get_a_clear_error_and_the_server_stays_up(server, path, bo
 
 
 def test_busy_server_answers_429_and_disconnected_streams_stop(server, client):
-    body = {"model": NAME, "prompt": LONG_PROMPT, "max_tokens": 3000, "temperature": 0, "stream": True}
+    body = {"model": NAME, "prompt": PROMPTS["long"], "max_tokens": 3000, "temperature": 0, "stream": True, "ignore_eos": True}
     readers = []  # keep each line iterator alive: dropping one closes its connection
     with contextlib.ExitStack() as streams:
         for _ in range(MAX_CONCURRENCY):  # fill every slot with a long stream, each past its first chunk
@@ -206,7 +220,7 @@ def test_busy_server_answers_429_and_disconnected_streams_stop(server, client):
 
 
 def test_a_client_giving_up_on_a_whole_answer_stops_its_generation(server):
-    body = {"model": NAME, "prompt": LONG_PROMPT, "max_tokens": 3000, "temperature": 0}
+    body = {"model": NAME, "prompt": PROMPTS["long"], "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=1.0)
     deadline = time.monotonic() + 15

@@ -72,7 +72,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, defa
                                 f"{engine.context} tokens (at most {room} new tokens fit)", param="max_tokens")
         return GenerationParams(max_tokens=max_tokens, temperature=body.temperature,
                                 top_p=None if body.top_p >= 1.0 else body.top_p, top_k=body.top_k,
-                                repetition_penalty=body.repetition_penalty, seed=body.seed, stop=body.stop)
+                                repetition_penalty=body.repetition_penalty, seed=body.seed, stop=body.stop,
+                                ignore_eos=body.ignore_eos)
 
     def admit(request: Request, prompt_ids: list[int], params: GenerationParams, prompt_field: str) -> Job:
         if not engine.try_admit():

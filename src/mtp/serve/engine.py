@@ -56,6 +56,7 @@ class GenerationParams:
     repetition_penalty: float
     seed: int | None
     stop: list[str] | None
+    ignore_eos: bool = False
 
 
 def _next_step(it: Iterator[list[int]]) -> list[int] | None:
@@ -158,7 +159,7 @@ class Engine:
             stream = self.model.stream(
                 prompt_ids, max_new_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
                 top_k=params.top_k, repetition_penalty=params.repetition_penalty, seed=params.seed,
-                stop=params.stop, draft_tokens=self.draft_tokens)
+                stop=params.stop, draft_tokens=self.draft_tokens, eos_token_ids=[] if params.ignore_eos else None)
         return Job(self, stream, len(prompt_ids))
 
     def speculative_stats(self, stats) -> dict:

@@ -4,7 +4,7 @@ response objects it returns.
 Deliberate choices (documented in the README):
 - Defaults follow the OpenAI API: temperature 1.0, top_p 1.0, n 1. `max_tokens` omitted = the server's
   `--default-max-tokens`, capped by the room left in the context.
-- Extensions: `top_k` and `repetition_penalty` (both supported by the decoder).
+- Extensions: `top_k`, `repetition_penalty` (both supported by the decoder) and `ignore_eos` (as vLLM).
 - Known OpenAI fields the decoder cannot honour are accepted only at their neutral value (`n=1`,
   `presence_penalty=0`, `logprobs=null`, ...); anything else is a 400 naming the field. Unknown fields are
   rejected like the OpenAI API does ("Unrecognized request argument").
@@ -37,6 +37,7 @@ class SamplingFields(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=1, description="extension: keep the k most likely tokens")
     repetition_penalty: float = Field(1.0, gt=0.0, description="extension: CTRL/HF repetition penalty")
+    ignore_eos: bool = Field(False, description="extension (as vLLM): do not stop at the model's EOS token")
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # the range torch.Generator.manual_seed takes
     stop: str | list[str] | None = None
     stream: bool = False
