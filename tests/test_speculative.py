@@ -157,7 +157,7 @@ def test_streaming_yields_the_same_tokens(models):
 
 
 def test_verify_form_equals_the_recurrent_form_state_by_state():
-    from mtp.model.deltanet import l2norm, recurrent_gated_delta_rule, verify_gated_delta_rule
+    from mtp.model.deltanet import l2norm, recurrent_gated_delta_rule, state_at, verify_gated_delta_rule
 
     g = torch.Generator().manual_seed(0)
     B, H, T, K, V = 2, 3, 9, 16, 8
@@ -165,9 +165,10 @@ def test_verify_form_equals_the_recurrent_form_state_by_state():
     k = l2norm(torch.randn(B, H, T, K, generator=g))
     v, S0 = torch.randn(B, H, T, V, generator=g), torch.randn(B, H, K, V, generator=g)
     decay, beta = -torch.rand(B, H, T, generator=g), torch.rand(B, H, T, generator=g)
-    o, states = verify_gated_delta_rule(q, k, v, decay, beta, S0)
+    o, final, states = verify_gated_delta_rule(q, k, v, decay, beta, S0)
+    torch.testing.assert_close(final, state_at(states, T))
     for t in range(T):
         o_ref, s_ref = recurrent_gated_delta_rule(q[:, :, : t + 1], k[:, :, : t + 1], v[:, :, : t + 1],
                                                   decay[:, :, : t + 1], beta[:, :, : t + 1], S0)
-        torch.testing.assert_close(states[:, t], s_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(state_at(states, t + 1), s_ref, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(o[:, :, t], o_ref[:, :, t], atol=1e-5, rtol=1e-5)

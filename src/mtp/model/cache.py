@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import Qwen35Config
+from .deltanet import state_at
 
 
 @dataclass
@@ -24,9 +25,10 @@ class AttnCache:
 class DeltaCache:
     conv: torch.Tensor  # [B, C, kernel-1]: the last conv inputs
     ssm: torch.Tensor  # [B, Hv, Kd, Vd] fp32
-    # Filled by a recording forward of q tokens: conv inputs [B, C, kernel-1+q], states [B, q, Hv, Kd, Vd].
+    # Filled by a recording (verify) forward of q tokens: conv inputs [B, C, kernel-1+q] and the states after
+    # each of the q positions, in the factored form of `deltanet.verify_gated_delta_rule`.
     window: torch.Tensor | None = None
-    states: torch.Tensor | None = None
+    states: tuple[torch.Tensor, ...] | None = None
 
 
 class Cache:
@@ -84,7 +86,7 @@ class Cache:
                 if n < q:
                     width = layer.conv.shape[-1]
                     layer.conv.copy_(layer.window[:, :, n : n + width])
-                    layer.ssm.copy_(layer.states[:, n - 1])
+                    layer.ssm.copy_(state_at(layer.states, n))
                 layer.window = layer.states = None
         self.pos -= q - n
         self.record = False

@@ -8,13 +8,17 @@ after every verified position (rollback selects one).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import Qwen35Config
-from .cache import DeltaCache
 from .norm import RMSNormGated
+
+if TYPE_CHECKING:
+    from .cache import DeltaCache
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -68,12 +72,15 @@ def chunk_gated_delta_rule(
 
 def verify_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunked form as ONE chunk of T (a verify block, T <= ~16), also returning the state after every
-    position, so that rollback selects a state instead of recomputing one.
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The chunked form as ONE chunk of T (a verify block, no padding), keeping every position's state.
 
-    Shapes as `chunk_gated_delta_rule`; state [B, H, Kd, Vd]. Returns o [B, H, T, Vd] and
-    states [B, T, H, Kd, Vd] with S_t = exp(gc_t) S_0 + sum_{j<=t} exp(gc_t - gc_j) k_j v'_j^T.
+    Shapes as `chunk_gated_delta_rule`; state [B, H, Kd, Vd]. Returns o [B, H, T, Vd], the final state,
+    and the states of all T positions in factored form (S_0, gc, k, v'):
+        S_t = exp(gc_t) S_0 + sum_{j<=t} exp(gc_t - gc_j) k_j v'_j^T
+    `state_at` materialises one of them with a single rank-t product: rollback selects a kept state and
+    never re-runs the layer. (Writing all T states out costs T full [Kd, Vd] tensors per head - at
+    Qwen3.5-0.8B shape that made verification slower than the recurrent loop.)
     """
     T = q.shape[2]
     gc = g.cumsum(-1)  # [B, H, T]
@@ -85,8 +92,16 @@ def verify_gated_delta_rule(
     w = torch.linalg.solve_triangular(system, kb * gc.exp()[..., None], upper=False, unitriangular=True)
     v_new = u - w @ state  # [B, H, T, Vd]
     o = (q * gc.exp()[..., None]) @ state + ((q @ k.transpose(-1, -2)) * decay) @ v_new
-    states = gc.exp()[..., None, None] * state[:, :, None] + torch.einsum("bhtj,bhjk,bhjv->bhtkv", decay, k, v_new)
-    return o, states.transpose(1, 2)
+    factors = (state.clone(), gc, k, v_new)
+    return o, state_at(factors, T), factors
+
+
+def state_at(factors: tuple[torch.Tensor, ...], n: int) -> torch.Tensor:
+    """The state after the first n (>= 1) positions of a verify block: [B, H, Kd, Vd]."""
+    s0, gc, k, v_new = factors
+    last = gc[..., n - 1 : n]  # [B, H, 1]
+    kd = k[:, :, :n] * (last - gc[..., :n]).exp()[..., None]  # [B, H, n, Kd]
+    return last.exp()[..., None] * s0 + kd.transpose(-1, -2) @ v_new[:, :, :n]
 
 
 def recurrent_gated_delta_rule(
@@ -137,8 +152,14 @@ class GatedDeltaNet(nn.Module):
             qkv = F.conv1d(qkv, weight, padding=self.kernel - 1, groups=self.conv_dim)[..., :T]
         else:
             window = torch.cat([cache.conv, qkv.to(cache.conv.dtype)], dim=-1)  # [B, C, kernel-1+T]
-            if T <= 16:  # decode/verify: multiply-add over the windows; mkldnn's conv1d costs ~10x more here
-                qkv = (window.unfold(-1, self.kernel, 1) * weight.view(self.conv_dim, 1, self.kernel)).sum(-1)
+            if T <= 16:
+                # decode/verify: the taps summed left to right. mkldnn's conv1d costs ~4-10x more on such
+                # short windows, and this order is the same for every T, so a plain step (T=1) and a verify
+                # block (T=k+1) give bit-identical conv outputs (bench profile, docs/decisions.md).
+                taps = weight[:, 0, :]  # [C, kernel]
+                qkv = window[..., 0:T] * taps[:, 0:1]
+                for j in range(1, self.kernel):
+                    qkv = qkv + window[..., j : j + T] * taps[:, j : j + 1]
             else:
                 qkv = F.conv1d(window, weight, groups=self.conv_dim)
             cache.conv.copy_(window[..., -(self.kernel - 1):])
@@ -159,9 +180,8 @@ class GatedDeltaNet(nn.Module):
         g = (-self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())).transpose(1, 2)
 
         if cache is not None and record:
-            o, states = verify_gated_delta_rule(q, k, v, g, beta, cache.ssm)
-            cache.ssm.copy_(states[:, -1])
-            cache.states = states
+            o, S, cache.states = verify_gated_delta_rule(q, k, v, g, beta, cache.ssm)
+            cache.ssm.copy_(S)
         elif cache is not None and T == 1:
             o, S = recurrent_gated_delta_rule(q, k, v, g, beta, cache.ssm)
             cache.ssm.copy_(S)
