@@ -196,7 +196,8 @@ def cmd_bench(args) -> int:
         "summary": summary,
         "cost_model": _costs_json(costs) if costs else None,
         "runs": [{"config": r.config, "prompt": r.prompt, "repeat": r.repeat, "seconds": round(r.seconds, 5),
-                  "new_tokens": len(r.tokens), "peak_rss_mb": round(r.peak_rss_mb, 1), "stats": r.stats} for r in runs],
+                  "new_tokens": len(r.tokens), "peak_rss_mb": round(r.peak_rss_mb, 1),
+                  "rss_before_mb": None if r.rss_before_mb is None else round(r.rss_before_mb, 1), "stats": r.stats} for r in runs],
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "report.json").write_text(json.dumps(report, indent=2, default=str))

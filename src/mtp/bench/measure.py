@@ -44,6 +44,7 @@ class Run:
     peak_rss_mb: float
     stats: dict | None = None  # GenerationStats.as_dict() for mtp runs
     k_history: list[int] = field(default_factory=list)
+    rss_before_mb: float | None = None  # resident set just before the run (peak - this = the run's working memory)
 
 
 def configs_for(draft_tokens: list[int | str], with_transformers: bool) -> list[BenchConfig]:
@@ -65,15 +66,21 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-def _peak_rss_mb() -> float:
-    """Resident-set high-water mark in MiB: VmHWM (resettable) or ru_maxrss (process lifetime)."""
+def _status_mb(key: str) -> float | None:
+    """A memory line of /proc/self/status (e.g. VmHWM, VmRSS) in MiB; None where there is none."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) / 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return None
+
+
+def _peak_rss_mb() -> float:
+    """Resident-set high-water mark in MiB: VmHWM (resettable) or ru_maxrss (process lifetime)."""
+    hwm = _status_mb("VmHWM")
+    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # ---------------------------------------------------------------------- engines
@@ -142,10 +149,11 @@ def run_interleaved(model, hf_model, configs: list[BenchConfig], prompts: list[P
                 if progress is not None:
                     progress.set_description(f"{cfg.name:>14} · prompt {p + 1}/{len(prompts)} · repeat {r + 1}/{repeats}")
                 _reset_peak_rss()
+                before = _status_mb("VmRSS")
                 t0 = time.perf_counter()
                 tokens, stats, k_hist = fns[cfg.name](ids)
                 seconds = time.perf_counter() - t0
-                runs.append(Run(cfg.name, p, r, tokens, seconds, _peak_rss_mb(), stats, k_hist))
+                runs.append(Run(cfg.name, p, r, tokens, seconds, _peak_rss_mb(), stats, k_hist, before))
                 if progress is not None:
                     progress.update(1)
     return runs, skipped

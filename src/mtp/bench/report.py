@@ -47,6 +47,9 @@ def _summarize_kind(runs: list[Run], configs: list[BenchConfig], costs: dict | N
                "median_seconds": round(seconds, 4), "tokens_per_s": tokens / seconds if seconds else 0.0,
                "paired_speedup_vs_plain": statistics.median(paired) if paired else None,
                "peak_rss_mb": round(max(r.peak_rss_mb for r in rs), 1)}
+        extra = [r.peak_rss_mb - r.rss_before_mb for r in rs if r.rss_before_mb is not None]
+        if extra:
+            fig["peak_extra_mb"] = round(max(extra), 1)  # over the resident set before the run: its working memory
         stats = [r.stats for r in rs if r.stats]
         if stats:
             forwards = sum(s["backbone_forwards"] for s in stats)
@@ -85,7 +88,7 @@ def _x(v: float | None, fmt: str = "{:.2f}x") -> str:
 def markdown_table(summary: dict, kind: str) -> str:
     """One Markdown table for a prompt kind."""
     head = ("| configuration | tokens/s | vs mtp plain | vs transformers | accepted length* | acceptance by position "
-            "| time draft / verify / other / prefill | peak RSS MiB | cost-model speedup |")
+            "| time draft / verify / other / prefill | peak RSS MiB (+ run) | cost-model speedup |")
     lines = [head, "|---|---:|---:|---:|---:|---|---|---:|---:|"]
     for name, f in summary[kind].items():
         split = f.get("time_split")
@@ -95,7 +98,8 @@ def markdown_table(summary: dict, kind: str) -> str:
         mal = f.get("mean_accepted_length")
         label = name + (f" (mean k {f['mean_k']:.1f})" if f.get("draft_tokens") == "auto" and "mean_k" in f else "")
         lines.append(f"| {label} | {f['tokens_per_s']:.1f} | {_x(f['speedup_vs_plain'])} | {_x(f['speedup_vs_transformers'])} "
-                     f"| {_x(mal, '{:.2f}')} | {acc_s} | {split_s} | {f['peak_rss_mb']:.0f} | {_x(f.get('cost_model_speedup'))} |")
+                     f"| {_x(mal, '{:.2f}')} | {acc_s} | {split_s} | {f['peak_rss_mb']:.0f} (+{f.get('peak_extra_mb', 0):.1f}) "
+                     f"| {_x(f.get('cost_model_speedup'))} |")
     return "\n".join(lines)
 
 
