@@ -117,14 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print token ids, text, timing and statistics as JSON")
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
-    for module in ("mtp.data.cli", "mtp.train.cli", "mtp.bench", "mtp.serve.cli"):
-        try:
-            mod = __import__(module, fromlist=["register"])
-        except ModuleNotFoundError as e:
-            if e.name and module.startswith(e.name):
-                continue  # that part is not installed in this tree
-            raise
-        mod.register(sub)
+    from .bench import register as register_bench
+    from .data.cli import register as register_data
+    from .serve.cli import register as register_serve
+    from .train.cli import register as register_train
+
+    for register in (register_data, register_train, register_bench, register_serve):
+        register(sub)
     return parser
 
 
