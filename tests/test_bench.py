@@ -104,6 +104,8 @@ def test_bench_quick_writes_report(model_dir, tmp_path, capsys):
         if name in code:
             assert len(code[name]["acceptance_per_position"]) >= 1 and "time_split" in code[name]
     assert "transformers" in code or "transformers" in report["meta"]["skipped"]
+    if any(isinstance(k, int) and f"mtp k={k}" in code for k in cfgs):
+        assert report["best_fixed_k"]["code"]["config"] in code
     assert report["cost_model"]["c_verify"]["1"] > 0
     assert (out / "report.md").exists()
     assert (out / "acceptance_by_position.png").exists() and (out / "speedup_vs_k.png").exists()

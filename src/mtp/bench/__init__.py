@@ -24,7 +24,7 @@ import torch
 from .costmodel import SHAPES, build_shape_model, format_costs, measure_costs, speedup_table
 from .measure import check_identical, configs_for, load_transformers, run_interleaved
 from .prompts import DEFAULT_PROMPTS, load_prompts
-from .report import ACCEPTED_LENGTH_NOTE, markdown_report, plot, summarize
+from .report import ACCEPTED_LENGTH_NOTE, best_fixed_k, markdown_report, plot, summarize
 
 DEFAULT_OUT = Path("runs/bench")
 
@@ -194,6 +194,7 @@ def cmd_bench(args) -> int:
         "identical_outputs": not problems,
         "mismatches": problems,
         "summary": summary,
+        "best_fixed_k": {kind: best[1] for kind in summary if (best := best_fixed_k(summary[kind]))},
         "cost_model": _costs_json(costs) if costs else None,
         "runs": [{"config": r.config, "prompt": r.prompt, "repeat": r.repeat, "seconds": round(r.seconds, 5),
                   "new_tokens": len(r.tokens), "peak_rss_mb": round(r.peak_rss_mb, 1),

@@ -103,12 +103,32 @@ def markdown_table(summary: dict, kind: str) -> str:
     return "\n".join(lines)
 
 
+def best_fixed_k(figures: dict) -> tuple[str, dict] | None:
+    """The fixed-k configuration with the highest tokens/s, and how auto compares to it."""
+    fixed = [(n, f) for n, f in figures.items() if isinstance(f.get("draft_tokens"), int)]
+    if not fixed:
+        return None
+    name, best = max(fixed, key=lambda nf: nf[1]["tokens_per_s"])
+    out = {"config": name, "tokens_per_s": best["tokens_per_s"], "speedup_vs_plain": best.get("speedup_vs_plain")}
+    auto = next((f for f in figures.values() if f.get("draft_tokens") == "auto"), None)
+    if auto:
+        out["auto_relative_to_best"] = auto["tokens_per_s"] / best["tokens_per_s"]
+    return name, out
+
+
 def markdown_report(summary: dict, meta: dict) -> str:
     parts = []
     for kind in summary:
         n = meta["prompt_counts"].get(kind, sum(meta["prompt_counts"].values()))
-        parts.append(f"#### {kind} prompts ({n}), {meta['max_new_tokens']} new tokens, {meta['repeats']} repeats, "
-                     f"{meta['threads']} thread(s)\n\n" + markdown_table(summary, kind))
+        text = (f"#### {kind} prompts ({n}), {meta['max_new_tokens']} new tokens, {meta['repeats']} repeats, "
+                f"{meta['threads']} thread(s)\n\n" + markdown_table(summary, kind))
+        best = best_fixed_k(summary[kind])
+        if best:
+            b = best[1]
+            text += f"\n\nbest fixed k: {best[0]} ({_x(b['speedup_vs_plain'])} mtp plain)"
+            if "auto_relative_to_best" in b:
+                text += f"; auto reaches {100 * b['auto_relative_to_best']:.1f}% of its tokens/s"
+        parts.append(text)
     parts.append(f"\\* {ACCEPTED_LENGTH_NOTE}. Speedups are ratios of tokens/s (medians over interleaved repeats). "
                  "The cost-model speedup is E(k) / (k c_draft + c_verify(k+1)) from the measured acceptance.")
     for name, why in meta.get("skipped", {}).items():
