@@ -172,3 +172,29 @@ def test_verify_form_equals_the_recurrent_form_state_by_state():
                                                   decay[:, :, : t + 1], beta[:, :, : t + 1], S0)
         torch.testing.assert_close(state_at(states, t + 1), s_ref, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(o[:, :, t], o_ref[:, :, t], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_first_draft_equals_the_teacher_forced_mtp_prediction(models, monkeypatch):
+    """The catch-up forward is exactly depth 1 of `mtp_logits`: no stale chain slot leaks into it."""
+    import mtp.decode.speculative as speculative
+
+    model = models["sequential-hybrid"]
+    seen = []
+    real = speculative.catch_up
+
+    def recording(model_, mtp_cache, hid, next_ids, start, heads=1):
+        out = real(model_, mtp_cache, hid, next_ids, start, heads)
+        seen.append((start + hid.shape[1] - 1, int(model_.head(out[0, -1], for_mtp=True).argmax())))
+        return out
+
+    monkeypatch.setattr(speculative, "catch_up", recording)
+    for k in (2, 4):
+        seen.clear()
+        prompt = prompts(8)[3]
+        r = model.generate(prompt, max_new_tokens=40, draft_tokens=k)
+        full = torch.tensor([prompt + r.tokens])
+        teacher = model.mtp_logits(full, 1)[0][0].argmax(-1)  # position i predicts token i+2
+        assert len(seen) == r.stats.backbone_forwards  # one catch-up (+ first draft) per verify
+        for pos, draft in seen:
+            assert draft == int(teacher[pos]), (k, pos)
