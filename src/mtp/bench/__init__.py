@@ -30,19 +30,14 @@ DEFAULT_OUT = Path("runs/bench")
 
 
 def parse_draft_list(value: str) -> list[int | str]:
-    """'1,2,3,4,auto' -> [1, 2, 3, 4, 'auto']."""
+    """'1,2,3,4,auto' -> [1, 2, 3, 4, 'auto'] (plain decoding is always measured, so 0 is not a value here)."""
+    from ..cli import parse_draft_tokens
+
     out: list[int | str] = []
     for part in value.split(","):
-        part = part.strip()
-        if part == "auto":
-            out.append("auto")
-            continue
-        try:
-            k = int(part)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"--draft-tokens takes integers 1..8 and 'auto', got {part!r}") from None
-        if not 1 <= k <= 8:
-            raise argparse.ArgumentTypeError(f"--draft-tokens values must be in 1..8 or 'auto', got {k}")
+        k = parse_draft_tokens(part.strip())
+        if k is None:
+            raise argparse.ArgumentTypeError("--draft-tokens values must be in 1..8 or 'auto' (plain is always measured)")
         out.append(k)
     return out
 
