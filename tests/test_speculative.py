@@ -183,8 +183,8 @@ def test_first_draft_equals_the_teacher_forced_mtp_prediction(models, monkeypatc
     seen = []
     real = speculative.catch_up
 
-    def recording(model_, mtp_cache, hid, next_ids, start, heads=1):
-        out = real(model_, mtp_cache, hid, next_ids, start, heads)
+    def recording(model_, mtp_cache, hid, next_ids, start):
+        out = real(model_, mtp_cache, hid, next_ids, start)
         seen.append((start + hid.shape[1] - 1, int(model_.head(out[0, -1], for_mtp=True).argmax())))
         return out
 

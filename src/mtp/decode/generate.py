@@ -71,11 +71,17 @@ class Session:
             logits = apply_repetition_penalty(logits[None], seen, self.params.repetition_penalty)[0]
         return probs_from_logits(logits, self.params)
 
+    @property
+    def plain_argmax(self) -> bool:
+        """Greedy with no repetition penalty: the next token is the raw logits' argmax (the fast path)."""
+        return self.params.greedy and self._seen is None
+
     def choose(self, logits: torch.Tensor) -> int:
         """The next token from logits [V]: argmax (greedy) or a sample."""
-        if self.params.greedy and self._seen is None:
+        if self.plain_argmax:
             return int(logits.argmax())
-        return sample(self.probs(logits), self.generator) if not self.params.greedy else int(self.probs(logits).argmax())
+        probs = self.probs(logits)
+        return int(probs.argmax()) if self.params.greedy else sample(probs, self.generator)
 
     def emit(self, toks: list[int]) -> list[int]:
         """Append tokens, honouring EOS, stop strings and the length limit; returns those emitted."""
@@ -144,7 +150,7 @@ def plain_decode(session: Session) -> Iterator[list[int]]:
         step[0, 0] = tok
         logits = model(step, cache)[0, -1]
         stats.backbone_forwards += 1
-        stats.time_verify += time.perf_counter() - t
+        stats.time_verify += time.perf_counter() - t  # the plain step's forward counts as its "verify" time
 
 
 class GenerationStream:

@@ -36,7 +36,7 @@ def speculative_decode(session: Session, draft_tokens: int | str) -> Iterator[li
     policy = DraftPolicy.from_arg(draft_tokens, MAX_DRAFT if mtp.max_depth is None else min(MAX_DRAFT, mtp.max_depth))
     stats.draft_tokens_max = policy.k_max
     dev = model.device
-    fast_greedy = params.greedy and session._seen is None
+    fast_greedy = session.plain_argmax
 
     t0 = time.perf_counter()
     max_len = len(session.tokens) + session.max_new + policy.k_max + 2
@@ -59,7 +59,7 @@ def speculative_decode(session: Session, draft_tokens: int | str) -> Iterator[li
         # 1. draft
         t = time.perf_counter()
         next_ids = torch.tensor([session.tokens[mtp_pos + 1 : P + 1]], device=dev)  # t_{j+1} for j = mtp_pos..P-1
-        last = catch_up(model, mtp_cache, hidden, next_ids, mtp_pos, heads=max(k, 1))
+        last = catch_up(model, mtp_cache, hidden, next_ids, mtp_pos)
         drafts: list[int] = []
         q_rows: list[torch.Tensor] = []
         for j in range(k):
@@ -112,16 +112,16 @@ def speculative_decode(session: Session, draft_tokens: int | str) -> Iterator[li
             yield out
 
 
-def catch_up(model, mtp_cache, hid: torch.Tensor, next_ids: torch.Tensor, start: int, heads: int = 1):
+def catch_up(model, mtp_cache, hid: torch.Tensor, next_ids: torch.Tensor, start: int):
     """Feed the MTP the backbone hiddens of positions start..start+n-1 (hid [1, n, H]) with their next tokens
     (next_ids [1, n]), writing their KV slots. Sequential: returns h^1 [1, n, H] (its last row drafts
-    token P+1). Parallel: returns [h^d for d = 1..heads], each [1, n, H] (head d drafts token P+d)."""
+    token P+1). Parallel: returns [h^d for every head d], each [1, n, H] (head d drafts token P+d); every head
+    catches up, whatever k this round drafts, so their caches stay complete for later rounds."""
     mtp = model.mtp
     cos, sin = model.rope(start, hid.shape[1])
     if mtp.style == "sequential":
         return mtp.step(1, hid, model.embed(next_ids, for_mtp=True), cos, sin, mtp_cache[0], start)
-    # Heads beyond `heads` still catch up so their caches stay complete for later rounds.
-    return [mtp.step(d, hid, None, cos, sin, mtp_cache[d - 1], start) for d in range(1, mtp.num_layers + 1)][:heads]
+    return [mtp.step(d, hid, None, cos, sin, mtp_cache[d - 1], start) for d in range(1, mtp.num_layers + 1)]
 
 
 def chain_step(model, mtp_cache, prev: torch.Tensor, token: int, depth: int, pos: int) -> torch.Tensor:

@@ -193,11 +193,3 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).view(B, T, self.num_v_heads, self.head_v_dim)
         o = self.norm(o, z).reshape(B, T, self.value_dim)
         return self.out_proj(o)
-
-
-def init_deltanet_(m: GatedDeltaNet) -> None:
-    """Qwen's initialisation of the decay parameters (used when training from scratch)."""
-    with torch.no_grad():
-        m.dt_bias.fill_(1.0)
-        m.A_log.copy_(torch.empty_like(m.A_log).uniform_(0.01, 16).log())
-        m.norm.weight.fill_(1.0)
