@@ -136,6 +136,15 @@ def markdown_report(summary: dict, meta: dict) -> str:
     return "\n\n".join(parts)
 
 
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot(summary: dict, out: Path) -> list[Path]:
     """acceptance_by_position.png and speedup_vs_k.png (matplotlib Agg); [] when matplotlib is missing."""
     try:
@@ -168,11 +177,7 @@ def plot(summary: dict, out: Path) -> list[Path]:
     ax.grid(alpha=0.3)
     if ax.lines:
         ax.legend(fontsize=7)
-    p = out / "acceptance_by_position.png"
-    fig.tight_layout()
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save(fig, out / "acceptance_by_position.png"))
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for kind in kinds:
@@ -204,9 +209,5 @@ def plot(summary: dict, out: Path) -> list[Path]:
     ax.set_title("Speculative decoding speedup vs k")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    p = out / "speedup_vs_k.png"
-    fig.tight_layout()
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save(fig, out / "speedup_vs_k.png"))
     return paths
