@@ -51,7 +51,7 @@ def test_objective_is_sum_of_depth_losses(style, layers, depth):
     logits = model.mtp_logits(ids, depth)
     for d, (wd, lg) in enumerate(zip(w, logits), start=1):
         ld = shifted_cross_entropy(lg, ids, d + 1)[0]
-        assert out.depths[d - 1] == pytest.approx(ld.item(), rel=1e-5)
+        assert float(out.depths[d - 1]) == pytest.approx(ld.item(), rel=1e-5)
         ref = ref + wd * ld
     assert out.loss.item() == pytest.approx(ref.item(), rel=1e-5)
 
@@ -79,6 +79,6 @@ def test_self_distillation_targets_the_backbone_at_i_plus_d():
     with torch.no_grad():
         teacher = model(ids)[:, 1:]                                       # backbone at i+1 predicts i+2
         student = model.mtp_logits(ids, 1)[0]                             # MTP depth 1 at i predicts i+2
-    assert out.depths[0] == pytest.approx(self_distill_loss(student, teacher).item(), rel=1e-5)
+    assert float(out.depths[0]) == pytest.approx(self_distill_loss(student, teacher).item(), rel=1e-5)
     with pytest.raises(ValueError, match="heads mode"):
         mtp_objective(model, ids, [1.0], train_backbone=True, distill=True)

@@ -81,8 +81,8 @@ def self_distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
 @dataclass
 class ObjectiveOutput:
     loss: torch.Tensor            # the weighted total, to backpropagate
-    main: float                   # L_main (nan when the backbone is frozen and not scored)
-    depths: list[float]           # L_d per depth (CE to true tokens, or KL to the backbone in self-distillation)
+    main: torch.Tensor            # L_main, 0-dim and detached (read it after backward: no host sync inside a step)
+    depths: list[torch.Tensor]    # L_d per depth, detached (CE to true tokens, or KL to the backbone in self-distillation)
 
 
 def mtp_objective(model, ids: torch.Tensor, weights: list[float], mask: torch.Tensor | None = None,
@@ -98,12 +98,12 @@ def mtp_objective(model, ids: torch.Tensor, weights: list[float], mask: torch.Te
         h = model.hidden(ids)                                                   # [B, T, H]
         main, _ = head_ce(model, h, ids, 1, mask, checkpoint_logits=checkpoint_logits)
         total = main
-        main_val = main.item()
+        main_val = main.detach()
     else:
         with torch.no_grad():
             h = model.hidden(ids)
             teacher = model.head(h) if distill else None                        # [B, T, V]
-            main_val = shifted_cross_entropy(teacher if distill else model.head(h), ids, 1, mask)[0].item()
+            main_val = shifted_cross_entropy(teacher if distill else model.head(h), ids, 1, mask)[0]
         total = None
     losses = []
     if depth and model.mtp is not None:
@@ -115,7 +115,7 @@ def mtp_objective(model, ids: torch.Tensor, weights: list[float], mask: torch.Te
                 ld = self_distill_loss(model.head(hd, for_mtp=True), teacher[:, d:])
             else:
                 ld, _ = head_ce(model, hd, ids, d + 1, mask, for_mtp=True, checkpoint_logits=checkpoint_logits)
-            losses.append(ld.item())
+            losses.append(ld.detach())
             total = w * ld if total is None else total + w * ld
     if total is None:
         raise ValueError("nothing to train: heads mode needs an MTP module and mtp depth >= 1")

@@ -37,19 +37,26 @@ class SimulatedCrash(RuntimeError):
 
 
 class Objective(nn.Module):
-    """Wraps the model so DDP sees one forward: ids [B, T] -> scalar loss (details in `.last`)."""
+    """Wraps the model so DDP (and torch.compile) see one forward: ids [B, T], weights [D] ->
+    [1 + 1 + D] = (loss to backpropagate, L_main, L_1..L_D), the last ones detached.
 
-    def __init__(self, model: Qwen35ForCausalLM, train_backbone: bool, distill: bool, checkpoint_logits: bool):
+    The MTP weights come in as a tensor so that a compiled objective does not recompile when the
+    schedule changes them; autocast is entered inside so a compiled graph captures it."""
+
+    def __init__(self, model: Qwen35ForCausalLM, train_backbone: bool, distill: bool, checkpoint_logits: bool,
+                 autocast_dtype: torch.dtype | None = None):
         super().__init__()
         self.model = model
         self.train_backbone, self.distill, self.checkpoint_logits = train_backbone, distill, checkpoint_logits
-        self.weights: list[float] = []
-        self.last = None
+        self.autocast_dtype = autocast_dtype
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        self.last = mtp_objective(self.model, ids, self.weights, train_backbone=self.train_backbone,
-                                  distill=self.distill, checkpoint_logits=self.checkpoint_logits)
-        return self.last.loss
+    def forward(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        ctx = (torch.autocast(ids.device.type, dtype=self.autocast_dtype) if self.autocast_dtype is not None
+               else nullcontext())
+        with ctx:
+            out = mtp_objective(self.model, ids, list(weights.unbind(0)), train_backbone=self.train_backbone,
+                                distill=self.distill, checkpoint_logits=self.checkpoint_logits)
+        return torch.stack([out.loss.float(), out.main.float(), *[d.float() for d in out.depths]])
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -179,16 +186,18 @@ def train(cfg: TrainConfig, crash_at_step: int | None = None) -> dict:
 
     model.train()
     model.gradient_checkpointing = cfg.gradient_checkpointing
-    obj = Objective(model, train_backbone, cfg.heads_target == "self", cfg.checkpoint_logits)
+    obj = Objective(model, train_backbone, cfg.heads_target == "self", cfg.checkpoint_logits,
+                    torch.bfloat16 if cfg.bf16 else None)
     runner: nn.Module = obj
     if distributed:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         runner = DDP(obj, find_unused_parameters=depth < model.config.mtp_num_hidden_layers)
+    if cfg.compile:
+        runner = torch.compile(runner)
     tokenizer_dir = cfg.data if (Path(cfg.data) / "tokenizer.json").exists() else cfg.init
     G = cfg.micro_batch * cfg.grad_accum * world
     tokens_per_step = G * cfg.seq_len
-    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if cfg.bf16 else nullcontext
 
     from tqdm import tqdm
 
@@ -215,7 +224,7 @@ def train(cfg: TrainConfig, crash_at_step: int | None = None) -> dict:
         t0 = time.perf_counter()
         weights = mtp_weights(cfg.mtp_schedule, depth, tokens, cfg.mtp_lambda, cfg.mtp_lambda_late,
                               cfg.mtp_lambda_switch_tokens, cfg.mtp_decay, cfg.mtp_constant) if depth else []
-        obj.weights = weights
+        w = torch.tensor(weights, dtype=torch.float32)
         lr = lr_at(step, cfg)
         for g in optimizer.param_groups:
             g["lr"] = lr
@@ -224,11 +233,11 @@ def train(cfg: TrainConfig, crash_at_step: int | None = None) -> dict:
             ids = batches.micro_batch(step, micro, cfg.micro_batch, cfg.grad_accum, rank, world)
             sync = nullcontext() if not distributed or micro == cfg.grad_accum - 1 else runner.no_sync()
             with sync:
-                with autocast():
-                    loss = runner(ids)
-                (loss / cfg.grad_accum).backward()
-            main_sum += obj.last.main / cfg.grad_accum
-            depth_sums = [a + b / cfg.grad_accum for a, b in zip(depth_sums, obj.last.depths)]
+                res = runner(ids, w)
+                (res[0] / cfg.grad_accum).backward()
+            parts = res[1:].tolist()
+            main_sum += parts[0] / cfg.grad_accum
+            depth_sums = [a + b / cfg.grad_accum for a, b in zip(depth_sums, parts[1:])]
         grad_norm = torch.nn.utils.clip_grad_norm_([p for _, p in params], cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
