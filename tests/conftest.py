@@ -69,7 +69,7 @@ def trained_tiny_model(steps: int = 100, seed: int = 0, depth: int | None = None
         h = model.hidden(ids)
         loss = torch.nn.functional.cross_entropy(model.head(h[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
         for d, hd in enumerate(model.mtp_hidden_states(ids, depth, hidden=h), start=1):
-            logits = model.head(hd[:, :-1], for_mtp=True)
+            logits = model.mtp_head(hd[:, :-1], d)
             loss = loss + torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, d + 1:].flatten())
         opt.zero_grad()
         loss.backward()

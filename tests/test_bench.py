@@ -76,7 +76,7 @@ def test_reduced_vocab_head_maps_back_to_full_ids():
     ids = [5, 17, 40]
     head = ReducedVocabHead(model, ids)
     h = torch.randn(1, 2, model.config.hidden_size)
-    full = model.head(h, for_mtp=True)[0, -1]
+    full = model.mtp_head(h, 1)[0, -1]
     want = ids[int(full[ids].argmax())]
     assert int(head(h)) == want
     counts = torch.zeros(model.config.vocab_size)
@@ -98,14 +98,12 @@ def test_bench_quick_writes_report(model_dir, tmp_path, capsys):
         assert fig["tokens_per_s"] > 0 and fig["peak_rss_mb"] > 0 and fig["peak_extra_mb"] >= 0 and fig["new_tokens"] == 24
     cfgs = report["meta"]["draft_tokens"]
     assert cfgs == [1, 3, "auto"]
-    for k in cfgs:  # speculative configurations ran unless this build lacks them (then a note says why)
+    assert report["failed"] == {}
+    for k in cfgs:  # every speculative configuration ran
         name = f"mtp k={k}"
-        assert name in code or name in report["meta"]["skipped"]
-        if name in code:
-            assert len(code[name]["acceptance_per_position"]) >= 1 and "time_split" in code[name]
-    assert "transformers" in code or "transformers" in report["meta"]["skipped"]
-    if any(isinstance(k, int) and f"mtp k={k}" in code for k in cfgs):
-        assert report["best_fixed_k"]["code"]["config"] in code
+        assert len(code[name]["acceptance_per_position"]) >= 1 and "time_split" in code[name]
+    assert "transformers" in code  # the test extra installs it
+    assert report["best_fixed_k"]["code"]["config"] in code
     assert report["cost_model"]["c_verify"]["1"] > 0
     assert (out / "report.md").exists()
     assert (out / "acceptance_by_position.png").exists() and (out / "speedup_vs_k.png").exists()
@@ -132,6 +130,26 @@ def test_bench_fails_loudly_when_outputs_differ(model_dir, tmp_path, monkeypatch
     rc = main(["bench", "--model", str(model_dir), "--quick", "--out", str(out), "--no-transformers",
                "--no-cost-model", "--draft-tokens", "1", "--max-new-tokens", "4", "--repeats", "1"])
     report = json.loads((out / "report.json").read_text())
-    if "mtp k=1" in report["meta"]["skipped"]:
-        pytest.skip("speculative decoding is not in this build")
     assert rc == 1 and report["identical_outputs"] is False and report["mismatches"]
+
+
+def test_bench_reports_a_failing_configuration_as_failed(model_dir, tmp_path, monkeypatch):
+    import mtp.bench.measure as measure
+
+    real = measure.make_generate_fn
+
+    def broken(model, hf_model, cfg, max_new_tokens, pad):
+        fn = real(model, hf_model, cfg, max_new_tokens, pad)
+        if cfg.name != "mtp k=1":
+            return fn
+        def fail(ids):
+            raise NotImplementedError("drafting is broken")
+        return fail
+
+    monkeypatch.setattr(measure, "make_generate_fn", broken)
+    out = tmp_path / "bench"
+    rc = main(["bench", "--model", str(model_dir), "--quick", "--out", str(out), "--no-transformers",
+               "--no-cost-model", "--draft-tokens", "1", "--max-new-tokens", "4", "--repeats", "1"])
+    report = json.loads((out / "report.json").read_text())
+    assert rc == 1 and report["failed"] == {"mtp k=1": "NotImplementedError: drafting is broken"}
+    assert report["identical_outputs"] is False

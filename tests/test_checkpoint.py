@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 import mtp
 from conftest import tiny_model
-from mtp.io.checkpoint import read_tensors
+from mtp.io import read_tensors
 
 
 def states_equal(a, b):
@@ -118,15 +118,15 @@ def test_missing_shard_is_named(tmp_path):
 def test_checkpoint_without_mtp_warns_and_reports_no_mtp(tmp_path):
     mtp.save_model(tiny_model(), tmp_path)
     rewrite(tmp_path, lambda s: [s.pop(k) for k in [k for k in s if k.startswith("mtp.")]])
-    with pytest.warns(mtp.MissingMTPWarning, match="no mtp.\\* tensors"):
+    with pytest.warns(mtp.MissingMTPWarning, match="no MTP tensors \\(mtp\\.\\*"):
         m = mtp.load_model(tmp_path)
     assert not m.has_mtp and m.mtp is None
     with pytest.raises(RuntimeError, match="no MTP module"):
         m.mtp_logits(torch.tensor([[1, 2, 3]]))
     ids = [1, 2, 3, 4]
     with pytest.warns(UserWarning, match="falling back to plain decoding"):
-        r = m.generate(ids, max_new_tokens=5, draft_tokens=3)
-    assert r.tokens == m.generate(ids, max_new_tokens=5).tokens
+        r = mtp.generate(m, ids, max_new_tokens=5, draft_tokens=3)
+    assert r.tokens == mtp.generate(m, ids, max_new_tokens=5).tokens
 
 
 def test_memory_mapped_loading_is_lazy(tmp_path):

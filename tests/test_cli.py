@@ -22,7 +22,7 @@ def run_cli(*args):
 def test_generate_json_equals_the_library_for_plain_and_speculative(model_dir):
     model = mtp.load_model(model_dir)
     prompt = "def add(a, b):"
-    want = model.generate(model.tokenizer.encode(prompt), max_new_tokens=24)
+    want = mtp.generate(model, model.tokenizer.encode(prompt), max_new_tokens=24)
     for k in ("0", "3", "auto"):
         proc = run_cli("generate", "--model", str(model_dir), "--prompt", prompt, "--max-new-tokens", "24",
                        "--draft-tokens", k, "--json", "--threads", "1")
@@ -40,7 +40,7 @@ def test_generate_prints_text(model_dir):
     proc = run_cli("generate", "--model", str(model_dir), "--prompt", "for i in", "--max-new-tokens", "8", "--threads", "1")
     assert proc.returncode == 0, proc.stderr
     model = mtp.load_model(model_dir)
-    assert proc.stdout == model.generate(model.tokenizer.encode("for i in"), max_new_tokens=8).text + "\n"
+    assert proc.stdout == mtp.generate(model, model.tokenizer.encode("for i in"), max_new_tokens=8).text + "\n"
     assert "mean accepted length" in proc.stderr
 
 
@@ -48,7 +48,7 @@ def test_bad_arguments_get_clear_errors(model_dir, tmp_path):
     proc = run_cli("generate", "--model", str(model_dir), "--prompt", "x", "--draft-tokens", "nine")
     assert proc.returncode == 2 and "--draft-tokens must be" in proc.stderr
     proc = run_cli("generate", "--model", str(tmp_path / "nope"), "--prompt", "x")
-    assert proc.returncode != 0 and "does not exist" in proc.stderr
+    assert proc.returncode != 0 and "no such folder, and not a hub id" in proc.stderr
     proc = run_cli("generate", "--model", str(model_dir), "--prompt", "x", "--top-p", "1.5")
     assert proc.returncode == 2 and "top_p must be in (0, 1]" in proc.stderr
 
@@ -56,13 +56,13 @@ def test_bad_arguments_get_clear_errors(model_dir, tmp_path):
 def test_stop_strings_cut_exactly_under_speculation(model_dir):
     model = mtp.load_model(model_dir)
     ids = model.tokenizer.encode("import torch")
-    full = model.generate(ids, max_new_tokens=40, eos_token_ids=[])
+    full = mtp.generate(model, ids, max_new_tokens=40, eos_token_ids=[])
     text = full.text
     stop = text[len(text) // 2 : len(text) // 2 + 2]
     assert stop.strip(), "pick a non-empty stop string"
     cut = text.index(stop)
     for k in (None, 2, 5, "auto"):
-        r = model.generate(ids, max_new_tokens=40, eos_token_ids=[], stop=[stop], draft_tokens=k)
+        r = mtp.generate(model, ids, max_new_tokens=40, eos_token_ids=[], stop=[stop], draft_tokens=k)
         assert r.finish_reason == "stop" and r.text == text[:cut]
         assert r.tokens == full.tokens[: len(r.tokens)]
         assert stop not in model.tokenizer.decode(r.tokens[:-1])  # nothing emitted past the stop's token

@@ -3,8 +3,9 @@ import json
 import pytest
 
 from mtp import ConfigError, Qwen35Config
+from mtp.config import ConfigWarning
 
-# The text part of Qwen3.5-0.8B's config.json as the reference (§1) gives it, in the multimodal shape.
+# The text part of Qwen3.5-0.8B's config.json as docs/reference.md ("Config") gives it, in the multimodal shape.
 QWEN35_08B = {
     "architectures": ["Qwen3_5ForConditionalGeneration"],
     "model_type": "qwen3_5",
@@ -59,8 +60,18 @@ def test_flat_rope_keys_round_trip():
     assert out["rope_theta"] == 5000.0 and "rope_parameters" not in out
 
 
+def test_explicit_layer_types_win_over_the_interval_with_a_warning():
+    """transformers writes all-attention models as layer_types + the default interval: it loads them, so do we."""
+    data = json.loads(json.dumps(QWEN35_08B))
+    data["text_config"]["layer_types"] = ["full_attention"] * 24
+    with pytest.warns(ConfigWarning, match="'layer_types' disagrees with 'full_attention_interval' \\(4\\)"):
+        cfg = Qwen35Config.from_hf_dict(data)
+    assert cfg.layer_types == ["full_attention"] * 24
+    out = cfg.to_hf_dict()
+    assert out["text_config"]["layer_types"] == ["full_attention"] * 24  # written back as read
+
+
 @pytest.mark.parametrize("mutate, key", [
-    (lambda t: t.update(layer_types=["linear_attention"] * 24), "layer_types"),
     (lambda t: t.update(num_hidden_layers=23), "layer_types"),
     (lambda t: t.update(num_key_value_heads=3), "num_key_value_heads"),
     (lambda t: t.update(linear_num_key_heads=3), "linear_num_key_heads"),

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from mtp import MissingMTPWarning, load_model
 from mtp.data.build import build_dataset
-from mtp.io.checkpoint import read_tensors
+from mtp.io import read_tensors
 from mtp.io.safetensors_mmap import CheckpointError
 from mtp.train.heal import graft, heal
 from mtp.train.trainer import train
@@ -97,9 +97,9 @@ def test_graft_only_equals_base_mtp(setup, tmp_path):
 
 def test_graft_errors(setup, tmp_path):
     root, data2 = setup
-    with pytest.raises(CheckpointError, match="no mtp"):
+    with pytest.raises(CheckpointError, match="holds no MTP tensors"):
         graft(root / "ft_nomtp", root / "ft_nomtp", tmp_path / "x")
-    with pytest.raises(CheckpointError, match="already holds mtp"):
+    with pytest.raises(CheckpointError, match="already holds MTP tensors"):
         graft(root / "base" / "model", root / "ft" / "model", tmp_path / "x")
     other = tmp_path / "wide"
     train(cfg(data2, other, model={**MODEL, "hidden_size": 48}, max_steps=1, eval_every=1, save_every=1))

@@ -1,4 +1,4 @@
-"""`mtp_logits` against a straightforward re-computation of the reference equations (§3)."""
+"""`mtp_logits` against a straightforward re-computation of the equations of docs/reference.md ("The MTP module")."""
 
 import math
 

@@ -70,5 +70,5 @@ def test_greedy_generate_matches_transformers(name, tmp_path):
         ids = torch.randint(0, 16, (1, 6 + 5 * s), generator=torch.Generator().manual_seed(s))
         want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False,
                            eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
-        assert model.generate(ids, max_new_tokens=30).tokens == want
-        assert model.generate(ids, max_new_tokens=30, draft_tokens=3).tokens == want
+        assert mtp.generate(model, ids, max_new_tokens=30).tokens == want
+        assert mtp.generate(model, ids, max_new_tokens=30, draft_tokens=3).tokens == want

@@ -7,6 +7,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+import mtp
 import mtp.decode.speculative as speculative
 from conftest import tiny_model
 from mtp.decode.sampling import SamplingParams, apply_repetition_penalty, probs_from_logits
@@ -40,7 +41,7 @@ def exact_joint(model, params: SamplingParams) -> dict[tuple, float]:
 def chi2_pvalue(model, params: SamplingParams, k: int) -> float:
     counts = {}
     for i in range(N):
-        r = model.generate(PROMPT, max_new_tokens=4, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+        r = mtp.generate(model, PROMPT, max_new_tokens=4, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                            repetition_penalty=params.repetition_penalty, seed=10_000 * k + i, draft_tokens=k)
         key = tuple(r.tokens[:3])
         counts[key] = counts.get(key, 0) + 1

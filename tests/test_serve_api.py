@@ -41,7 +41,7 @@ def model(model_dir):
 @pytest.fixture(scope="module", autouse=True)
 def prompts(model):
     for text in CANDIDATES:
-        r = model.generate(model.tokenizer.encode(text), max_new_tokens=200)
+        r = mtp.generate(model, model.tokenizer.encode(text), max_new_tokens=200)
         if r.finish_reason == "eos" and len(r.tokens) <= 60:
             PROMPTS.setdefault("ending", text)
         elif r.finish_reason == "length":
@@ -66,7 +66,7 @@ def client(server):
 
 def reference(model, prompt_ids: list[int], **kw):
     """What the server must answer: plain decoding (the NTP reference), text without the final EOS."""
-    r = model.generate(prompt_ids, draft_tokens=None, **kw)
+    r = mtp.generate(model, prompt_ids, draft_tokens=None, **kw)
     text = r.text.removesuffix(EOS) if r.finish_reason == "eos" else r.text
     return r, text
 

@@ -35,7 +35,7 @@ def test_chat_without_template_uses_the_plain_fallback(engine):
     assert model.tokenizer.chat_template is None
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Hello"}]
     ids = model.tokenizer.encode("system: be brief\nuser: Hello\nassistant:")
-    ref = model.generate(ids, max_new_tokens=12)
+    ref = mtp.generate(model, ids, max_new_tokens=12)
     r = post(create_app(engine, "plain"), "/v1/chat/completions",
              {"model": "plain", "messages": messages, "max_tokens": 12, "temperature": 0})
     assert r.status_code == 200, r.text
@@ -46,10 +46,12 @@ def test_chat_without_template_uses_the_plain_fallback(engine):
 
 
 def test_a_generation_that_fails_midway_is_reported_and_frees_its_slot(engine, monkeypatch):
-    real_stream = engine.model.stream
+    import mtp.serve.engine as engine_module
 
-    def failing_stream(prompt_ids, **kw):
-        session = real_stream(prompt_ids, **kw).session
+    real_stream = engine_module.decode_stream
+
+    def failing_stream(model, prompt_ids, **kw):
+        session = real_stream(model, prompt_ids, **kw).session
 
         def steps():
             session.emit([1])
@@ -59,7 +61,7 @@ def test_a_generation_that_fails_midway_is_reported_and_frees_its_slot(engine, m
 
     app = create_app(engine, "plain")
     body = {"model": "plain", "prompt": "Hello", "max_tokens": 5, "temperature": 0}
-    monkeypatch.setattr(engine.model, "stream", failing_stream)
+    monkeypatch.setattr(engine_module, "decode_stream", failing_stream)
     r = post(app, "/v1/completions", body)
     assert r.status_code == 500 and "simulated failure" in r.json()["error"]["message"]
     r = post(app, "/v1/completions", {**body, "stream": True})

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import mtp
 from conftest import pattern_batch, tiny_model, trained_tiny_model
 from mtp.decode.accept import accept_greedy, accept_sampling
 from mtp.decode.policy import DraftPolicy
@@ -32,9 +33,9 @@ def test_greedy_speculative_equals_plain_for_every_k(models, name):
     patterns = set()
     for prompt in prompts(model.config.vocab_size, n=4):
         for max_new in (3, 25):
-            want = model.generate(prompt, max_new_tokens=max_new).tokens
+            want = mtp.generate(model, prompt, max_new_tokens=max_new).tokens
             for k in ks + ["auto"]:
-                r = model.generate(prompt, max_new_tokens=max_new, draft_tokens=k)
+                r = mtp.generate(model, prompt, max_new_tokens=max_new, draft_tokens=k)
                 assert r.tokens == want, (prompt, max_new, k)
                 assert r.stats.backbone_forwards == len(r.stats.k_history)
                 for kk, n in zip(r.stats.k_history, r.stats.n_history):
@@ -46,9 +47,9 @@ def test_greedy_speculative_equals_plain_for_every_k(models, name):
 def test_one_backbone_forward_per_verify_step(models):
     model = models["sequential-hybrid"]
     calls = []
-    handle = model.model.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[1]))
+    handle = model.model.norm.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[1]))  # once per backbone forward
     try:
-        r = model.generate(prompts(8)[0], max_new_tokens=30, draft_tokens=4)
+        r = mtp.generate(model, prompts(8)[0], max_new_tokens=30, draft_tokens=4)
     finally:
         handle.remove()
     assert len(calls) == 1 + r.stats.backbone_forwards  # prefill + one forward per verify
@@ -64,9 +65,8 @@ def test_cache_after_accept_equals_plain_decoding(models, n_keep):
     block = torch.tensor([[5, 1, 7, 2]])  # [last token, 3 drafts]; keep n_keep of the 4 positions
     spec = model.new_cache(1, 64)
     model(prompt, spec)
-    spec.begin_verify(4)
-    model(block, spec)
-    spec.accept(n_keep)
+    verified = model.verify(block, spec)
+    spec.keep(verified, n_keep)
     plain = model.new_cache(1, 64)
     model(prompt, plain)
     for i in range(n_keep):
@@ -124,40 +124,41 @@ def test_auto_policy_stays_in_bounds_and_follows_acceptance():
 def test_stops_are_exact_under_speculation(models, stop_kind):
     model = models["sequential-hybrid"]
     for prompt in prompts(8, n=6, seed=3):
-        full = model.generate(prompt, max_new_tokens=40).tokens
+        full = mtp.generate(model, prompt, max_new_tokens=40).tokens
         if stop_kind == "eos":
             eos = full[len(full) // 2]
             want = full[: full.index(eos) + 1]
             for k in (2, 4, "auto"):
-                r = model.generate(prompt, max_new_tokens=40, eos_token_ids=[eos], draft_tokens=k)
+                r = mtp.generate(model, prompt, max_new_tokens=40, eos_token_ids=[eos], draft_tokens=k)
                 assert r.tokens == want and r.finish_reason == "eos"
         else:
             for n in (1, 2, 5, 13):
-                r = model.generate(prompt, max_new_tokens=n, draft_tokens=6)
+                r = mtp.generate(model, prompt, max_new_tokens=n, draft_tokens=6)
                 assert r.tokens == full[:n] and r.finish_reason == "length"
 
 
 def test_context_limit_is_never_overrun():
     model = trained_tiny_model(steps=30, max_position_embeddings=40)
     prompt = list(range(8)) * 4  # 32 tokens
-    r = model.generate(prompt, max_new_tokens=100, draft_tokens=6)
+    r = mtp.generate(model, prompt, max_new_tokens=100, draft_tokens=6)
     assert len(prompt) + len(r.tokens) == 40 and r.finish_reason == "length"
-    assert r.tokens == model.generate(prompt, max_new_tokens=100).tokens
+    assert r.tokens == mtp.generate(model, prompt, max_new_tokens=100).tokens
     with pytest.raises(ValueError, match="does not fit the context"):
-        model.generate(list(range(8)) * 5, max_new_tokens=1, draft_tokens=2)
+        mtp.generate(model, list(range(8)) * 5, max_new_tokens=1, draft_tokens=2)
 
 
 def test_streaming_yields_the_same_tokens(models):
     model = models["sequential-hybrid"]
     prompt = prompts(8)[2]
-    s = model.stream(prompt, max_new_tokens=30, draft_tokens=3)
+    s = mtp.stream(model, prompt, max_new_tokens=30, draft_tokens=3)
     chunks = list(s)
-    assert sum(chunks, []) == s.result.tokens == model.generate(prompt, max_new_tokens=30).tokens
+    assert sum(chunks, []) == s.result.tokens == mtp.generate(model, prompt, max_new_tokens=30).tokens
     assert max(len(c) for c in chunks) > 1  # several tokens per step at least once
 
 
 def test_verify_form_equals_the_recurrent_form_state_by_state():
-    from mtp.model.deltanet import l2norm, recurrent_gated_delta_rule, state_at, verify_gated_delta_rule
+    from mtp.model.cache import DeltaSnapshot
+    from mtp.model.deltanet import l2norm, recurrent_gated_delta_rule, verify_gated_delta_rule
 
     g = torch.Generator().manual_seed(0)
     B, H, T, K, V = 2, 3, 9, 16, 8
@@ -165,36 +166,51 @@ def test_verify_form_equals_the_recurrent_form_state_by_state():
     k = l2norm(torch.randn(B, H, T, K, generator=g))
     v, S0 = torch.randn(B, H, T, V, generator=g), torch.randn(B, H, K, V, generator=g)
     decay, beta = -torch.rand(B, H, T, generator=g), torch.rand(B, H, T, generator=g)
-    o, final, states = verify_gated_delta_rule(q, k, v, decay, beta, S0)
-    torch.testing.assert_close(final, state_at(states, T))
+    o, factors = verify_gated_delta_rule(q, k, v, decay, beta, S0)
+    states = DeltaSnapshot(torch.empty(0), *factors)
     for t in range(T):
         o_ref, s_ref = recurrent_gated_delta_rule(q[:, :, : t + 1], k[:, :, : t + 1], v[:, :, : t + 1],
                                                   decay[:, :, : t + 1], beta[:, :, : t + 1], S0)
-        torch.testing.assert_close(state_at(states, t + 1), s_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(states.state(t + 1), s_ref, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(o[:, :, t], o_ref[:, :, t], atol=1e-5, rtol=1e-5)
 
 
 @torch.no_grad()
 def test_first_draft_equals_the_teacher_forced_mtp_prediction(models, monkeypatch):
     """The catch-up forward is exactly depth 1 of `mtp_logits`: no stale chain slot leaks into it."""
-    import mtp.decode.speculative as speculative
+    from mtp.decode.drafter import Drafter
 
     model = models["sequential-hybrid"]
     seen = []
-    real = speculative.catch_up
+    real = Drafter.draft
 
-    def recording(model_, mtp_cache, hid, next_ids, start):
-        out = real(model_, mtp_cache, hid, next_ids, start)
-        seen.append((start + hid.shape[1] - 1, int(model_.head(out[0, -1], for_mtp=True).argmax())))
-        return out
+    def recording(self, k):
+        end = self.pos + self._hidden.shape[1]  # draft 1 comes from position end - 1 (paired with its next token)
+        drafts, qs = real(self, k)
+        if drafts:
+            seen.append((end - 1, drafts[0]))
+        return drafts, qs
 
-    monkeypatch.setattr(speculative, "catch_up", recording)
+    monkeypatch.setattr(Drafter, "draft", recording)
     for k in (2, 4):
         seen.clear()
         prompt = prompts(8)[3]
-        r = model.generate(prompt, max_new_tokens=40, draft_tokens=k)
+        r = mtp.generate(model, prompt, max_new_tokens=40, draft_tokens=k)
         full = torch.tensor([prompt + r.tokens])
         teacher = model.mtp_logits(full, 1)[0][0].argmax(-1)  # position i predicts token i+2
-        assert len(seen) == r.stats.backbone_forwards  # one catch-up (+ first draft) per verify
+        assert len(seen) == sum(1 for kk in r.stats.k_history if kk)  # one first draft per round that drafts
         for pos, draft in seen:
             assert draft == int(teacher[pos]), (k, pos)
+
+
+def test_keep_rejects_a_stale_verify(models):
+    model = models["sequential-hybrid"]
+    cache = model.new_cache(1, 32)
+    model(torch.tensor([[1, 2, 3]]), cache)
+    verified = model.verify(torch.tensor([[4, 5, 6]]), cache)
+    with pytest.raises(ValueError, match="keep\\(0\\)"):
+        cache.keep(verified, 0)
+    cache.keep(verified, 2)
+    assert cache.pos == 5
+    with pytest.raises(ValueError, match="the verify ended at 6"):  # the same verify cannot be applied twice
+        cache.keep(verified, 1)

@@ -13,7 +13,7 @@ import torch
 
 from mtp import load_model
 from mtp.config import ConfigError
-from mtp.io.checkpoint import read_tensors
+from mtp.io import read_tensors
 from mtp.train.config import TrainConfig, load_config
 from mtp.train.trainer import SimulatedCrash, train
 from test_data import build_toy

@@ -10,7 +10,6 @@ import torch
 import mtp
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "code-small"
-pytestmark = pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="models/code-small not committed yet")
 
 CODE = '''def read_config(path):
     """Read a JSON config file and return a dict."""

@@ -1,11 +1,12 @@
-"""mtp: Multi-Token Prediction for PyTorch (Qwen3.5 layout) with lossless self-speculative decoding."""
+"""mtp: Multi-Token Prediction for PyTorch - MTP models (Qwen3.5 layout) with lossless self-speculative decoding."""
 
 from .config import ConfigError, Qwen35Config
-from .io import CheckpointError, MissingMTPWarning, load_model, save_model
-from .model import Qwen35ForCausalLM
+from .decode import GenerationResult, generate, stream
+from .io import CheckpointError, Tokenizer
+from .model import CausalLM, MissingMTPWarning, Qwen35ForCausalLM, load_model, save_model
 
 __all__ = [
-    "CheckpointError", "ConfigError", "MissingMTPWarning", "Qwen35Config", "Qwen35ForCausalLM",
-    "load_model", "save_model",
+    "CausalLM", "CheckpointError", "ConfigError", "GenerationResult", "MissingMTPWarning", "Qwen35Config",
+    "Qwen35ForCausalLM", "Tokenizer", "generate", "load_model", "save_model", "stream",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

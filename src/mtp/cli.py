@@ -4,63 +4,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "code-small"
-
-
-def default_model_path() -> Path:
-    """$MTP_MODEL, else the model shipped in the repository (models/code-small)."""
-    return Path(os.environ.get("MTP_MODEL", DEFAULT_MODEL))
-
-
-def parse_draft_tokens(value: str) -> int | str | None:
-    if value in ("auto",):
-        return "auto"
-    try:
-        k = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--draft-tokens must be an integer 0..8 or 'auto', got {value!r}") from None
-    if not 0 <= k <= 8:
-        raise argparse.ArgumentTypeError(f"--draft-tokens must be in 0..8 or 'auto', got {k}")
-    return k or None
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, default=None, help="checkpoint folder (HF layout); default: the shipped model")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-
-
-def load_from_args(args):
-    import torch
-
-    from .io import load_model
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    path = args.model or default_model_path()
-    if not path.exists():
-        raise SystemExit(f"mtp: model folder {path} does not exist (pass --model PATH)")
-    return load_model(path, dtype=args.dtype)
-
-
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--draft-tokens", type=parse_draft_tokens, default="auto",
-                   help="MTP drafts per step: 0 = plain decoding, 1..8, or 'auto' (default)")
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+from .bench.cli import register as register_bench
+from .cli_common import add_model_args, add_sampling_args, load_from_args
+from .data.cli import register as register_data
+from .serve.cli import register as register_serve
+from .train.cli import register as register_train
 
 
 def cmd_generate(args) -> int:
+    from .decode import stream
+
     model = load_from_args(args)
     tok = model.tokenizer
     if args.prompt is None and args.prompt_file is None:
@@ -75,7 +32,7 @@ def cmd_generate(args) -> int:
               top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
               stop=args.stop, draft_tokens=args.draft_tokens)
     t0 = time.perf_counter()
-    s = model.stream(ids, **kw)
+    s = stream(model, ids, **kw)
     if args.json:
         for _ in s:
             pass
@@ -117,11 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print token ids, text, timing and statistics as JSON")
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
-    from .bench import register as register_bench
-    from .data.cli import register as register_data
-    from .serve.cli import register as register_serve
-    from .train.cli import register as register_train
-
     for register in (register_data, register_train, register_bench, register_serve):
         register(sub)
     return parser

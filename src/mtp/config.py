@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import warnings
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,15 @@ class ConfigError(ValueError):
     """A config value is missing, malformed or contradicts another key (the message names the key)."""
 
 
+class ConfigWarning(UserWarning):
+    """A config value that is used, but not as its other keys suggest (the message names the keys)."""
+
+
 @dataclass
 class Qwen35Config:
+    # The keys that describe the MTP module (what `mtp heal` carries over from a base checkpoint).
+    mtp_keys = ("mtp_num_hidden_layers", "mtp_style", "mtp_use_dedicated_embeddings")
+
     vocab_size: int = 248320
     hidden_size: int = 1024
     intermediate_size: int = 3584
@@ -188,15 +196,15 @@ class Qwen35Config:
             for i, kind in enumerate(kwargs["layer_types"]):
                 if kind not in LAYER_TYPES:
                     raise ConfigError(f"config key 'layer_types[{i}]' is {kind!r}; expected one of {LAYER_TYPES}")
-        if given_types and cfg_interval is not None:
+        if given_types and isinstance(cfg_interval, int) and cfg_interval > 0:
             expect = [
                 "full_attention" if (i + 1) % cfg_interval == 0 else "linear_attention"
                 for i in range(len(kwargs["layer_types"]))
             ]
             if expect != kwargs["layer_types"]:
-                raise ConfigError(
-                    f"config key 'layer_types' contradicts 'full_attention_interval' ({cfg_interval})"
-                )
+                # transformers lets an explicit layer_types win (it writes such configs for all-attention models)
+                warnings.warn(f"config key 'layer_types' disagrees with 'full_attention_interval' ({cfg_interval}); "
+                              "using 'layer_types'", ConfigWarning, stacklevel=3)
         # Remember which keys the file had, so that writing it back adds none of our defaults.
         extra["__keys__"] = sorted(k for k in text if k in known)
         for key in ("num_hidden_layers", "hidden_size", "vocab_size"):

@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from ..config import Qwen35Config
+from ..model import config_from_dict
+from ..model.families import model_class_for
 
 # Qwen3.5-0.8B's text shape (hidden 1024, 24 layers, real 248,320-token vocabulary, one MTP layer).
 SHAPES = {
@@ -29,7 +30,7 @@ SHAPES = {
         vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
         num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
         linear_key_head_dim=128, linear_value_head_dim=128, full_attention_interval=4, tie_word_embeddings=True,
-        mtp_num_hidden_layers=1, max_position_embeddings=4096,
+        mtp_num_hidden_layers=1, max_position_embeddings=4096, model_type="qwen3_5_text",
     ),
 }
 
@@ -53,25 +54,17 @@ def cost_model_speedup(acceptance: list[float], k: int, c_draft: float, c_verify
 
 def build_shape_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0):
     """A random-weight model of a named shape, built in code (no download)."""
-    from ..model import Qwen35ForCausalLM, init_weights_
-
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r}; known: {sorted(SHAPES)}")
-    torch.manual_seed(seed)
+    config = config_from_dict(dict(SHAPES[name]))
     with torch.device("meta"):  # skip the default init (slow at 0.8B), then materialise once
-        model = Qwen35ForCausalLM(Qwen35Config(**SHAPES[name]))
+        model = model_class_for(config)(config)
     model = model.to_empty(device="cpu")
-    model.inv_freq.copy_(_inv_freq(model.config))
-    init_weights_(model, seed=seed)
-    if model.config.tie_word_embeddings:
+    if getattr(config, "tie_word_embeddings", False):
         model.lm_head.weight = model.model.embed_tokens.weight
+    torch.manual_seed(seed)
+    model.init_weights()
     return model.to(dtype).eval()
-
-
-def _inv_freq(c: Qwen35Config) -> torch.Tensor:
-    from ..model.rope import rope_inv_freq
-
-    return rope_inv_freq(c.rotary_dim, c.rope_theta)
 
 
 def _timed(fn) -> float:
@@ -80,18 +73,9 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-@torch.inference_mode()
-def measure_costs(model, q_max: int = 8, context: int = 128, iters: int = 15, warmup: int = 2,
-                  extra_heads: dict | None = None, compare_threads: bool = True) -> dict:
-    """Median wall times of: one plain decode step t(1); a verify forward of q = 1..q_max tokens (with
-    per-position DeltaNet states recorded, as speculative decoding does) and the same q tokens without
-    recording (the prefill path, q = 2, 4, 8); one MTP draft step (embed + MTP layer + head + argmax) and its parts.
-
-    All kinds are interleaved within each iteration at the same cache position (`context`), so machine
-    noise hits them alike. `extra_heads`: {name: fn(hidden [1,1,H]) -> token} alternative draft heads
-    (e.g. a reduced vocabulary) timed beside the full head. `compare_threads`: also time the plain step
-    at 1 and 2 threads (those this machine has). Returns times (s) and ratios to t(1).
-    """
+def _step_fns(model, q_max: int, context: int, extra_heads: dict | None) -> dict:
+    """The timed operations, all starting at the same cache position `context`: the plain step, verify of
+    q = 1..q_max (per-position states kept), the same q through the prefill path, and the MTP draft step."""
     dev = model.device
     c = model.config
     g = torch.Generator().manual_seed(0)
@@ -105,46 +89,59 @@ def measure_costs(model, q_max: int = 8, context: int = 128, iters: int = 15, wa
         cache.pos = p0
         int(model(toks[1], cache)[0, -1].argmax())
 
-    def verify(q: int, record: bool):
+    def verify(q: int):
         def f():
             cache.pos = p0
-            if record:
-                cache.begin_verify(q)
+            verified = model.verify(toks[q], cache)
+            model.head(verified.hidden).argmax(-1).tolist()
+            cache.keep(verified, q)
+        return f
+
+    def prefill_path(q: int):
+        def f():
+            cache.pos = p0
             model(toks[q], cache).argmax(-1).tolist()
-            if record:
-                cache.accept(q)
         return f
 
     fns = {"plain": plain}
-    fns.update({f"verify{q}": verify(q, True) for q in range(1, q_max + 1)})
-    chunked = [q for q in (2, 4, 8) if q <= q_max]
-    fns.update({f"chunked{q}": verify(q, False) for q in chunked})
+    fns.update({f"verify{q}": verify(q) for q in range(1, q_max + 1)})
+    fns.update({f"chunked{q}": prefill_path(q) for q in (2, 4, 8) if q <= q_max})
     if model.mtp is not None:
         mcache = model.new_mtp_cache(1, context + q_max + 4)
 
         def mtp_layer():
-            emb = model.embed(toks[1], for_mtp=True)
-            cos, sin = model.rope(p0, 1)
-            return model.mtp.step(1, hidden, emb, cos, sin, mcache[0], p0)
+            return model.mtp_step(1, hidden, toks[1], p0, mcache)
 
         h_mtp = mtp_layer()
-        fns["draft"] = lambda: int(model.head(mtp_layer(), for_mtp=True)[0, -1].argmax())
+        fns["draft"] = lambda: int(model.mtp_head(mtp_layer(), 1)[0, -1].argmax())
         fns["draft_layer"] = mtp_layer
-        fns["draft_head"] = lambda: int(model.head(h_mtp, for_mtp=True)[0, -1].argmax())
+        fns["draft_head"] = lambda: int(model.mtp_head(h_mtp, 1)[0, -1].argmax())
         for name, head in (extra_heads or {}).items():
             fns[f"draft_head[{name}]"] = lambda head=head: int(head(h_mtp))
             fns[f"draft[{name}]"] = lambda head=head: int(head(mtp_layer()))
+    return fns
+
+
+def _time_interleaved(fns: dict, iters: int, warmup: int) -> dict[str, float]:
+    """Median wall time of each function, all of them run in turn every iteration (noise hits them alike)."""
     times: dict[str, list[float]] = {k: [] for k in fns}
-    threads = torch.get_num_threads()
-    other_threads = [n for n in (1, 2) if n != threads and n <= (os.cpu_count() or 1)] if compare_threads else []
     for it in range(warmup + iters):
         for name, fn in fns.items():
             t = _timed(fn)
             if it >= warmup:
                 times[name].append(t)
-    by_threads: dict[int, list[float]] = {n: [] for n in [threads] + other_threads}
-    for it in range(warmup + iters if other_threads else 0):  # the plain step by thread count, A B A B
-        for n in by_threads:
+    return {k: statistics.median(v) for k, v in times.items() if v}
+
+
+def _time_by_threads(plain, iters: int, warmup: int) -> dict[int, float]:
+    """The plain step at 1 and 2 threads (those this machine has), alternating A B A B."""
+    threads = torch.get_num_threads()
+    counts = [threads] + [n for n in (1, 2) if n != threads and n <= (os.cpu_count() or 1)]
+    if len(counts) == 1:
+        return {}
+    by_threads: dict[int, list[float]] = {n: [] for n in counts}
+    for it in range(warmup + iters):
+        for n in counts:
             torch.set_num_threads(n)
             try:
                 plain()  # the first step after a change of thread count pays for waking the pool
@@ -153,15 +150,29 @@ def measure_costs(model, q_max: int = 8, context: int = 128, iters: int = 15, wa
                 torch.set_num_threads(threads)
             if it >= warmup:
                 by_threads[n].append(t)
-    med = {k: statistics.median(v) for k, v in times.items() if v}
+    return {n: statistics.median(v) for n, v in by_threads.items()}
+
+
+@torch.inference_mode()
+def measure_costs(model, q_max: int = 8, context: int = 128, iters: int = 15, warmup: int = 2,
+                  extra_heads: dict | None = None, compare_threads: bool = True) -> dict:
+    """Median wall times of: one plain decode step t(1); a verify forward of q = 1..q_max tokens (with
+    per-position DeltaNet states kept, as speculative decoding does) and the same q tokens through the prefill
+    path (q = 2, 4, 8); one MTP draft step (MTP layer + head + argmax) and its parts.
+
+    `extra_heads`: {name: fn(hidden [1,1,H]) -> token} alternative draft heads (e.g. a reduced vocabulary)
+    timed beside the full head. `compare_threads`: also time the plain step at 1 and 2 threads. Returns times
+    (s) and ratios to t(1)."""
+    fns = _step_fns(model, q_max, context, extra_heads)
+    med = _time_interleaved(fns, iters, warmup)
     t1 = med["plain"]
     out = {
         "context": context, "iters": iters, "threads": torch.get_num_threads(), "t1_s": t1,
         "plain_tokens_per_s": 1.0 / t1,
         "c_verify": {q: med[f"verify{q}"] / t1 for q in range(1, q_max + 1)},
-        "c_chunked": {q: med[f"chunked{q}"] / t1 for q in chunked},
+        "c_chunked": {q: med[f"chunked{q}"] / t1 for q in (2, 4, 8) if q <= q_max},
         "times_s": med,
-        "t1_by_threads_s": {n: statistics.median(v) for n, v in by_threads.items() if v},
+        "t1_by_threads_s": _time_by_threads(fns["plain"], iters, warmup) if compare_threads else {},
     }
     if "draft" in med:
         out["c_draft"] = med["draft"] / t1

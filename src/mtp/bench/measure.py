@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..decode import generate
 from .prompts import Prompt
 
 PLAIN = "mtp plain"
@@ -84,17 +85,18 @@ def _peak_rss_mb() -> float:
 
 
 # ---------------------------------------------------------------------- engines
-def load_transformers(path: Path, dtype: str):
-    """transformers' Qwen3_5ForCausalLM on the same folder, or (None, reason) when it cannot be used."""
+def load_transformers(path: str | Path, dtype: torch.dtype, device: torch.device):
+    """transformers' causal LM on the same folder (its AutoModelForCausalLM), or (None, reason) when this install
+    or this family has none: the transformers column is a comparison, not part of `mtp`."""
     try:
         import transformers
-        from transformers import Qwen3_5ForCausalLM
+        from transformers import AutoModelForCausalLM
     except ImportError as e:
         return None, f"transformers is not installed ({e})"
-    transformers.logging.set_verbosity_error()  # it warns about the mtp.* tensors it does not use
+    transformers.logging.set_verbosity_error()  # it warns about the MTP tensors it does not use
     try:
-        model = Qwen3_5ForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
-    except Exception as e:  # noqa: BLE001 - any failure becomes a note in the report, not a crash
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device)
+    except Exception as e:  # noqa: BLE001 - a family transformers cannot load becomes a note in the report
         return None, f"transformers could not load {path}: {type(e).__name__}: {e}"
     return model.eval(), None
 
@@ -103,8 +105,8 @@ def make_generate_fn(model, hf_model, cfg: BenchConfig, max_new_tokens: int, pad
     """A function prompt_ids -> (new token ids, mtp stats or None, k history), greedy, EOS stops disabled."""
     if cfg.engine == "mtp":
         def run_mtp(ids: list[int]):
-            r = model.generate(ids, max_new_tokens=max_new_tokens, temperature=0.0, draft_tokens=cfg.draft_tokens,
-                               eos_token_ids=[])
+            r = generate(model, ids, max_new_tokens=max_new_tokens, temperature=0.0, draft_tokens=cfg.draft_tokens,
+                         eos_token_ids=[])
             return r.tokens, r.stats.as_dict(), list(r.stats.k_history)
         return run_mtp
 
@@ -116,7 +118,7 @@ def make_generate_fn(model, hf_model, cfg: BenchConfig, max_new_tokens: int, pad
                                   pad_token_id=pad_token_id, bos_token_id=None)
 
     def run_hf(ids: list[int]):
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=hf_model.device)
         with torch.inference_mode():
             out = hf_model.generate(x, attention_mask=torch.ones_like(x), generation_config=gen_config)
         return out[0, len(ids):].tolist(), None, []
@@ -129,18 +131,18 @@ def run_interleaved(model, hf_model, configs: list[BenchConfig], prompts: list[P
                     warmup_tokens: int = 8) -> tuple[list[Run], dict[str, str]]:
     """Warm every configuration up, then measure repeats x prompts x configs, interleaved.
 
-    Returns the runs and {config name: reason} for configurations skipped (e.g. speculative decoding not
-    available in this build)."""
-    skipped: dict[str, str] = {}
+    Returns the runs and {config name: error} for configurations that failed (they are left out of the
+    measurement and the bench reports them as failures)."""
+    failed: dict[str, str] = {}
     fns = {}
     for cfg in configs:
         fns[cfg.name] = make_generate_fn(model, hf_model, cfg, max_new_tokens, pad_token_id)
         warm = make_generate_fn(model, hf_model, cfg, warmup_tokens, pad_token_id)
         try:
             warm(prompt_ids[0])
-        except (ImportError, NotImplementedError) as e:
-            skipped[cfg.name] = f"{type(e).__name__}: {e}"
-    active = [c for c in configs if c.name not in skipped]
+        except Exception as e:  # noqa: BLE001 - reported as this configuration's failure, the others still run
+            failed[cfg.name] = f"{type(e).__name__}: {e}"
+    active = [c for c in configs if c.name not in failed]
     runs: list[Run] = []
     for r in range(repeats):
         for p, ids in enumerate(prompt_ids):
@@ -156,7 +158,7 @@ def run_interleaved(model, hf_model, configs: list[BenchConfig], prompts: list[P
                 runs.append(Run(cfg.name, p, r, tokens, seconds, _peak_rss_mb(), stats, k_hist, before))
                 if progress is not None:
                     progress.update(1)
-    return runs, skipped
+    return runs, failed
 
 
 def check_identical(runs: list[Run], reference: str = PLAIN) -> list[str]:

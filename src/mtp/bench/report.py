@@ -131,7 +131,7 @@ def markdown_report(summary: dict, meta: dict) -> str:
         parts.append(text)
     parts.append(f"\\* {ACCEPTED_LENGTH_NOTE}. Speedups are ratios of tokens/s (medians over interleaved repeats). "
                  "The cost-model speedup is E(k) / (k c_draft + c_verify(k+1)) from the measured acceptance.")
-    for name, why in meta.get("skipped", {}).items():
+    for name, why in meta.get("notes", {}).items():
         parts.append(f"note: {name}: {why}")
     return "\n\n".join(parts)
 
@@ -208,6 +208,7 @@ def plot(summary: dict, out: Path) -> list[Path]:
     ax.set_ylabel("tokens/s relative to mtp plain greedy")
     ax.set_title("Speculative decoding speedup vs k")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
     paths.append(_save(fig, out / "speedup_vs_k.png"))
     return paths

@@ -1,4 +1,4 @@
-"""Statistics of one generation, defined once (STYLE.md §8)."""
+"""Statistics of one generation, defined once (the definitions: docs/architecture.md, "Statistics")."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-from .checkpoint import MissingMTPWarning, load_model, save_model
+from .files import read_tensors
 from .safetensors_mmap import CheckpointError
+from .tokenizer import Tokenizer
 
-__all__ = ["CheckpointError", "MissingMTPWarning", "load_model", "save_model"]
-from .tokenizer import Tokenizer  # noqa: E402
-
-__all__ += ["Tokenizer"]
+__all__ = ["CheckpointError", "Tokenizer", "read_tensors"]

@@ -31,25 +31,29 @@ class SafetensorsFile:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         try:
-            self._fh = open(self.path, "rb")
+            fh = open(self.path, "rb")
         except OSError as e:
             raise CheckpointError(f"{self.path}: cannot open ({e.strerror})") from None
-        size = self.path.stat().st_size
-        head = self._fh.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{self.path}: truncated or corrupt safetensors file (only {size} bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8:
-            raise CheckpointError(f"{self.path}: truncated or corrupt safetensors file (header of {n} bytes "
-                                  f"in a file of {size})")
-        try:
-            header = json.loads(self._fh.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise CheckpointError(f"{self.path}: corrupt safetensors header (not JSON)") from None
-        self.metadata = header.pop("__metadata__", None) or {}
-        self._entries = header
-        self._base = 8 + n
-        data_size = size - self._base
+        with fh:  # the map keeps its own reference to the file: the descriptor is not needed afterwards
+            size = self.path.stat().st_size
+            head = fh.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{self.path}: truncated or corrupt safetensors file (only {size} bytes)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise CheckpointError(f"{self.path}: truncated or corrupt safetensors file (header of {n} bytes "
+                                      f"in a file of {size})")
+            try:
+                header = json.loads(fh.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise CheckpointError(f"{self.path}: corrupt safetensors header (not JSON)") from None
+            self.metadata = header.pop("__metadata__", None) or {}
+            self._entries = header
+            self._base = 8 + n
+            self._check(header, size - self._base)
+            self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+
+    def _check(self, header: dict, data_size: int) -> None:
         for name, e in header.items():
             start, end = e["data_offsets"]
             if e["dtype"] not in DTYPES:
@@ -62,7 +66,6 @@ class SafetensorsFile:
                 numel *= s
             if end - start != numel * DTYPES[e["dtype"]].itemsize:
                 raise CheckpointError(f"{self.path}: corrupt: tensor '{name}' byte size does not match its shape")
-        self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
 
     def keys(self) -> list[str]:
         return list(self._entries)
@@ -73,15 +76,30 @@ class SafetensorsFile:
     def dtype(self, name: str) -> torch.dtype:
         return DTYPES[self._entries[name]["dtype"]]
 
+    def nbytes(self, name: str) -> int:
+        start, end = self._entries[name]["data_offsets"]
+        return end - start
+
     def tensor(self, name: str) -> torch.Tensor:
         e = self._entries[name]
         start, end = e["data_offsets"]
         dtype = DTYPES[e["dtype"]]
         if end == start:
             return torch.empty(e["shape"], dtype=dtype)
+        if self._mm is None:
+            raise CheckpointError(f"{self.path}: file already closed (reading tensor '{name}')")
         t = torch.frombuffer(self._mm, dtype=dtype, count=(end - start) // dtype.itemsize,
                              offset=self._base + start)
         return t.view(e["shape"])
 
     def close(self) -> None:
-        self._fh.close()
+        """Let go of the map (the file descriptor was closed when it was mapped). Tensors taken from this file
+        hold their own reference to the map, so it is unmapped only when the last of them is freed: closing never
+        invalidates them (an explicit mmap.close() would, as torch.frombuffer does not pin the buffer)."""
+        self._mm = None
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
+from .chat_template import fallback_chat_prompt, render_chat_template
+
 
 class Tokenizer:
     """encode(str) -> list[int], decode(list[int]) -> str, plus special ids and the chat template."""
@@ -50,21 +52,12 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render chat messages with the model's Jinja template, or a plain documented fallback:
-        `role: content` lines followed by `assistant:` when there is no template."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+        """Render chat messages with the model's Jinja template in a sandbox (as transformers does; a template
+        that reaches for Python internals raises ChatTemplateError), or the documented fallback without one:
+        `role: content` lines followed by `assistant:`."""
         if self.chat_template:
-            import jinja2
-
-            env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-
-            def raise_exception(msg):
-                raise ValueError(msg)
-
-            env.globals["raise_exception"] = raise_exception
-            return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                eos_token=self.eos_token or "", bos_token=self.config.get("bos_token") or "",
-            )
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-        return text + ("assistant:" if add_generation_prompt else "")
+            extra.setdefault("eos_token", self.eos_token or "")
+            extra.setdefault("bos_token", self.config.get("bos_token") or "")
+            return render_chat_template(self.chat_template, messages, add_generation_prompt, **extra)
+        return fallback_chat_prompt(messages, add_generation_prompt)

@@ -1,3 +1,8 @@
-from .model import Qwen35ForCausalLM, Qwen35TextModel, init_weights_
+from .base import CausalLM
+from .cache import Cache, Verified
+from .checkpoint import MissingMTPWarning, load_model, save_model
+from .families import FAMILIES, config_from_dict, config_from_json
+from .qwen3_5 import Qwen35ForCausalLM, init_weights_
 
-__all__ = ["Qwen35ForCausalLM", "Qwen35TextModel", "init_weights_"]
+__all__ = ["FAMILIES", "Cache", "CausalLM", "MissingMTPWarning", "Qwen35ForCausalLM", "Verified", "config_from_dict",
+           "config_from_json", "init_weights_", "load_model", "save_model"]

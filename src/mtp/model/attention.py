@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import Qwen35Config
-from .cache import AttnCache
+from .cache import KVCache, Positions
 from .norm import RMSNorm
 from .rope import apply_rope
 
@@ -22,10 +22,10 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: AttnCache | None = None, pos: int = 0
-    ) -> torch.Tensor:
-        """x [B, T, H] at positions pos..pos+T-1 -> [B, T, H]; writes K/V into `cache` at those positions."""
+    def forward(self, x: torch.Tensor, pos: Positions, cache: KVCache | None = None,
+                keep_states: bool = False) -> tuple[torch.Tensor, None]:
+        """x [B, T, H] at positions pos.start.. -> ([B, T, H], None); writes K/V into `cache` at those positions.
+        (Nothing to snapshot for a verify: entries are addressed by position.)"""
         B, T, _ = x.shape
         D = self.head_dim
         # Per head the projection holds [query (D), gate (D)].
@@ -34,21 +34,27 @@ class GatedAttention(nn.Module):
         q = self.q_norm(q).transpose(1, 2)  # [B, A, T, D]
         k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, D)).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, D).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-        mask, causal = None, T > 1
-        if cache is not None:
-            cache.k[:, :, pos : pos + T] = k
-            cache.v[:, :, pos : pos + T] = v
-            k, v = cache.k[:, :, : pos + T], cache.v[:, :, : pos + T]
-            if pos > 0:
-                causal = False
-                if T > 1:  # query i sees keys 0..pos+i (SDPA's is_causal aligns top-left, wrong here)
-                    rows = torch.arange(T, device=x.device)[:, None] + pos
-                    mask = torch.arange(pos + T, device=x.device)[None, :] <= rows
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, scale=D**-0.5,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
+        q, k = apply_rope(q, pos.cos, pos.sin), apply_rope(k, pos.cos, pos.sin)
+        out = attend(q, k, v, cache, pos.start, D**-0.5)
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * D) * torch.sigmoid(gate)
-        return self.o_proj(out)
+        return self.o_proj(out), None
+
+    def new_state(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:
+        return KVCache.allocate(batch, self.num_kv_heads, max_len, self.head_dim, self.head_dim, dtype, device)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None, start: int,
+           scale: float) -> torch.Tensor:
+    """Causal (grouped-query) attention of q [B, A, T, D] over k/v [B, Hk, T, D] at positions start..; with a
+    cache, k/v are stored there first and q attends to every earlier position too. Returns [B, A, T, Dv]."""
+    T = q.shape[2]
+    mask, causal = None, T > 1
+    if cache is not None:
+        k, v = cache.write(k, v, start)
+        if start > 0:
+            causal = False
+            if T > 1:  # query i sees keys 0..start+i (SDPA's is_causal aligns top-left, wrong here)
+                rows = torch.arange(T, device=q.device)[:, None] + start
+                mask = torch.arange(start + T, device=q.device)[None, :] <= rows
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])

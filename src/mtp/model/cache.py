@@ -1,8 +1,11 @@
-"""Decode state: preallocated attention KV addressed by position, Gated DeltaNet conv + recurrent state.
+"""Decode state, and what one verify forward returns so that rollback never recomputes.
 
-Rollback is an index move: attention entries past the accepted length are simply overwritten later,
-and a verify step records the DeltaNet state after every verified position so the state after the
-accepted prefix is selected, never recomputed.
+- `KVCache`: attention keys/values preallocated for `max_len` positions and addressed by position, so
+  rolling back is only moving `Cache.pos` (entries past it are overwritten later).
+- `DeltaState`: a Gated DeltaNet layer's conv inputs and recurrent state. A verify forward of q tokens
+  returns a `DeltaSnapshot` per such layer (the conv window and every position's state in factored form);
+  `Cache.keep(verified, n)` selects the state after the n-th position.
+- `Verified`: the hidden states of a verify forward and the snapshots; nothing is left on the cache.
 """
 
 from __future__ import annotations
@@ -11,83 +14,107 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import Qwen35Config
-from .deltanet import state_at
+
+@dataclass
+class Positions:
+    """Where the T tokens of one forward sit: positions start..start+T-1 (every batch row alike), with the
+    rotary tables the family computed for them (cos/sin [T, R]; None for a family without RoPE)."""
+
+    start: int
+    length: int
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
 
 
 @dataclass
-class AttnCache:
-    k: torch.Tensor  # [B, Hk, S, D]
-    v: torch.Tensor  # [B, Hk, S, D]
+class KVCache:
+    k: torch.Tensor  # [B, Hk, S, Dk]
+    v: torch.Tensor  # [B, Hk, S, Dv]
+
+    @classmethod
+    def allocate(cls, batch: int, heads: int, max_len: int, k_dim: int, v_dim: int, dtype: torch.dtype,
+                 device: torch.device | str) -> KVCache:
+        return cls(torch.zeros(batch, heads, max_len, k_dim, dtype=dtype, device=device),
+                   torch.zeros(batch, heads, max_len, v_dim, dtype=dtype, device=device))
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, Hk, T, D] at positions start..start+T-1; return the keys/values of positions
+        0..start+T-1 (views, no copy)."""
+        end = start + k.shape[2]
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
 
 
 @dataclass
-class DeltaCache:
+class DeltaSnapshot:
+    """What a verify forward of q tokens keeps for one Gated DeltaNet layer: the conv window and every
+    position's recurrent state in factored form (S0 [B, H, Kd, Vd], gc [B, H, q], k [B, H, q, Kd], v' [B, H, q, Vd]):
+        S_t = exp(gc_t) S0 + sum_{j<=t} exp(gc_t - gc_j) k_j v'_j^T
+    Writing all q states out would cost q full [Kd, Vd] tensors per head; `state(n)` builds one with a single
+    rank-n product."""
+
+    window: torch.Tensor  # [B, C, kernel-1+q]: the conv inputs before and of the q tokens
+    s0: torch.Tensor
+    gc: torch.Tensor
+    k: torch.Tensor
+    v_new: torch.Tensor
+
+    def state(self, n: int) -> torch.Tensor:
+        """The recurrent state after the first n (>= 1) positions: [B, H, Kd, Vd]."""
+        last = self.gc[..., n - 1 : n]  # [B, H, 1]
+        kd = self.k[:, :, :n] * (last - self.gc[..., :n]).exp()[..., None]  # [B, H, n, Kd]
+        return last.exp()[..., None] * self.s0 + kd.transpose(-1, -2) @ self.v_new[:, :, :n]
+
+
+@dataclass
+class DeltaState:
     conv: torch.Tensor  # [B, C, kernel-1]: the last conv inputs
-    ssm: torch.Tensor  # [B, Hv, Kd, Vd] fp32
-    # Filled by a recording (verify) forward of q tokens: conv inputs [B, C, kernel-1+q] and the states after
-    # each of the q positions, in the factored form of `deltanet.verify_gated_delta_rule`.
-    window: torch.Tensor | None = None
-    states: tuple[torch.Tensor, ...] | None = None
+    ssm: torch.Tensor  # [B, Hv, Kd, Vd], fp32
+
+    def restore(self, snap: DeltaSnapshot, n: int) -> None:
+        """Make this the state after the first n (>= 1) of the snapshot's q positions (selected, not recomputed)."""
+        width = self.conv.shape[-1]
+        self.conv.copy_(snap.window[:, :, n : n + width])
+        self.ssm.copy_(snap.state(n))
+
+
+@dataclass
+class Verified:
+    """A verify forward of q tokens from position `start`: hidden [B, q, H] and, per layer, the snapshot that
+    rollback needs (None for layers whose state is addressed by position)."""
+
+    hidden: torch.Tensor
+    start: int
+    snapshots: list[DeltaSnapshot | None]
+
+    @property
+    def length(self) -> int:
+        return self.hidden.shape[1]
 
 
 class Cache:
-    """Per-layer decode state for one sequence batch; `pos` = tokens already consumed."""
+    """Per-layer decode state of one batch of sequences; `pos` = tokens already consumed."""
 
-    def __init__(self, layers: list[AttnCache | DeltaCache], max_len: int):
+    def __init__(self, layers: list, max_len: int):
         self.layers = layers
         self.max_len = max_len
         self.pos = 0
-        self.record = False  # set by verify: DeltaNet layers keep the state after every position
-        self._pending = 0
-
-    @classmethod
-    def allocate(
-        cls,
-        config: Qwen35Config,
-        layer_types: list[str],
-        batch: int,
-        max_len: int,
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-    ) -> Cache:
-        c = config
-        layers: list[AttnCache | DeltaCache] = []
-        conv_dim = 2 * c.linear_key_head_dim * c.linear_num_key_heads + c.linear_value_head_dim * c.linear_num_value_heads
-        for kind in layer_types:
-            if kind == "full_attention":
-                shape = (batch, c.num_key_value_heads, max_len, c.head_dim)
-                layers.append(AttnCache(torch.zeros(shape, dtype=dtype, device=device),
-                                        torch.zeros(shape, dtype=dtype, device=device)))
-            else:
-                layers.append(DeltaCache(
-                    torch.zeros(batch, conv_dim, c.linear_conv_kernel_dim - 1, dtype=dtype, device=device),
-                    torch.zeros(batch, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
-                                dtype=torch.float32, device=device),
-                ))
-        return cls(layers, max_len)
 
     def check_room(self, n: int) -> None:
         if self.pos + n > self.max_len:
             raise ValueError(f"cache holds {self.max_len} positions; cannot add {n} at position {self.pos}")
 
-    def begin_verify(self, q: int) -> None:
-        """Next forward (q tokens) records per-position DeltaNet states for `accept`."""
-        self.record = True
-        self._pending = q
-
-    def accept(self, n: int) -> None:
-        """Keep the first n (1 <= n <= q) of the q tokens of the last recorded forward; drop the rest."""
-        q = self._pending
+    def keep(self, verified: Verified, n: int) -> None:
+        """Keep the first n (1 <= n <= q) positions of a verify forward and roll the others back: DeltaNet
+        states are selected from the snapshots, attention entries past the new `pos` are overwritten later."""
+        q = verified.length
         if not 1 <= n <= q:
-            raise ValueError(f"accept({n}) after a verify of {q} tokens")
-        for layer in self.layers:
-            if isinstance(layer, DeltaCache) and layer.window is not None:
-                if n < q:
-                    width = layer.conv.shape[-1]
-                    layer.conv.copy_(layer.window[:, :, n : n + width])
-                    layer.ssm.copy_(state_at(layer.states, n))
-                layer.window = layer.states = None
-        self.pos -= q - n
-        self.record = False
-        self._pending = 0
+            raise ValueError(f"keep({n}) after a verify of {q} tokens")
+        if self.pos != verified.start + q:
+            raise ValueError(f"keep(): the cache is at position {self.pos}, the verify ended at {verified.start + q}")
+        if n < q:
+            for state, snap in zip(self.layers, verified.snapshots):
+                if snap is not None:
+                    state.restore(snap, n)
+        self.pos = verified.start + n

@@ -3,22 +3,18 @@
 Per value head, with state S [Kd, Vd]:  S <- S * exp(g);  delta = beta * (v - k^T S);  S <- S + k delta^T;
 o = q^T S.  Three forms: a chunked (parallel within chunks) form for prefill and training, a
 recurrent form for one-token decoding, and a one-chunk form for verification that also returns the state
-after every verified position (rollback selects one).
+after every verified position in factored form (`cache.DeltaSnapshot`; rollback selects one).
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import Qwen35Config
+from .cache import DeltaSnapshot, DeltaState, Positions
 from .norm import RMSNormGated
-
-if TYPE_CHECKING:
-    from .cache import DeltaCache
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -72,14 +68,12 @@ def chunk_gated_delta_rule(
 
 def verify_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """The chunked form as ONE chunk of T (a verify block, no padding), keeping every position's state.
 
-    Shapes as `chunk_gated_delta_rule`; state [B, H, Kd, Vd]. Returns o [B, H, T, Vd], the final state,
-    and the states of all T positions in factored form (S_0, gc, k, v'):
-        S_t = exp(gc_t) S_0 + sum_{j<=t} exp(gc_t - gc_j) k_j v'_j^T
-    `state_at` materialises one of them with a single rank-t product: rollback selects a kept state and
-    never re-runs the layer. (Writing all T states out costs T full [Kd, Vd] tensors per head - at
+    Shapes as `chunk_gated_delta_rule`; state [B, H, Kd, Vd]. Returns o [B, H, T, Vd] and the states of all
+    T positions in factored form (S_0, gc, k, v') - see `cache.DeltaSnapshot`: rollback selects a kept state
+    and never re-runs the layer. (Writing all T states out costs T full [Kd, Vd] tensors per head - at
     Qwen3.5-0.8B shape that made verification slower than the recurrent loop.)
     """
     T = q.shape[2]
@@ -92,16 +86,7 @@ def verify_gated_delta_rule(
     w = torch.linalg.solve_triangular(system, kb * gc.exp()[..., None], upper=False, unitriangular=True)
     v_new = u - w @ state  # [B, H, T, Vd]
     o = (q * gc.exp()[..., None]) @ state + ((q @ k.transpose(-1, -2)) * decay) @ v_new
-    factors = (state.clone(), gc, k, v_new)
-    return o, state_at(factors, T), factors
-
-
-def state_at(factors: tuple[torch.Tensor, ...], n: int) -> torch.Tensor:
-    """The state after the first n (>= 1) positions of a verify block: [B, H, Kd, Vd]."""
-    s0, gc, k, v_new = factors
-    last = gc[..., n - 1 : n]  # [B, H, 1]
-    kd = k[:, :, :n] * (last - gc[..., :n]).exp()[..., None]  # [B, H, n, Kd]
-    return last.exp()[..., None] * s0 + kd.transpose(-1, -2) @ v_new[:, :, :n]
+    return o, (state.clone(), gc, k, v_new)
 
 
 def recurrent_gated_delta_rule(
@@ -142,12 +127,14 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNormGated(self.head_v_dim, c.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, c.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cache: DeltaCache | None = None, record: bool = False) -> torch.Tensor:
-        """x [B, T, H] -> [B, T, H]. With a cache, continue from its state and update it in place;
-        `record` keeps the state after each position in `cache.window`/`cache.states` (for rollback)."""
+    def forward(self, x: torch.Tensor, pos: Positions, cache: DeltaState | None = None,
+                keep_states: bool = False) -> tuple[torch.Tensor, DeltaSnapshot | None]:
+        """x [B, T, H] -> ([B, T, H], snapshot). With a cache, continue from its state and update it in place;
+        `keep_states` (a verify forward) also returns every position's state, for `Cache.keep`."""
         B, T, _ = x.shape
         qkv = self.in_proj_qkv(x).transpose(1, 2)  # [B, C, T]
         weight = self.conv1d.weight  # [C, 1, kernel]
+        window = None
         if cache is None:
             qkv = F.conv1d(qkv, weight, padding=self.kernel - 1, groups=self.conv_dim)[..., :T]
         else:
@@ -155,7 +142,7 @@ class GatedDeltaNet(nn.Module):
             if T <= 16:
                 # decode/verify: the taps summed left to right. mkldnn's conv1d costs ~4-10x more on such
                 # short windows, and this order is the same for every T, so a plain step (T=1) and a verify
-                # block (T=k+1) give bit-identical conv outputs (bench profile, docs/decisions.md).
+                # block (T=k+1) give bit-identical conv outputs (docs/decisions.md, 2026-11-29 bench).
                 taps = weight[:, 0, :]  # [C, kernel]
                 qkv = window[..., 0:T] * taps[:, 0:1]
                 for j in range(1, self.kernel):
@@ -163,8 +150,6 @@ class GatedDeltaNet(nn.Module):
             else:
                 qkv = F.conv1d(window, weight, groups=self.conv_dim)
             cache.conv.copy_(window[..., -(self.kernel - 1):])
-            if record:
-                cache.window = window
         qkv = F.silu(qkv).transpose(1, 2)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(B, T, self.num_k_heads, self.head_k_dim)
@@ -179,9 +164,11 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(self.in_proj_b(x).float()).transpose(1, 2)  # [B, Hv, T]
         g = (-self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())).transpose(1, 2)
 
-        if cache is not None and record:
-            o, S, cache.states = verify_gated_delta_rule(q, k, v, g, beta, cache.ssm)
-            cache.ssm.copy_(S)
+        snap = None
+        if cache is not None and keep_states:
+            o, factors = verify_gated_delta_rule(q, k, v, g, beta, cache.ssm)
+            snap = DeltaSnapshot(window, *factors)
+            cache.ssm.copy_(snap.state(T))
         elif cache is not None and T == 1:
             o, S = recurrent_gated_delta_rule(q, k, v, g, beta, cache.ssm)
             cache.ssm.copy_(S)
@@ -192,4 +179,10 @@ class GatedDeltaNet(nn.Module):
         o = o.transpose(1, 2).to(x.dtype)  # [B, T, Hv, Vd]
         z = self.in_proj_z(x).view(B, T, self.num_v_heads, self.head_v_dim)
         o = self.norm(o, z).reshape(B, T, self.value_dim)
-        return self.out_proj(o)
+        return self.out_proj(o), snap
+
+    def new_state(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> DeltaState:
+        """Zero decode state: conv inputs [B, C, kernel-1] in the model dtype, recurrent state fp32."""
+        return DeltaState(torch.zeros(batch, self.conv_dim, self.kernel - 1, dtype=dtype, device=device),
+                          torch.zeros(batch, self.num_v_heads, self.head_k_dim, self.head_v_dim, dtype=torch.float32,
+                                      device=device))

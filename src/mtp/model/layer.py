@@ -1,17 +1,23 @@
-"""Decoder layer (pre-norm mixer + SwiGLU MLP), shared by the backbone and the MTP module."""
+"""The pre-norm decoder layer (mixer + MLP, each with a residual) and the SwiGLU MLP, shared by every family.
+
+A mixer is any module with `forward(x, pos, cache, keep_states) -> (out, snapshot | None)` and
+`new_state(batch, max_len, dtype, device)`: gated attention, Gated DeltaNet, MLA, plain GQA attention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import Qwen35Config
-from .attention import GatedAttention
-from .cache import AttnCache, DeltaCache
-from .deltanet import GatedDeltaNet
-from .norm import RMSNorm
+from .cache import Positions
 
 
 class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)); [..., H] -> [..., H]."""
+
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
@@ -23,28 +29,28 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """`kind` is 'full_attention' (module `self_attn`) or 'linear_attention' (module `linear_attn`)."""
+    """`x + mixer(input_layernorm(x))`, then `x + mlp(post_attention_layernorm(x))`.
 
-    def __init__(self, config: Qwen35Config, kind: str):
+    The mixer is registered under the checkpoint's own name (`self_attn` or `linear_attn`), so parameter
+    names are the checkpoint's."""
+
+    def __init__(self, mixer_name: str, mixer: nn.Module, mlp: nn.Module, norm: Callable[[], nn.Module]):
         super().__init__()
-        self.kind = kind
-        if kind == "full_attention":
-            self.self_attn = GatedAttention(config)
-        else:
-            self.linear_attn = GatedDeltaNet(config)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mixer_name = mixer_name
+        self.add_module(mixer_name, mixer)
+        self.mlp = mlp
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        cache: AttnCache | DeltaCache | None = None, pos: int = 0, record: bool = False,
-    ) -> torch.Tensor:
-        """x [B, T, H] at positions pos.. -> [B, T, H]."""
-        h = self.input_layernorm(x)
-        if self.kind == "full_attention":
-            h = self.self_attn(h, cos, sin, cache, pos)
-        else:
-            h = self.linear_attn(h, cache, record)
+    @property
+    def mixer(self) -> nn.Module:
+        return getattr(self, self.mixer_name)
+
+    def forward(self, x: torch.Tensor, pos: Positions, cache=None, keep_states: bool = False):
+        """x [B, T, H] at positions pos.start.. -> ([B, T, H], the mixer's snapshot or None)."""
+        h, snap = self.mixer(self.input_layernorm(x), pos, cache, keep_states)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x)), snap
+
+    def new_state(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str):
+        return self.mixer.new_state(batch, max_len, dtype, device)

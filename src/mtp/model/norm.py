@@ -8,7 +8,7 @@ from torch import nn
 class RMSNorm(nn.Module):
     """Zero-centred RMSNorm: weight starts at 0 and the output is `rmsnorm(x) * (1 + w)`, in fp32.
 
-    Forgetting the `+1` gives ~0% MTP acceptance on real checkpoints (reference §2).
+    Forgetting the `+1` gives ~0% MTP acceptance on real checkpoints (docs/reference.md, "Backbone").
     """
 
     def __init__(self, dim: int, eps: float = 1e-6):

@@ -5,6 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
+
+from ..cli_common import add_model_args, load_from_args, model_name, parse_draft_tokens, require_extra
 
 DEFAULT_PORT = 8000
 DEFAULT_MAX_CONCURRENCY = 8
@@ -13,8 +16,6 @@ LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
 
 def register(subparsers) -> None:
-    from ..cli import add_model_args, parse_draft_tokens
-
     p = subparsers.add_parser("serve", help="serve the model behind an OpenAI-compatible HTTP API",
                               description=__doc__)
     add_model_args(p)
@@ -36,9 +37,9 @@ def register(subparsers) -> None:
 
 
 def cmd_serve(args) -> int:
+    require_extra("serve", "fastapi", "uvicorn")
     import uvicorn
 
-    from ..cli import default_model_path, load_from_args
     from .app import create_app
     from .engine import Engine
     from .requestlog import setup_request_log
@@ -52,7 +53,8 @@ def cmd_serve(args) -> int:
     model = load_from_args(args)
     if model.tokenizer is None:
         raise SystemExit(f"mtp serve: {model.source_path} has no tokenizer.json; the server needs one")
-    name = args.served_model_name or (args.model or default_model_path()).resolve().name
+    source = model_name(args)  # a folder is served under its name, a hub id under the id (as vLLM does)
+    name = args.served_model_name or (Path(source).resolve().name if Path(source).is_dir() else source)
     engine = Engine(model, args.draft_tokens, args.max_concurrency)
     app = create_app(engine, name, api_key=args.api_key, default_max_tokens=args.default_max_tokens)
     if args.host not in LOOPBACK:

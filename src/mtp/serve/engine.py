@@ -23,24 +23,18 @@ from dataclasses import dataclass
 
 import torch
 
+from ..decode import stream as decode_stream
+
 log = logging.getLogger("mtp.serve")
 
 
 def usable_draft_tokens(model, draft_tokens: int | str | None) -> int | str | None:
-    """The `draft_tokens` the server can actually use: None (plain decoding) when the model has no MTP
-    module or this install has no speculative decoder, with a warning saying so."""
+    """The `draft_tokens` the server can actually use: None (plain decoding) when the model has no MTP module,
+    with a warning saying so."""
     if draft_tokens in (None, 0):
         return None
     if not model.has_mtp:
         log.warning("model has no usable MTP module: serving with plain decoding (--draft-tokens %s ignored)", draft_tokens)
-        return None
-    try:
-        import mtp.decode.speculative  # noqa: F401
-    except ModuleNotFoundError as e:
-        if e.name != "mtp.decode.speculative":
-            raise
-        log.warning("this mtp has no speculative decoder yet: serving with plain decoding (--draft-tokens %s ignored)",
-                    draft_tokens)
         return None
     return draft_tokens
 
@@ -134,8 +128,8 @@ class Engine:
         self.tokenizer = model.tokenizer
         self.draft_tokens = usable_draft_tokens(model, draft_tokens)
         self.max_concurrency = max_concurrency
-        self.context = model.config.max_position_embeddings
-        self.eos_token_ids = set(model.config.eos_token_ids)  # the same stop rule as `model.generate`
+        self.context = model.context_length
+        self.eos_token_ids = set(model.eos_token_ids)  # the same stop rule as `model.generate`
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtp-generate")
         self.active = 0
         self.served = 0
@@ -156,8 +150,8 @@ class Engine:
         the caller must then release the slot itself."""
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the no-MTP fallback was already reported at startup
-            stream = self.model.stream(
-                prompt_ids, max_new_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+            stream = decode_stream(
+                self.model, prompt_ids, max_new_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
                 top_k=params.top_k, repetition_penalty=params.repetition_penalty, seed=params.seed,
                 stop=params.stop, draft_tokens=self.draft_tokens, eos_token_ids=[] if params.ignore_eos else None)
         return Job(self, stream, len(prompt_ids))

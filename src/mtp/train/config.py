@@ -12,6 +12,7 @@ from .loss import SCHEDULES
 
 MODES = ("pretrain", "heads", "finetune")
 HEADS_TARGETS = ("tokens", "self")
+DEVICES = ("auto", "cpu", "cuda", "mps")
 
 
 @dataclass
@@ -20,7 +21,8 @@ class TrainConfig:
     out: str = ""                       # run folder: checkpoints/, metrics.jsonl, loss.png
     mode: str = "pretrain"              # pretrain | heads | finetune
     init: str | None = None             # checkpoint folder to start from (heads, finetune)
-    model: dict[str, Any] = field(default_factory=dict)  # Qwen35Config keys for pretrain (vocab from the data)
+    model: dict[str, Any] = field(default_factory=dict)  # HF config keys for pretrain (vocab from the data;
+                                                          # `model_type` picks the family, default qwen3_5_text)
     seq_len: int = 256
     micro_batch: int = 8
     grad_accum: int = 1
@@ -44,6 +46,7 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     checkpoint_logits: bool = False     # recompute head + CE in backward: one depth's logits alive at a time
     seed: int = 0
+    device: str = "auto"                # auto (cuda when available, else cpu) | cpu | cuda | mps
     threads: int | None = None
     eval_every: int = 50
     eval_seqs: int = 64                 # validation windows per evaluation
@@ -81,6 +84,8 @@ class TrainConfig:
             raise ConfigError("train config keys 'warmup_steps' >= 0, 'lr' > 0, 0 <= 'min_lr_ratio' <= 1 required")
         if self.mtp_depth is not None and self.mtp_depth < 0:
             raise ConfigError(f"train config key 'mtp_depth' must be >= 0, got {self.mtp_depth}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"train config key 'device' is {self.device!r}; expected one of {DEVICES}")
         if not self.data:
             raise ConfigError("train config key 'data' (a folder built by `mtp data`) is required")
         if not self.out:

@@ -4,7 +4,7 @@ Expected acceptance (greedy, teacher forced): the MTP depth-d argmax at position
 argmax at position i+d (both predict token i+d+1).
 - `accept_d`: that rate over all positions (marginal).
 - `accept_pos_d`: P(depth d matches | depths 1..d-1 matched) at the same position, i.e. acceptance at draft
-  position d as the decoder counts it (STYLE.md item 8), on positions where every depth is defined.
+  position d as the decoder counts it (docs/architecture.md, "Statistics"), on positions where every depth is defined.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def evaluate(model, batches: Iterable[torch.Tensor], depth: int | None = None) -
     was_training = model.training
     model.eval()
     if depth is None:
-        depth = model.config.mtp_num_hidden_layers if model.mtp is not None else 0
+        depth = model.mtp.num_layers if model.mtp is not None else 0
     if model.mtp is None:
         depth = 0
     sums: dict[str, float] = {}
@@ -33,6 +33,7 @@ def evaluate(model, batches: Iterable[torch.Tensor], depth: int | None = None) -
         sums[k + "#n"] = sums.get(k + "#n", 0.0) + n
 
     for ids in batches:
+        ids = ids.to(model.device)
         B, T = ids.shape
         h = model.hidden(ids)                                          # [B, T, H]
         logits = model.head(h)                                         # [B, T, V]
@@ -43,9 +44,9 @@ def evaluate(model, batches: Iterable[torch.Tensor], depth: int | None = None) -
         del logits
         if depth:
             m = T - depth                                               # positions where every depth exists
-            chain = torch.ones(B, m, dtype=torch.bool)
+            chain = torch.ones(B, m, dtype=torch.bool, device=ids.device)
             for d, hd in enumerate(model.mtp_hidden_states(ids, depth, hidden=h), start=1):
-                lg = model.head(hd, for_mtp=True)                       # [B, T-d, V]: i predicts i+d+1
+                lg = model.mtp_head(hd, d)                              # [B, T-d, V]: i predicts i+d+1
                 ld, nd = shifted_cross_entropy(lg, ids, d + 1)
                 add(f"loss_{d}", ld.item() * nd.item(), nd.item())
                 pred = lg.argmax(-1)                                    # [B, T-d]

@@ -1,4 +1,4 @@
-"""`mtp heal`: give a fine-tuned Qwen3.5 checkpoint that lost `mtp.*` its base model's MTP back.
+"""`mtp heal`: give a fine-tuned checkpoint that lost its MTP tensors (`mtp.*` in Qwen3.5) its base model's MTP back.
 
 Grafting works on the tensor files: the fine-tune's safetensors are copied byte for byte (so extra tensors
 such as `model.visual.*` survive) and renamed as shards of a normal sharded checkpoint, and the base's
@@ -10,6 +10,7 @@ backbone in `heads` mode by self-distillation, and its shard is rewritten. Expec
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import tempfile
@@ -18,20 +19,19 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .. import Qwen35Config, Qwen35ForCausalLM, load_model
-from ..io.checkpoint import INDEX, _atomic_write, weight_files
+from ..io.files import INDEX, atomic_write, atomic_write_text, read_tensors, weight_files
 from ..io.safetensors_mmap import CheckpointError, SafetensorsFile
+from ..model import config_from_json, load_model
+from ..model.families import model_class_for
 
-MTP_SHARD_TAG = "mtp"
 
-
-def _all_keys(path: Path) -> dict[str, tuple[SafetensorsFile, str]]:
-    out = {}
-    for f in weight_files(path):
-        st = SafetensorsFile(f)
-        for k in st.keys():
-            out[k] = (st, k)
-    return out
+def _with_mtp_of(config, base):
+    """A copy of the fine-tune's config with the base's MTP settings (the config keys its family names)."""
+    want = copy.deepcopy(config)
+    for key in config.mtp_keys:
+        setattr(want, key, getattr(base, key))
+    want.validate()
+    return want
 
 
 def graft(base: Path, finetuned: Path, out: Path) -> list[str]:
@@ -42,32 +42,33 @@ def graft(base: Path, finetuned: Path, out: Path) -> list[str]:
             raise CheckpointError(f"{what} {p}: no config.json (not a checkpoint folder)")
     if out.resolve() in (base.resolve(), finetuned.resolve()):
         raise ValueError(f"--out {out} must differ from --base and --finetuned")
-    bcfg = Qwen35Config.from_json(base / "config.json")
-    fcfg = Qwen35Config.from_json(finetuned / "config.json")
-    bkeys, fkeys = _all_keys(base), _all_keys(finetuned)
-    mtp_keys = sorted(k for k in bkeys if k.startswith("mtp."))
+    bcfg = config_from_json(base / "config.json")
+    fcfg = config_from_json(finetuned / "config.json")
+    cls = model_class_for(fcfg)
+    if model_class_for(bcfg) is not cls:
+        raise CheckpointError(f"--base {base} ({type(bcfg).__name__}) and --finetuned {finetuned} "
+                              f"({type(fcfg).__name__}) are different model families")
+    bkeys, fkeys = read_tensors(base), read_tensors(finetuned)
+    mtp_keys = sorted(k for k in bkeys if cls.is_mtp_tensor(k))
     if not mtp_keys:
-        raise CheckpointError(f"--base {base}: holds no mtp.* tensors, nothing to graft")
-    if any(k.startswith("mtp.") for k in fkeys):
-        raise CheckpointError(f"--finetuned {finetuned}: already holds mtp.* tensors; nothing to heal")
-    # what the fine-tune's architecture expects under mtp.*, with the base's MTP settings
-    want_cfg = Qwen35Config.from_json(finetuned / "config.json")
-    want_cfg.mtp_num_hidden_layers = bcfg.mtp_num_hidden_layers
-    want_cfg.mtp_style = bcfg.mtp_style
-    want_cfg.mtp_use_dedicated_embeddings = bcfg.mtp_use_dedicated_embeddings
-    want_cfg.validate()
+        raise CheckpointError(f"--base {base}: holds no MTP tensors, nothing to graft")
+    if any(cls.is_mtp_tensor(k) for k in fkeys):
+        raise CheckpointError(f"--finetuned {finetuned}: already holds MTP tensors; nothing to heal")
+    # what the fine-tune's architecture expects of the MTP, with the base's MTP settings (our names)
+    fcfg = _with_mtp_of(fcfg, bcfg)
     with torch.device("meta"):
-        want = {k: tuple(v.shape) for k, v in Qwen35ForCausalLM(want_cfg).state_dict().items() if k.startswith("mtp.")}
-    missing = sorted(set(want) - set(mtp_keys))
-    extra = sorted(set(mtp_keys) - set(want))
+        want = {k: tuple(v.shape) for k, v in cls(fcfg).state_dict().items() if k.startswith("mtp.")}
+    have = {cls.internal_name(k): k for k in mtp_keys}
+    missing = sorted(cls.checkpoint_name(k) for k in set(want) - set(have))
+    extra = sorted(have[k] for k in set(have) - set(want))
     if missing or extra:
-        raise CheckpointError(f"--base {base}: mtp.* tensors do not match the fine-tune's architecture "
+        raise CheckpointError(f"--base {base}: MTP tensors do not match the fine-tune's architecture "
                               f"(missing {missing[:3]}, unexpected {extra[:3]})")
-    for k in mtp_keys:
+    for ours, k in have.items():
         st, key = bkeys[k]
-        if st.shape(key) != want[k]:
+        if st.shape(key) != want[ours]:
             raise CheckpointError(f"--base {st.path.name}: tensor '{k}' has shape {list(st.shape(key))}, the fine-tune "
-                                  f"({finetuned}) needs {list(want[k])}: base and fine-tune differ in size")
+                                  f"({finetuned}) needs {list(want[ours])}: base and fine-tune differ in size")
     ref_key = next((k for k in fkeys if k.endswith("embed_tokens.weight")), next(iter(fkeys)))
     dtype = fkeys[ref_key][0].dtype(fkeys[ref_key][1])
 
@@ -84,34 +85,35 @@ def graft(base: Path, finetuned: Path, out: Path) -> list[str]:
     for i, f in enumerate(files, start=1):
         name = f"model-{i:05d}-of-{n:05d}.safetensors"
         shutil.copyfile(f, out / name)
-        st = SafetensorsFile(out / name)
-        for k in st.keys():
-            weight_map[k] = name
-            total += st.tensor(k).numel() * st.tensor(k).element_size()
+        with SafetensorsFile(out / name) as st:
+            for k in st.keys():
+                weight_map[k] = name
+                total += st.nbytes(k)
     mtp_name = f"model-{n:05d}-of-{n:05d}.safetensors"
-    tensors = {k: bkeys[k][0].tensor(bkeys[k][1]).to(dtype).contiguous() for k in mtp_keys}
-    _atomic_write(out / mtp_name, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    tensors = {k: bkeys.tensor(k).to(dtype).contiguous() for k in mtp_keys}
+    atomic_write(out / mtp_name, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     for k, t in tensors.items():
         weight_map[k] = mtp_name
         total += t.numel() * t.element_size()
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    _atomic_write(out / INDEX, lambda tmp: Path(tmp).write_text(json.dumps(index, indent=2) + "\n"))
-    fcfg.mtp_num_hidden_layers = bcfg.mtp_num_hidden_layers
-    fcfg.mtp_style = bcfg.mtp_style
-    fcfg.mtp_use_dedicated_embeddings = bcfg.mtp_use_dedicated_embeddings
-    _atomic_write(out / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(fcfg.to_hf_dict(), indent=2) + "\n"))
+    atomic_write_text(out / INDEX, json.dumps(index, indent=2) + "\n")
+    atomic_write_text(out / "config.json", json.dumps(fcfg.to_hf_dict(), indent=2) + "\n")
+    bkeys.close()
+    fkeys.close()
     return mtp_keys
 
 
 def _rewrite_mtp_shard(out: Path, model) -> None:
     index = json.loads((out / INDEX).read_text())
-    names = {v for k, v in index["weight_map"].items() if k.startswith("mtp.")}
+    names = {v for k, v in index["weight_map"].items() if model.is_mtp_tensor(k)}
     if len(names) != 1:
-        raise CheckpointError(f"{out}: mtp.* tensors are spread over {len(names)} files; expected one")
+        raise CheckpointError(f"{out}: MTP tensors are spread over {len(names)} files; expected one")
     shard = out / names.pop()
-    dtype = SafetensorsFile(shard).dtype(next(k for k in index["weight_map"] if k.startswith("mtp.")))
-    state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items() if k.startswith("mtp.")}
-    _atomic_write(shard, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    with SafetensorsFile(shard) as st:
+        dtype = st.dtype(st.keys()[0])
+    state = {model.checkpoint_name(k): v.detach().to(dtype).contiguous()
+             for k, v in model.state_dict().items() if k.startswith("mtp.")}
+    atomic_write(shard, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
 
 
 def acceptance(path: Path, data: Path, seq_len: int, eval_seqs: int, batch: int = 8) -> dict:
@@ -120,7 +122,7 @@ def acceptance(path: Path, data: Path, seq_len: int, eval_seqs: int, batch: int 
     from .batches import Batches
     from .evaluate import evaluate
 
-    model = load_model(path)
+    model = load_model(path, dtype="float32")
     if model.mtp is None:
         return {"accept_1": 0.0, "note": "no MTP: every draft is rejected (plain decoding)"}
     vb = Batches(TokenShards(data, "val"), seq_len).fixed(eval_seqs, batch)
@@ -154,7 +156,7 @@ def heal(base: Path, finetuned: Path, out: Path, train: bool = False, data: Path
                               warmup_steps=max(1, steps // 20), eval_every=steps, save_every=steps,
                               eval_seqs=eval_seqs, seed=seed, progress=progress, keep_checkpoints=1)
             run(cfg)
-            trained = load_model(Path(tmp) / "model")
+            trained = load_model(Path(tmp) / "model", dtype="float32")
         _rewrite_mtp_shard(out, trained)
         report["healed"] = pick(acceptance(out, data, seq_len, eval_seqs))
         report["heal_steps"] = steps

@@ -57,17 +57,19 @@ def mtp_weights(schedule: str, depth: int, tokens_seen: int = 0, lam: float = 0.
     raise ValueError(f"mtp_schedule must be one of {SCHEDULES}, got {schedule!r}")
 
 
-def _ce_from_hidden(model, h: torch.Tensor, ids: torch.Tensor, offset: int, mask, for_mtp: bool):
-    return shifted_cross_entropy(model.head(h, for_mtp=for_mtp), ids, offset, mask)
+def _ce_from_hidden(model, h: torch.Tensor, ids: torch.Tensor, offset: int, mask, depth: int):
+    logits = model.head(h) if depth == 0 else model.mtp_head(h, depth)
+    return shifted_cross_entropy(logits, ids, offset, mask)
 
 
-def head_ce(model, h: torch.Tensor, ids: torch.Tensor, offset: int, mask=None, for_mtp: bool = False,
+def head_ce(model, h: torch.Tensor, ids: torch.Tensor, offset: int, mask=None, depth: int = 0,
             checkpoint_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """CE of `model.head(h)` against ids shifted by `offset`; with checkpoint_logits the [B, N, V] logits
-    are not kept for backward (recomputed), so only h [B, N, H] stays alive."""
+    """CE of the head's logits (the backbone's for depth 0, MTP depth d's otherwise) against ids shifted by
+    `offset`; with checkpoint_logits the [B, N, V] logits are not kept for backward (recomputed), so only
+    h [B, N, H] stays alive."""
     if checkpoint_logits and torch.is_grad_enabled():
-        return checkpoint(_ce_from_hidden, model, h, ids, offset, mask, for_mtp, use_reentrant=False)
-    return _ce_from_hidden(model, h, ids, offset, mask, for_mtp)
+        return checkpoint(_ce_from_hidden, model, h, ids, offset, mask, depth, use_reentrant=False)
+    return _ce_from_hidden(model, h, ids, offset, mask, depth)
 
 
 def self_distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
@@ -112,9 +114,9 @@ def mtp_objective(model, ids: torch.Tensor, weights: list[float], mask: torch.Te
             if distill:
                 if train_backbone:
                     raise ValueError("self-distillation is for heads mode (the backbone must be frozen)")
-                ld = self_distill_loss(model.head(hd, for_mtp=True), teacher[:, d:])
+                ld = self_distill_loss(model.mtp_head(hd, d), teacher[:, d:])
             else:
-                ld, _ = head_ce(model, hd, ids, d + 1, mask, for_mtp=True, checkpoint_logits=checkpoint_logits)
+                ld, _ = head_ce(model, hd, ids, d + 1, mask, depth=d, checkpoint_logits=checkpoint_logits)
             losses.append(ld.detach())
             total = w * ld if total is None else total + w * ld
     if total is None:

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..io import save_model
-from ..io.checkpoint import _atomic_write
+from ..io.files import atomic_write_text
+from ..model import save_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 STATE = "trainer_state.pt"
@@ -54,7 +54,7 @@ def save_checkpoint(out: Path, step: int, model, optimizer, extra: dict, tokeniz
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _atomic_write(out / "latest", lambda t: Path(t).write_text(final.name + "\n"))
+    atomic_write_text(out / "latest", final.name + "\n")
     done = sorted(p for p in root.glob("step-*") if p.is_dir())
     for old in done[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

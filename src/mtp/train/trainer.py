@@ -1,9 +1,13 @@
-"""The trainer: pretrain / heads / finetune with the MTP objective, single process or `torchrun` (DDP, gloo).
+"""The trainer: pretrain / heads / finetune with the MTP objective, single process or `torchrun` (DDP).
 
 One optimizer step = `grad_accum` micro-batches per process; the global batch is
 micro_batch x grad_accum x world_size sequences of `seq_len` tokens. AdamW, linear warm-up then cosine,
-gradient clipping, optional bf16 autocast and activation checkpointing. Exact resume: weights (fp32),
-optimizer, RNG and the data position (= the step) are restored from the newest checkpoint.
+gradient clipping, optional autocast (bf16, on the training device's type), torch.compile of the objective
+and activation checkpointing. Exact resume: weights (fp32), optimizer, RNG and the data position (= the step)
+are restored from the newest checkpoint.
+
+Devices: `device` auto = cuda when available, else cpu (mps when asked). Under torchrun each process takes
+`cuda:LOCAL_RANK` and nccl on CUDA, gloo on CPU.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import os
 import random
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -21,14 +26,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import Qwen35Config, Qwen35ForCausalLM, load_model, save_model
 from ..data.shards import TokenShards
-from ..model import init_weights_
-from ..model.mtp_module import MTPModule
+from ..model import CausalLM, config_from_dict, load_model, save_model
+from ..model.families import model_class_for
 from .batches import Batches
 from .config import TrainConfig
 from .evaluate import evaluate
 from .loss import mtp_objective, mtp_weights
+from .plot import plot_metrics
 from .state import STATE, copy_tokenizer, latest_checkpoint, save_checkpoint, set_rng_state
 
 
@@ -43,7 +48,7 @@ class Objective(nn.Module):
     The MTP weights come in as a tensor so that a compiled objective does not recompile when the
     schedule changes them; autocast is entered inside so a compiled graph captures it."""
 
-    def __init__(self, model: Qwen35ForCausalLM, train_backbone: bool, distill: bool, checkpoint_logits: bool,
+    def __init__(self, model: CausalLM, train_backbone: bool, distill: bool, checkpoint_logits: bool,
                  autocast_dtype: torch.dtype | None = None):
         super().__init__()
         self.model = model
@@ -67,29 +72,43 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
-def build_model(cfg: TrainConfig, vocab_size: int, eos_id: int | None) -> Qwen35ForCausalLM:
-    """pretrain: a fresh model from cfg.model; heads/finetune: the `init` checkpoint (MTP added if missing)."""
+def resolve_device(name: str | None, local_rank: int = 0) -> torch.device:
+    """'auto'/None -> cuda:LOCAL_RANK when CUDA is available, else cpu; 'cuda' -> cuda:LOCAL_RANK; else as given."""
+    if name in (None, "auto"):
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("train config key 'device' is 'cuda' but torch sees no CUDA device")
+        return torch.device("cuda", local_rank)
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("train config key 'device' is 'mps' but MPS is not available")
+    return torch.device(name)
+
+
+def build_model(cfg: TrainConfig, vocab_size: int, eos_id: int | None) -> CausalLM:
+    """pretrain: a fresh model from cfg.model (a HF config dict; `model_type` picks the family, default
+    Qwen3.5); heads/finetune: the `init` checkpoint (a fresh MTP module added if it has none)."""
     if cfg.mode == "pretrain":
         mc = dict(cfg.model)
         if mc.get("vocab_size", vocab_size) < vocab_size:
             raise ValueError(f"model vocab_size {mc['vocab_size']} is smaller than the data's {vocab_size}")
         mc.setdefault("vocab_size", vocab_size)
         mc.setdefault("eos_token_id", eos_id)
-        model = Qwen35ForCausalLM(Qwen35Config(**mc))
-        init_weights_(model, seed=cfg.seed)
+        mc.setdefault("model_type", "qwen3_5_text")
+        config = config_from_dict(mc)
+        model = model_class_for(config)(config)
+        torch.manual_seed(cfg.seed)
+        model.init_weights()
         return model
-    model = load_model(cfg.init)
+    model = load_model(cfg.init, dtype="float32")
     if model.config.vocab_size < vocab_size:
         raise ValueError(f"{cfg.init}: vocab_size {model.config.vocab_size} is smaller than the data's {vocab_size}")
     if model.mtp is None:
         if model.config.mtp_num_hidden_layers < 1:
             raise ValueError(f"{cfg.init}: config has mtp_num_hidden_layers=0; set it to train MTP heads")
         torch.manual_seed(cfg.seed)
-        model.mtp = MTPModule(model.config)
-        fresh = Qwen35ForCausalLM.__new__(Qwen35ForCausalLM)
-        nn.Module.__init__(fresh)
-        fresh.mtp, fresh.config = model.mtp, model.config
-        init_weights_(fresh, seed=cfg.seed)  # only the new mtp.* modules are touched
+        model.mtp = model.new_mtp_module()
+        model.init_weights(modules=model.mtp)  # only the new MTP module is touched
     return model
 
 
@@ -99,62 +118,67 @@ def _param_groups(params: list[tuple[str, nn.Parameter]], weight_decay: float) -
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def _plot(out: Path, rows: list[dict]) -> None:
-    try:
-        import matplotlib
+@dataclass
+class Run:
+    """Everything one training run holds between steps."""
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    tr = [r for r in rows if r.get("split") == "train"]
-    va = [r for r in rows if r.get("split") == "val"]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if tr:
-        x = [r["tokens"] for r in tr]
-        ax.plot(x, [r["main"] for r in tr], lw=0.8, label="train L_main")
-        for d in range(len(tr[-1]["mtp"])):
-            ax.plot(x, [r["mtp"][d] if d < len(r["mtp"]) else math.nan for r in tr], lw=0.8, label=f"train L_{d + 1}")
-    if va:
-        x = [r["tokens"] for r in va]
-        ax.plot(x, [r["loss"] for r in va], "o-", label="val L_main")
-        for d in range(1, 9):
-            if f"loss_{d}" in va[-1]:
-                ax.plot(x, [r.get(f"loss_{d}", math.nan) for r in va], "s--", label=f"val L_{d}")
-    ax.set_xlabel("tokens")
-    ax.set_ylabel("loss (nats/token)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    tmp = out / ".loss.png.tmp.png"
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, out / "loss.png")
+    cfg: TrainConfig
+    out: Path
+    rank: int
+    world: int
+    device: torch.device
+    model: CausalLM
+    runner: nn.Module  # the objective, possibly wrapped by DDP and torch.compile
+    optimizer: torch.optim.Optimizer
+    params: list[tuple[str, nn.Parameter]]
+    batches: Batches
+    val_batches: list[torch.Tensor]
+    depth: int
+    tokenizer_dir: str | None
+    step: int = 0
+    tokens: int = 0
+    rows: list[dict] = field(default_factory=list)
+    last_val: dict = field(default_factory=dict)
+
+    @property
+    def main_proc(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.micro_batch * self.cfg.grad_accum * self.world * self.cfg.seq_len
+
+    def log(self, row: dict) -> None:
+        self.rows.append(row)
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
-def train(cfg: TrainConfig, crash_at_step: int | None = None) -> dict:
-    """Run (or resume) training; returns the last validation metrics. `crash_at_step`: test hook."""
+def setup(cfg: TrainConfig) -> Run:
+    """Process group, device, data, model, optimizer; then resume from the newest checkpoint if there is one."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    distributed = world > 1
-    if distributed and not dist.is_initialized():
-        dist.init_process_group("gloo")
-    rank = dist.get_rank() if distributed else 0
-    main_proc = rank == 0
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(cfg.device, local_rank)
+    if world > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank = dist.get_rank() if world > 1 else 0
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    out = Path(cfg.out)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
 
     train_data = TokenShards(cfg.data, "train")
-    val_data = TokenShards(cfg.data, "val")
     batches = Batches(train_data, cfg.seq_len, cfg.seed)
-    val_batches = Batches(val_data, cfg.seq_len, cfg.seed).fixed(cfg.eval_seqs, cfg.eval_batch)
-    model = build_model(cfg, train_data.vocab_size, train_data.eos_token_id)
-    depth = model.config.mtp_num_hidden_layers if cfg.mtp_depth is None else cfg.mtp_depth
-    if model.mtp is None:
-        depth = 0
+    val_batches = Batches(TokenShards(cfg.data, "val"), cfg.seq_len, cfg.seed).fixed(cfg.eval_seqs, cfg.eval_batch)
+    model = build_model(cfg, train_data.vocab_size, train_data.eos_token_id).to(device)
+    depth = 0 if model.mtp is None else (model.mtp.num_layers if cfg.mtp_depth is None else cfg.mtp_depth)
     train_backbone = cfg.mode != "heads"
     if not train_backbone:
         for n, p in model.named_parameters():
@@ -162,129 +186,156 @@ def train(cfg: TrainConfig, crash_at_step: int | None = None) -> dict:
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(_param_groups(params, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas)
 
-    step, tokens = 0, 0
-    if main_proc:
-        out.mkdir(parents=True, exist_ok=True)
-    ckpt = latest_checkpoint(out) if out.exists() else None
-    if ckpt is not None:  # exact resume: weights, optimizer, RNG, data position
-        loaded = load_model(ckpt)
-        with torch.no_grad():
-            own = dict(model.named_parameters())
-            for n, p in loaded.named_parameters():
-                own[n].copy_(p)
-        st = torch.load(ckpt / STATE, weights_only=False)
-        optimizer.load_state_dict(st["optimizer"])
-        set_rng_state(st["rng"])
-        step, tokens = st["step"], st["tokens"]
-    metrics_path = out / "metrics.jsonl"
-    rows: list[dict] = []
-    if main_proc:
-        if metrics_path.exists():  # keep what the resumed-from checkpoint had seen; drop the rest
-            rows = [r for r in map(json.loads, metrics_path.read_text().splitlines()) if r["step"] <= step]
-        metrics_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")
-
     model.train()
     model.gradient_checkpointing = cfg.gradient_checkpointing
-    obj = Objective(model, train_backbone, cfg.heads_target == "self", cfg.checkpoint_logits,
-                    torch.bfloat16 if cfg.bf16 else None)
-    runner: nn.Module = obj
-    if distributed:
+    runner: nn.Module = Objective(model, train_backbone, cfg.heads_target == "self", cfg.checkpoint_logits,
+                                  torch.bfloat16 if cfg.bf16 else None)
+    if world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        runner = DDP(obj, find_unused_parameters=depth < model.config.mtp_num_hidden_layers)
+        runner = DDP(runner, device_ids=[device.index] if device.type == "cuda" else None,
+                     find_unused_parameters=depth < model.mtp.num_layers if model.mtp is not None else False)
     if cfg.compile:
         runner = torch.compile(runner)
     tokenizer_dir = cfg.data if (Path(cfg.data) / "tokenizer.json").exists() else cfg.init
-    G = cfg.micro_batch * cfg.grad_accum * world
-    tokens_per_step = G * cfg.seq_len
+    run = Run(cfg, Path(cfg.out), rank, world, device, model, runner, optimizer, params, batches, val_batches,
+              depth, tokenizer_dir)
+    resume(run)
+    return run
 
+
+def resume(run: Run) -> None:
+    """Exact resume from out/latest (weights, optimizer, RNG, data position); keep the metrics seen up to it."""
+    out = run.out
+    if run.main_proc:
+        out.mkdir(parents=True, exist_ok=True)
+    ckpt = latest_checkpoint(out) if out.exists() else None
+    if ckpt is not None:
+        loaded = load_model(ckpt, dtype="float32")
+        with torch.no_grad():
+            own = dict(run.model.named_parameters())
+            for n, p in loaded.named_parameters():
+                own[n].copy_(p)
+        st = torch.load(ckpt / STATE, weights_only=False, map_location=run.device)
+        run.optimizer.load_state_dict(st["optimizer"])
+        set_rng_state(st["rng"])
+        run.step, run.tokens = st["step"], st["tokens"]
+    metrics_path = out / "metrics.jsonl"
+    if run.main_proc:
+        if metrics_path.exists():  # keep what the resumed-from checkpoint had seen; drop the rest
+            run.rows = [r for r in map(json.loads, metrics_path.read_text().splitlines()) if r["step"] <= run.step]
+        metrics_path.write_text("".join(json.dumps(r) + "\n" for r in run.rows))
+        (out / "train_config.json").write_text(json.dumps(run.cfg.to_dict(), indent=1) + "\n")
+
+
+def train_step(run: Run) -> tuple[float, list[float], list[float], float, float]:
+    """One optimizer step over grad_accum micro-batches. Returns (L_main, [L_d], MTP weights, lr, grad norm),
+    the losses averaged over the global batch."""
+    cfg = run.cfg
+    weights = mtp_weights(cfg.mtp_schedule, run.depth, run.tokens, cfg.mtp_lambda, cfg.mtp_lambda_late,
+                          cfg.mtp_lambda_switch_tokens, cfg.mtp_decay, cfg.mtp_constant) if run.depth else []
+    w = torch.tensor(weights, dtype=torch.float32, device=run.device)
+    lr = lr_at(run.step, cfg)
+    for g in run.optimizer.param_groups:
+        g["lr"] = lr
+    sums = torch.zeros(1 + run.depth, dtype=torch.float64, device=run.device)
+    for micro in range(cfg.grad_accum):
+        ids = run.batches.micro_batch(run.step, micro, cfg.micro_batch, cfg.grad_accum, run.rank, run.world)
+        ids = ids.to(run.device, non_blocking=True)
+        last = micro == cfg.grad_accum - 1
+        sync = nullcontext() if not run.distributed or last else run.runner.no_sync()
+        with sync:
+            res = run.runner(ids, w)
+            (res[0] / cfg.grad_accum).backward()
+        sums += res[1:].detach().double() / cfg.grad_accum
+    clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_([p for _, p in run.params], clip)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.step += 1
+    run.tokens += run.tokens_per_step
+    if run.distributed:  # report the global mean of the per-rank losses
+        dist.all_reduce(sums)
+        sums /= run.world
+    main, *depths = sums.tolist()
+    return main, depths, weights, lr, float(grad_norm)
+
+
+def validate(run: Run, bar) -> None:
+    """Evaluate on the fixed validation windows (main process) and log the metrics."""
+    if run.main_proc:
+        run.last_val = {"split": "val", "step": run.step, "tokens": run.tokens,
+                        **evaluate(run.model, run.val_batches, run.depth)}
+        run.log(run.last_val)
+        v = run.last_val
+        bar.write(f"step {run.step}: val loss {v['loss']:.4f}"
+                  + "".join(f" | L{d} {v[f'loss_{d}']:.3f} accept {v[f'accept_{d}']:.3f}"
+                            for d in range(1, run.depth + 1) if f"loss_{d}" in v))
+    if run.distributed:
+        dist.barrier()
+
+
+def save(run: Run) -> None:
+    """Checkpoint (main process, atomically) and redraw the plot."""
+    if run.main_proc:
+        save_checkpoint(run.out, run.step, run.model, run.optimizer, {"tokens": run.tokens, "config": run.cfg.to_dict()},
+                        run.tokenizer_dir, run.cfg.keep_checkpoints)
+        plot_metrics(run.out, run.rows)
+    if run.distributed:
+        dist.barrier()
+
+
+def _out_of_time(run: Run, t_start: float) -> bool:
+    late = run.cfg.max_minutes is not None and (time.perf_counter() - t_start) / 60 > run.cfg.max_minutes
+    if run.distributed:  # every rank must stop at the same step
+        flag = torch.tensor([float(late)], device=run.device)
+        dist.all_reduce(flag)
+        late = flag.item() > 0
+    return late
+
+
+def finish(run: Run, stopped_early: bool) -> None:
+    """Write the final HF-layout model (main process) and the plot."""
+    if run.main_proc:
+        final = run.out / "model"
+        save_model(run.model, final, dtype=run.cfg.save_dtype)
+        copy_tokenizer(run.tokenizer_dir, final)
+        plot_metrics(run.out, run.rows)
+        if stopped_early:
+            print(f"mtp train: stopped after {run.cfg.max_minutes} minutes at step {run.step}/{run.cfg.max_steps}")
+    if run.distributed:
+        dist.barrier()
+
+
+def train(cfg: TrainConfig, crash_at_step: int | None = None) -> dict:
+    """Run (or resume) training; returns the last validation metrics. `crash_at_step`: test hook."""
     from tqdm import tqdm
 
-    bar = tqdm(total=cfg.max_steps, initial=step, disable=not (cfg.progress and main_proc), unit="step",
+    run = setup(cfg)
+    bar = tqdm(total=cfg.max_steps, initial=run.step, disable=not (cfg.progress and run.main_proc), unit="step",
                dynamic_ncols=True, mininterval=2.0)
     t_start = time.perf_counter()
-    last_val: dict = {}
-
-    def log(row: dict) -> None:
-        rows.append(row)
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-    def save() -> None:
-        if main_proc:
-            save_checkpoint(out, step, model, optimizer, {"tokens": tokens, "config": cfg.to_dict()},
-                            tokenizer_dir, cfg.keep_checkpoints)
-            _plot(out, rows)
-        if distributed:
-            dist.barrier()
-
     stopped_early = False
-    while step < cfg.max_steps:
+    while run.step < cfg.max_steps:
         t0 = time.perf_counter()
-        weights = mtp_weights(cfg.mtp_schedule, depth, tokens, cfg.mtp_lambda, cfg.mtp_lambda_late,
-                              cfg.mtp_lambda_switch_tokens, cfg.mtp_decay, cfg.mtp_constant) if depth else []
-        w = torch.tensor(weights, dtype=torch.float32)
-        lr = lr_at(step, cfg)
-        for g in optimizer.param_groups:
-            g["lr"] = lr
-        main_sum, depth_sums = 0.0, [0.0] * depth
-        for micro in range(cfg.grad_accum):
-            ids = batches.micro_batch(step, micro, cfg.micro_batch, cfg.grad_accum, rank, world)
-            sync = nullcontext() if not distributed or micro == cfg.grad_accum - 1 else runner.no_sync()
-            with sync:
-                res = runner(ids, w)
-                (res[0] / cfg.grad_accum).backward()
-            parts = res[1:].tolist()
-            main_sum += parts[0] / cfg.grad_accum
-            depth_sums = [a + b / cfg.grad_accum for a, b in zip(depth_sums, parts[1:])]
-        grad_norm = torch.nn.utils.clip_grad_norm_([p for _, p in params], cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        tokens += tokens_per_step
-        if distributed:  # report the global mean of the per-rank losses
-            t = torch.tensor([main_sum, *depth_sums], dtype=torch.float64)
-            dist.all_reduce(t)
-            main_sum, *depth_sums = (t / world).tolist()
-        dt = time.perf_counter() - t0
-        if main_proc and (step % cfg.log_every == 0 or step == cfg.max_steps):
-            log({"split": "train", "step": step, "tokens": tokens, "main": main_sum, "mtp": depth_sums,
-                 "w": weights, "lr": lr, "grad_norm": float(grad_norm), "tok_s": tokens_per_step / dt})
+        main, depths, weights, lr, grad_norm = train_step(run)
+        tok_s = run.tokens_per_step / (time.perf_counter() - t0)
+        if run.main_proc and (run.step % cfg.log_every == 0 or run.step == cfg.max_steps):
+            run.log({"split": "train", "step": run.step, "tokens": run.tokens, "main": main, "mtp": depths,
+                     "w": weights, "lr": lr, "grad_norm": grad_norm, "tok_s": tok_s})
         bar.update(1)
-        bar.set_postfix_str(f"L {main_sum:.3f}" + "".join(f" L{d + 1} {v:.3f}" for d, v in enumerate(depth_sums))
-                            + f" {tokens_per_step / dt:,.0f} tok/s")
-        if crash_at_step is not None and step == crash_at_step:
-            raise SimulatedCrash(f"simulated kill after step {step}")
-        out_of_time = cfg.max_minutes is not None and (time.perf_counter() - t_start) / 60 > cfg.max_minutes
-        if distributed:
-            flag = torch.tensor([float(out_of_time)])
-            dist.all_reduce(flag)
-            out_of_time = flag.item() > 0
-        if step % cfg.eval_every == 0 or step == cfg.max_steps or out_of_time:
-            if main_proc:
-                last_val = {"split": "val", "step": step, "tokens": tokens,
-                            **evaluate(model, val_batches, depth)}
-                log(last_val)
-                bar.write(f"step {step}: val loss {last_val['loss']:.4f}"
-                          + "".join(f" | L{d} {last_val[f'loss_{d}']:.3f} accept {last_val[f'accept_{d}']:.3f}"
-                                    for d in range(1, depth + 1) if f"loss_{d}" in last_val))
-            if distributed:
-                dist.barrier()
-        if step % cfg.save_every == 0 or step == cfg.max_steps or out_of_time:
-            save()
-        if out_of_time:
+        bar.set_postfix_str(f"L {main:.3f}" + "".join(f" L{d + 1} {v:.3f}" for d, v in enumerate(depths))
+                            + f" {tok_s:,.0f} tok/s")
+        if crash_at_step is not None and run.step == crash_at_step:
+            raise SimulatedCrash(f"simulated kill after step {run.step}")
+        late = _out_of_time(run, t_start)
+        if run.step % cfg.eval_every == 0 or run.step == cfg.max_steps or late:
+            validate(run, bar)
+        if run.step % cfg.save_every == 0 or run.step == cfg.max_steps or late:
+            save(run)
+        if late:
             stopped_early = True
             break
     bar.close()
-    if main_proc:
-        final = out / "model"
-        m = model
-        save_model(m, final, dtype=cfg.save_dtype)
-        copy_tokenizer(tokenizer_dir, final)
-        _plot(out, rows)
-        if stopped_early:
-            print(f"mtp train: stopped after {cfg.max_minutes} minutes at step {step}/{cfg.max_steps}")
-    if distributed:
-        dist.barrier()
-    return last_val
+    finish(run, stopped_early)
+    return run.last_val

@@ -1,0 +1,221 @@
+"""`mtp bench` (the command): plain greedy vs MTP speculative decoding vs transformers, side by side in one run.
+
+Everything runs on the same weights, prompts and thread count, interleaved (A B C … C B A …, several
+repeats, medians). Greedy outputs must be identical in every configuration: the command fails loudly
+otherwise. It writes `report.json`, `report.md` and two plots to `--out`, and prints the tables and the
+cost model (what the measured acceptance allows on this machine, see `costmodel.py`).
+
+`mtp bench --shape qwen3.5-0.8b` runs only the cost measurement, on a random-weight model of that
+shape built in code: what the technique buys at real size on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from ..cli_common import add_model_args, load_from_args, model_name, parse_draft_tokens
+from .costmodel import SHAPES, build_shape_model, format_costs, measure_costs, speedup_table
+from .measure import check_identical, configs_for, load_transformers, run_interleaved
+from .prompts import DEFAULT_PROMPTS, Prompt, load_prompts
+from .report import ACCEPTED_LENGTH_NOTE, best_fixed_k, markdown_report, plot, summarize
+
+DEFAULT_OUT = Path("runs/bench")
+
+
+def parse_draft_list(value: str) -> list[int | str]:
+    """'1,2,3,4,auto' -> [1, 2, 3, 4, 'auto'] (plain decoding is always measured, so 0 is not a value here)."""
+    out: list[int | str] = []
+    for part in value.split(","):
+        k = parse_draft_tokens(part.strip())
+        if k is None:
+            raise argparse.ArgumentTypeError("--draft-tokens values must be in 1..8 or 'auto' (plain is always measured)")
+        out.append(k)
+    return out
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="measure tokens/s: plain vs MTP speculative vs transformers",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.add_argument("--prompts", type=Path, default=None, help=f"prompt JSONL (kind/text); default: {DEFAULT_PROMPTS.name}")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per run (default 256; 24 with --quick)")
+    p.add_argument("--draft-tokens", type=parse_draft_list, default=None,
+                   help="comma list of k and 'auto' (default 1,2,3,4,auto; 1,3,auto with --quick)")
+    p.add_argument("--repeats", type=int, default=None, help="interleaved repeats per prompt (default 3; 2 with --quick)")
+    p.add_argument("--max-prompts", type=int, default=None, help="use at most this many prompts of each kind")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for report.json, report.md and plots")
+    p.add_argument("--quick", action="store_true", help="a CI-sized run: 1 prompt per kind, few tokens, 2 repeats")
+    p.add_argument("--no-transformers", action="store_true", help="leave transformers' generate out")
+    p.add_argument("--no-cost-model", action="store_true", help="skip the cost measurement")
+    p.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                   help="only measure the cost model on a random-weight model of this shape (no --model needed)")
+    p.set_defaults(func=cmd_bench)
+
+
+def machine_info() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {"cpu": cpu, "logical_cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "threads": torch.get_num_threads()}
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        info["transformers"] = None
+    return info
+
+
+def _costs_json(costs: dict) -> dict:
+    return {k: ({str(q): v for q, v in val.items()} if isinstance(val, dict) else val) for k, val in costs.items()}
+
+
+def cmd_shape(args) -> int:
+    """Cost model alone on a random-weight model of a named shape."""
+    from ..draft_vocab import ReducedVocabHead
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"building a random-weight {args.shape} model ({args.dtype}) …", file=sys.stderr)
+    model = build_shape_model(args.shape, torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype))
+    n_params = sum(p.numel() for p in model.parameters())
+    g = torch.Generator().manual_seed(0)
+    counts = torch.rand(model.config.vocab_size, generator=g)  # random weights: any subset costs the same
+    heads = {f"{n // 1024}k-token": ReducedVocabHead.from_counts(model, counts, n) for n in (32768, 8192)}
+    iters = 2 if args.quick else 5
+    costs = measure_costs(model, q_max=8, context=128, iters=iters, warmup=1, extra_heads=heads)
+    print(format_costs(costs, f"cost model, random-weight {args.shape} ({n_params / 1e6:.0f}M parameters, {model.dtype})"))
+    print("\nspeedup the cost model allows at acceptance a per position (full head / reduced heads):")
+    for a in (0.6, 0.7, 0.8, 0.9):
+        row = []
+        for k in (1, 2, 3, 4):
+            full = speedup_table([a] * k, costs, k)[k]
+            reduced = [speedup_table([a] * k, {**costs, "c_draft": c}, k)[k] for c in costs.get("c_draft_reduced", {}).values()]
+            row.append(f"k={k}: {full:.2f}" + "".join(f" / {r:.2f}" for r in reduced))
+        print(f"  a = {a}: " + ", ".join(row))
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"costs_{args.shape}.json"
+    path.write_text(json.dumps({"shape": args.shape, "dtype": str(model.dtype), "parameters": n_params, "machine": machine_info(),
+                                "costs": _costs_json(costs)}, indent=2))
+    print(f"\nwrote {path}", file=sys.stderr)
+    return 0
+
+
+def bench_prompts(args, model, max_prompts: int | None, max_new: int) -> tuple[list[Prompt], list[list[int]], dict]:
+    """The prompt set, tokenized and cut to fit the context; returns prompts, ids and notes on any cut."""
+    tok = model.tokenizer
+    if tok is None:
+        raise ValueError(f"{model.source_path} has no tokenizer.json: the benchmark prompts are text")
+    prompts = load_prompts(args.prompts)
+    if max_prompts:
+        prompts = [p for kind in ("code", "text") for p in [q for q in prompts if q.kind == kind][:max_prompts]]
+    prompt_ids = [tok.encode(p.text) for p in prompts]
+    room = model.context_length - max_new - 16
+    if room < 1:
+        raise ValueError(f"--max-new-tokens {max_new} leaves no room for a prompt in the context of {model.context_length}")
+    notes = {}
+    for i, (p, ids) in enumerate(zip(prompts, prompt_ids)):
+        if not ids:
+            raise ValueError(f"prompt from {p.source or p.kind} encodes to no tokens")
+        if len(ids) > room:  # keep the end, which the continuation depends on
+            notes[f"prompt {i}"] = f"{len(ids)} tokens cut to the last {room} to fit the context"
+            prompt_ids[i] = ids[-room:]
+    return prompts, prompt_ids, notes
+
+
+def bench_meta(args, model, prompts, prompt_ids, drafts, max_new: int, repeats: int, notes: dict) -> dict:
+    return {
+        "command": "mtp " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("mtp") else None,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "model": model_name(args), "dtype": str(model.dtype).removeprefix("torch."), "device": str(model.device),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "vocab_size": model.config.vocab_size, "max_new_tokens": max_new, "repeats": repeats,
+        "threads": torch.get_num_threads(), "draft_tokens": drafts, "machine": machine_info(),
+        "prompt_counts": {k: sum(p.kind == k for p in prompts) for k in ("code", "text")},
+        "prompts": [{"kind": p.kind, "source": p.source, "tokens": len(ids)} for p, ids in zip(prompts, prompt_ids)],
+        "notes": notes, "mean_accepted_length_note": ACCEPTED_LENGTH_NOTE,
+    }
+
+
+def write_report(out: Path, report: dict, md: str, summary: dict) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    (out / "report.md").write_text(md + "\n")
+    return plot(summary, out)
+
+
+def cmd_bench(args) -> int:
+    from tqdm import tqdm
+
+    if args.shape:
+        return cmd_shape(args)
+    max_new = args.max_new_tokens or (24 if args.quick else 256)
+    repeats = args.repeats or (2 if args.quick else 3)
+    drafts = args.draft_tokens or ([1, 3, "auto"] if args.quick else [1, 2, 3, 4, "auto"])
+    if max_new < 1 or repeats < 1:
+        raise ValueError("--max-new-tokens and --repeats must be >= 1")
+
+    model = load_from_args(args)
+    prompts, prompt_ids, notes = bench_prompts(args, model, args.max_prompts or (1 if args.quick else None), max_new)
+    hf_model, hf_note = (None, "left out (--no-transformers)") if args.no_transformers else load_transformers(
+        model.source_path, model.dtype, model.device)
+    if hf_note:
+        notes["transformers"] = hf_note
+    tok = model.tokenizer
+    pad = model.config.pad_token_id
+    if pad is None:
+        pad = tok.eos_token_id if tok.eos_token_id is not None else 0
+
+    costs = None
+    if not args.no_cost_model:
+        print("measuring the cost model …", file=sys.stderr)
+        ks = [k for k in drafts if isinstance(k, int)]
+        costs = measure_costs(model, q_max=max(ks) + 1 if ks else 5, context=min(128, model.context_length - max_new - 16),
+                              iters=3 if args.quick else 15)
+
+    configs = configs_for(drafts, hf_model is not None)
+    with tqdm(total=repeats * len(prompts) * len(configs), unit="run", file=sys.stderr, dynamic_ncols=True) as bar:
+        runs, failed = run_interleaved(model, hf_model, configs, prompts, prompt_ids, max_new, repeats, pad, bar)
+    problems = check_identical(runs) + [f"{name}: FAILED: {why}" for name, why in failed.items()]
+    summary = summarize(runs, prompts, configs, costs)
+    meta = bench_meta(args, model, prompts, prompt_ids, drafts, max_new, repeats, notes)
+    report = {
+        "meta": meta, "identical_outputs": not problems, "failed": failed, "mismatches": problems, "summary": summary,
+        "best_fixed_k": {kind: best[1] for kind in summary if (best := best_fixed_k(summary[kind]))},
+        "cost_model": _costs_json(costs) if costs else None,
+        "runs": [{"config": r.config, "prompt": r.prompt, "repeat": r.repeat, "seconds": round(r.seconds, 5),
+                  "new_tokens": len(r.tokens), "peak_rss_mb": round(r.peak_rss_mb, 1),
+                  "rss_before_mb": None if r.rss_before_mb is None else round(r.rss_before_mb, 1), "stats": r.stats}
+                 for r in runs],
+    }
+    md = markdown_report(summary, meta) + ("\n\n" + format_costs(costs, "cost model (this model)") if costs else "")
+    plots = write_report(args.out, report, md, summary)
+
+    m = meta["machine"]
+    print(f"\nmtp bench · {meta['model']} ({meta['parameters'] / 1e6:.1f}M parameters, {meta['dtype']}, {meta['device']}) · "
+          f"{m['cpu']}, {m['logical_cpus']} logical CPUs, {meta['threads']} thread(s) · torch {m['torch']}\n")
+    print(md)
+    print(f"\nwrote {args.out / 'report.json'}, {args.out / 'report.md'}"
+          + "".join(f", {p}" for p in plots) + ("" if plots else " (no plots: matplotlib is not installed)"), file=sys.stderr)
+    if problems:
+        print(f"\nmtp bench: FAILED ({len(problems)} problem(s)): a configuration failed or greedy outputs differ:",
+              file=sys.stderr)
+        for line in problems[:10]:
+            print("  " + line, file=sys.stderr)
+        return 1
+    print("greedy outputs identical in every configuration", file=sys.stderr)
+    return 0

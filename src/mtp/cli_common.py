@@ -1,0 +1,92 @@
+"""What the subcommands share: the model options (`--model` folder or hub id, `--dtype`, `--device`,
+`--threads`), the sampling options, `--draft-tokens` parsing and the missing-extra message."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+from pathlib import Path
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "code-small"
+DEVICES = ("auto", "cpu", "cuda", "mps")
+
+
+def default_model_path() -> Path:
+    """$MTP_MODEL, else the model shipped in the repository (models/code-small)."""
+    return Path(os.environ.get("MTP_MODEL", DEFAULT_MODEL))
+
+
+def require_extra(extra: str, *modules: str) -> None:
+    """Exit with one line naming the extra to install when one of `modules` is not importable (no traceback)."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(f"mtp: this command needs the '{extra}' extra ({', '.join(missing)} not installed): "
+                         f"pip install \"mtp[{extra}]\"")
+
+
+def parse_draft_tokens(value: str) -> int | str | None:
+    """'auto' | '0'..'8' -> 'auto' | None (plain decoding) | k."""
+    if value == "auto":
+        return "auto"
+    try:
+        k = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--draft-tokens must be an integer 0..8 or 'auto', got {value!r}") from None
+    if not 0 <= k <= 8:
+        raise argparse.ArgumentTypeError(f"--draft-tokens must be in 0..8 or 'auto', got {k}")
+    return k or None
+
+
+def resolve_device(name: str) -> str:
+    """'auto' -> 'cuda' when torch sees a GPU, else 'cpu'; an unavailable device is a clear error."""
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device (is this a CPU build of torch?)")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("--device mps: MPS is not available on this machine")
+    return name
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="checkpoint folder (HF layout) or hub id org/name; default: the shipped model ($MTP_MODEL)")
+    p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) when --model is a hub id")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations (auto: the checkpoint's)")
+    p.add_argument("--device", default="auto", choices=DEVICES, help="auto: cuda when available, else cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def model_name(args) -> str:
+    """The --model value, or the default model's path."""
+    return str(args.model) if args.model else str(default_model_path())
+
+
+def load_from_args(args):
+    """The model the options name, on the device they name."""
+    import torch
+
+    from .model import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    name = model_name(args)
+    if args.model is None and not Path(name).exists():
+        raise SystemExit(f"mtp: model folder {name} does not exist (pass --model PATH or a hub id)")
+    return load_model(name, dtype=args.dtype, device=resolve_device(args.device), revision=args.revision)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--draft-tokens", type=parse_draft_tokens, default="auto",
+                   help="MTP drafts per step: 0 = plain decoding, 1..8, or 'auto' (default)")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")

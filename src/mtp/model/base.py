@@ -1,0 +1,185 @@
+"""The family seam: what decoding, training, bench, heal and the server use, whatever family they run.
+
+A family (one file: `qwen3_5.py`, ...) subclasses `CausalLM` and supplies
+- `self.model` with `embed_tokens`, `layers` (decoder layers, each `forward(x, pos, cache, keep_states)` and
+  `new_state(...)`) and `norm`; `self.lm_head`;
+- `positions(start, length)`: the rotary tables of those positions (`cache.Positions`);
+- `self.mtp`: its MTP module (or None), speaking the `MTPModule` protocol below;
+- `final_hidden(x)` / `head(h)` when its MTP reads something other than the backbone's final-norm output;
+- a `checkpoint` object that maps its checkpoint's tensor names (see `checkpoint.py`).
+Everything else - the cached backbone forward, the verify forward, the teacher-forced MTP hidden states - is
+written once here. docs/architecture.md draws one speculative round through these calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .cache import Cache, KVCache, Positions, Verified
+
+
+class MTPModule(Protocol):
+    """What a family's MTP module offers the decoder and the trainer."""
+
+    style: str  # "sequential" (each depth feeds the next: the causal chain) or "parallel" (Meta's independent heads)
+    num_layers: int
+
+    @property
+    def max_depth(self) -> int | None: ...  # deepest draft step (None: any, layers reused cyclically)
+
+    def layer_for_depth(self, d: int) -> int: ...  # which layer (and so which cache) serves depth d (1-based)
+
+    def step(self, d: int, hidden: torch.Tensor, emb: torch.Tensor | None, pos: Positions,
+             cache: KVCache | None = None) -> torch.Tensor: ...  # h^{d-1} [B, T, H] (+ emb) -> h^d [B, T, H]
+
+    def new_state(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> list: ...
+
+
+class CausalLM(nn.Module):
+    """Backbone + head + optional MTP module, with the calls every caller shares (see the module docstring)."""
+
+    config: object
+    model: nn.Module
+    lm_head: nn.Module
+    mtp: nn.Module | None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gradient_checkpointing = False
+        self.tokenizer = None  # a `mtp.io.Tokenizer`, set by the loader when the folder has one
+        self.source_path: str | None = None
+
+    # ------------------------------------------------------------------ what a family may override
+    def positions(self, start: int, length: int) -> Positions:
+        return Positions(start, length)
+
+    def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """The last layer's output -> the hidden state `hidden()` returns (and the MTP reads): the final norm."""
+        return self.model.norm(x)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Backbone hidden [..., H] -> logits [..., V]."""
+        return self.lm_head(hidden)
+
+    def mtp_embed(self, ids: torch.Tensor, d: int) -> torch.Tensor:
+        """Embedding the MTP depth d reads for token ids [B, T] (the backbone's unless the MTP has its own)."""
+        own = getattr(self.mtp, "embed_for_depth", None)
+        table = own(d) if own is not None else None
+        return (table if table is not None else self.model.embed_tokens)(ids)
+
+    def mtp_head(self, hidden: torch.Tensor, d: int) -> torch.Tensor:
+        """MTP depth-d hidden [..., H] -> logits [..., V] (the backbone's head unless the MTP has its own)."""
+        own = getattr(self.mtp, "head_for_depth", None)
+        head = own(d) if own is not None else None
+        return (head if head is not None else self.lm_head)(hidden)
+
+    # ------------------------------------------------------------------ basics
+    @property
+    def has_mtp(self) -> bool:
+        """True when the model holds MTP weights (loaded, or initialised for training)."""
+        return self.mtp is not None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def context_length(self) -> int:
+        return self.config.max_position_embeddings
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return self.config.eos_token_ids
+
+    # ------------------------------------------------------------------ backbone
+    def _backbone(self, ids: torch.Tensor, cache: Cache | None, keep_states: bool) -> tuple[torch.Tensor, list, int]:
+        T = ids.shape[1]
+        start = 0 if cache is None else cache.pos
+        if cache is not None:
+            cache.check_room(T)
+        pos = self.positions(start, T)
+        x = self.model.embed_tokens(ids)
+        snapshots = []
+        for i, layer in enumerate(self.model.layers):
+            if self.gradient_checkpointing and self.training and cache is None:
+                x, snap = checkpoint(layer, x, pos, None, False, use_reentrant=False)
+            else:
+                x, snap = layer(x, pos, None if cache is None else cache.layers[i], keep_states)
+            snapshots.append(snap)
+        if cache is not None:
+            cache.pos = start + T
+        return self.final_hidden(x), snapshots, start
+
+    def hidden(self, ids: torch.Tensor, cache: Cache | None = None) -> torch.Tensor:
+        """Backbone hidden states: ids [B, T] -> [B, T, H]. With a cache, continue from `cache.pos` and
+        advance it by T."""
+        return self._backbone(ids, cache, False)[0]
+
+    def verify(self, ids: torch.Tensor, cache: Cache) -> Verified:
+        """A verify forward of q tokens [B, q]: the hidden states [B, q, H] and what `cache.keep(verified, n)`
+        needs to keep only the first n of them (one forward; rollback then selects, never recomputes)."""
+        h, snapshots, start = self._backbone(ids, cache, True)
+        return Verified(h, start, snapshots)
+
+    def forward(self, ids: torch.Tensor, cache: Cache | None = None) -> torch.Tensor:
+        """Backbone logits: ids [B, T] -> [B, T, V]."""
+        return self.head(self.hidden(ids, cache))
+
+    def new_cache(self, batch: int, max_len: int) -> Cache:
+        """Preallocated backbone decode state for `max_len` positions (capped at the context length)."""
+        max_len = min(max_len, self.context_length)
+        return Cache([layer.new_state(batch, max_len, self.dtype, self.device) for layer in self.model.layers], max_len)
+
+    # ------------------------------------------------------------------ MTP
+    def new_mtp_cache(self, batch: int, max_len: int) -> list:
+        """One decode state per MTP layer."""
+        if self.mtp is None:
+            raise RuntimeError("this model has no MTP module")
+        return self.mtp.new_state(batch, min(max_len, self.context_length), self.dtype, self.device)
+
+    def mtp_step(self, d: int, hidden: torch.Tensor, next_ids: torch.Tensor | None, start: int,
+                 caches: list | None = None) -> torch.Tensor:
+        """MTP depth d at positions start..start+T-1: h^{d-1} [B, T, H] and the tokens that follow each position
+        [B, T] (None for parallel heads) -> h^d [B, T, H]. With `caches` (from `new_mtp_cache`) the depth's
+        layer writes its keys/values there."""
+        mtp = self.mtp
+        emb = self.mtp_embed(next_ids, d) if mtp.style == "sequential" else None
+        cache = None if caches is None else caches[mtp.layer_for_depth(d)]
+        return mtp.step(d, hidden, emb, self.positions(start, hidden.shape[1]), cache)
+
+    def mtp_hidden_states(self, ids: torch.Tensor, depth: int | None = None,
+                          hidden: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
+        """Yield h^d [B, T-d, H] for d = 1..depth, teacher-forced with the true tokens.
+
+        Position i of depth d predicts token i+d+1. `hidden` (the backbone's [B, T, H]) is computed when not
+        given. A generator, so a trainer can take the loss depth by depth."""
+        if self.mtp is None:
+            raise RuntimeError("this model has no MTP module (the checkpoint held no MTP tensors)")
+        depth = self.mtp.num_layers if depth is None else depth
+        max_depth = self.mtp.max_depth
+        if depth < 1 or (max_depth is not None and depth > max_depth):
+            raise ValueError(f"depth must be in 1..{max_depth or 'any'}, got {depth}")
+        T = ids.shape[1]
+        if depth >= T:
+            raise ValueError(f"depth {depth} needs sequences longer than {T} tokens")
+        h0 = self.hidden(ids) if hidden is None else hidden
+        prev = h0
+        for d in range(1, depth + 1):
+            n = T - d
+            source = prev if self.mtp.style == "sequential" else h0
+            out = self.mtp_step(d, source[:, :n], ids[:, d:], 0)
+            prev = out
+            yield out
+
+    def mtp_logits(self, ids: torch.Tensor, depth: int | None = None) -> list[torch.Tensor]:
+        """List over d = 1..depth of [B, T-d, V]: position i predicts token i+d+1 (teacher forcing)."""
+        return [self.mtp_head(h, d) for d, h in enumerate(self.mtp_hidden_states(ids, depth), start=1)]

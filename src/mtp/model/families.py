@@ -1,0 +1,60 @@
+"""The checkpoint families `mtp` runs: `model_type` (of `config.json`) -> the family's model class.
+
+Each model class carries its config class (`config_class`) and its checkpoint naming (`internal_name`,
+`checkpoint_name`, `is_mtp_tensor`); see `base.CausalLM` for the rest of the seam.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..config import ConfigError
+from .base import CausalLM
+from .qwen3_5 import Qwen35ForCausalLM
+
+FAMILIES: dict[str, type[CausalLM]] = {
+    "qwen3_5": Qwen35ForCausalLM,
+    "qwen3_5_text": Qwen35ForCausalLM,
+}
+
+
+def model_class(data: dict[str, Any]) -> type[CausalLM]:
+    """The model class for a HF config dict (by its `model_type`)."""
+    model_type = data.get("model_type")
+    if model_type is None and isinstance(data.get("text_config"), dict):
+        model_type = data["text_config"].get("model_type")
+    if model_type is None:
+        model_type = "qwen3_5_text"  # text-only Qwen3.5 configs written by hand often omit it
+    if model_type not in FAMILIES:
+        raise ConfigError(f"config key 'model_type' is {model_type!r}; supported: {', '.join(sorted(FAMILIES))}")
+    return FAMILIES[model_type]
+
+
+def config_from_dict(data: dict[str, Any]):
+    """Parse a HF config dict into its family's config dataclass."""
+    return model_class(data).config_class.from_hf_dict(data)
+
+
+def config_from_json(path: str | Path):
+    """Read `config.json` into its family's config dataclass (errors name the file and the key)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: not a JSON object")
+    try:
+        return config_from_dict(data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def model_class_for(config) -> type[CausalLM]:
+    """The model class of a parsed config."""
+    for cls in FAMILIES.values():
+        if isinstance(config, cls.config_class):
+            return cls
+    raise ConfigError(f"no model family for config type {type(config).__name__}")

@@ -1,0 +1,179 @@
+"""Qwen3.5 (dense): Gated DeltaNet + gated-attention backbone and its MTP module, under the checkpoint's names.
+
+Backbone `model.embed_tokens`, `model.layers.{i}` (`linear_attn` or `self_attn`, `mlp`, two norms), `model.norm`,
+`lm_head` (tied to the embedding when `tie_word_embeddings`). MTP `mtp.*` (docs/reference.md, "The MTP module"):
+
+Sequential (Qwen3.5 / DeepSeek-V3, the default), for depth d at position i:
+    e = pre_fc_norm_embedding(embed(t_{i+d})),  h = pre_fc_norm_hidden(h^{d-1}_i)
+    h^d_i = norm(layers[(d-1) % L](fc([e; h])))      -> logits of t_{i+d+1} = lm_head(h^d_i)
+h^0 is the backbone's hidden state after its final norm; embedding first in the concat, as in every
+released checkpoint. Positions: the MTP layer gives slot i the position of h_i (as vLLM does).
+
+Parallel (Meta, Gloeckle et al. 2024; `mtp_style: parallel`, an mtp extension): head d is an independent
+layer on h^0,  h^d_i = norm(layers[d-1](h^0_i)) -> logits of t_{i+d+1}; no embedding input, no chain.
+
+Dedicated embeddings (`mtp_use_dedicated_embeddings: true`, no public checkpoint uses it): the module owns
+`mtp.embed_tokens.weight [V, H]` and `mtp.lm_head.weight [V, H]` instead of sharing the backbone's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import Qwen35Config
+from .attention import GatedAttention
+from .base import CausalLM
+from .cache import KVCache, Positions
+from .deltanet import GatedDeltaNet
+from .layer import MLP, DecoderLayer
+from .norm import RMSNorm, RMSNormGated
+from .rope import RotaryTable, rope_inv_freq
+
+
+def decoder_layer(config: Qwen35Config, kind: str) -> DecoderLayer:
+    """A Qwen3.5 decoder layer of `kind` 'full_attention' (`self_attn`) or 'linear_attention' (`linear_attn`)."""
+    c = config
+    mixer = ("self_attn", GatedAttention(c)) if kind == "full_attention" else ("linear_attn", GatedDeltaNet(c))
+    return DecoderLayer(*mixer, MLP(c.hidden_size, c.intermediate_size), lambda: RMSNorm(c.hidden_size, c.rms_norm_eps))
+
+
+class Qwen35TextModel(nn.Module):
+    """The backbone: `model.embed_tokens`, `model.layers.{i}`, `model.norm`."""
+
+    def __init__(self, config: Qwen35Config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([decoder_layer(config, kind) for kind in config.layer_types])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Qwen35MTP(nn.Module):
+    """The MTP module `mtp.*` (both schools; see the module docstring)."""
+
+    def __init__(self, config: Qwen35Config):
+        super().__init__()
+        c = config
+        self.style = c.mtp_style
+        self.num_layers = c.mtp_num_hidden_layers
+        if self.style == "sequential":
+            self.pre_fc_norm_embedding = RMSNorm(c.hidden_size, c.rms_norm_eps)
+            self.pre_fc_norm_hidden = RMSNorm(c.hidden_size, c.rms_norm_eps)
+            self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
+        self.layers = nn.ModuleList([decoder_layer(c, "full_attention") for _ in range(c.mtp_num_hidden_layers)])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if c.mtp_use_dedicated_embeddings:
+            self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+
+    @property
+    def max_depth(self) -> int | None:
+        """Deepest draft step the module supports (None: any, layers reused cyclically)."""
+        return self.num_layers if self.style == "parallel" else None
+
+    def layer_for_depth(self, d: int) -> int:
+        """Index of the layer that serves depth d (1-based)."""
+        if self.style == "parallel":
+            if d > self.num_layers:
+                raise ValueError(f"parallel MTP has {self.num_layers} heads; depth {d} asked")
+            return d - 1
+        return (d - 1) % self.num_layers
+
+    def embed_for_depth(self, d: int) -> nn.Module | None:
+        return getattr(self, "embed_tokens", None)
+
+    def head_for_depth(self, d: int) -> nn.Module | None:
+        return getattr(self, "lm_head", None)
+
+    def step(self, d: int, hidden: torch.Tensor, emb: torch.Tensor | None, pos: Positions,
+             cache: KVCache | None = None) -> torch.Tensor:
+        """One depth: h^{d-1} [B, T, H] (+ emb of the next tokens [B, T, H]) -> h^d [B, T, H]."""
+        if self.style == "sequential":
+            x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        else:
+            x = hidden
+        x, _ = self.layers[self.layer_for_depth(d)](x, pos, cache)
+        return self.norm(x)
+
+    def new_state(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> list[KVCache]:
+        return [layer.new_state(batch, max_len, dtype, device) for layer in self.layers]
+
+
+class Qwen35ForCausalLM(CausalLM):
+    """Backbone + output head + MTP module (`mtp`, None when the checkpoint has no usable MTP).
+
+    Checkpoints: text-only (`model.*`, `lm_head.*`, `mtp.*`) and multimodal (`model.language_model.*`, with
+    `model.visual.*` ignored) are read; the text-only layout with a flat `qwen3_5_text` config is written, which
+    transformers (`Qwen3_5ForCausalLM`), vLLM and llama.cpp read."""
+
+    config_class = Qwen35Config
+    hf_architecture = "Qwen3_5ForCausalLM"
+
+    @staticmethod
+    def internal_name(name: str) -> str | None:
+        """Checkpoint tensor name -> our parameter name (None: not part of the text model)."""
+        if name.startswith("model.visual.") or name.startswith("visual."):
+            return None
+        if name.startswith("model.language_model."):
+            return "model." + name[len("model.language_model."):]
+        return name
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        """Our parameter name -> the tensor name we write (the text-only layout)."""
+        return name
+
+    @staticmethod
+    def mtp_tensor_pattern(config: Qwen35Config) -> str:
+        """Where the checkpoint keeps its MTP tensors (for messages)."""
+        return "mtp.*"
+
+    @staticmethod
+    def is_mtp_tensor(name: str) -> bool:
+        """Is this (checkpoint) tensor part of the MTP module?"""
+        return name.startswith("mtp.")
+
+    def __init__(self, config: Qwen35Config, with_mtp: bool | None = None):
+        super().__init__()
+        self.config = config
+        self.model = Qwen35TextModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        if with_mtp is None:
+            with_mtp = config.mtp_num_hidden_layers > 0
+        self.mtp = Qwen35MTP(config) if with_mtp and config.mtp_num_hidden_layers > 0 else None
+        self.rotary = RotaryTable(rope_inv_freq(config.rotary_dim, config.rope_theta))
+
+    def positions(self, start: int, length: int) -> Positions:
+        cos, sin = self.rotary(start, length, self.dtype, self.device)
+        return Positions(start, length, cos, sin)
+
+    def new_mtp_module(self) -> Qwen35MTP:
+        """A fresh MTP module for this config (training heads onto a checkpoint that has none)."""
+        return Qwen35MTP(self.config)
+
+    @torch.no_grad()
+    def init_weights(self, std: float | None = None, modules: nn.Module | None = None) -> None:
+        """Initialise for training from scratch (all of the model, or only `modules`): normal(0, std) projections
+        and embeddings, Qwen's norms (zero-centred: 0; the gated one: 1), DeltaNet's decay parameters."""
+        std = self.config.initializer_range if std is None else std
+        for m in (modules or self).modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, 0.0, std)
+            elif isinstance(m, nn.Conv1d):
+                nn.init.kaiming_uniform_(m.weight, a=5**0.5)
+            elif isinstance(m, RMSNorm):
+                m.weight.zero_()
+            elif isinstance(m, RMSNormGated):
+                m.weight.fill_(1.0)
+            if isinstance(m, GatedDeltaNet):
+                m.dt_bias.fill_(1.0)
+                m.A_log.copy_(torch.empty_like(m.A_log).uniform_(0.01, 16).log())
+
+
+def init_weights_(model: CausalLM, std: float | None = None, seed: int | None = None) -> None:
+    """Initialise a model for training from scratch (its family's rule), optionally seeding torch first."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    model.init_weights(std)
