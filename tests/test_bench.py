@@ -13,7 +13,7 @@ from mtp.bench.costmodel import cost_model_speedup, expected_tokens, measure_cos
 from mtp.bench.measure import Run, check_identical
 from mtp.bench.prompts import DEFAULT_PROMPTS, cut_code_prompt, load_prompts
 from mtp.cli import main
-from mtp.draft_vocab import ReducedVocabHead
+from mtp.decode.draft_vocab import DraftVocab
 
 
 def byte_tokenizer(vocab_size: int = 300):
@@ -71,17 +71,20 @@ def test_measure_costs_structure():
     assert costs["c_draft"] > 0 and costs["t1_s"] > 0
 
 
-def test_reduced_vocab_head_maps_back_to_full_ids():
+def test_draft_vocab_restricts_the_head_and_maps_back_to_full_ids():
     model = tiny_model(seed=2)
     ids = [5, 17, 40]
-    head = ReducedVocabHead(model, ids)
-    h = torch.randn(1, 2, model.config.hidden_size)
-    full = model.mtp_head(h, 1)[0, -1]
-    want = ids[int(full[ids].argmax())]
-    assert int(head(h)) == want
+    vocab = DraftVocab(ids, model.config.vocab_size)
+    h = torch.randn(model.config.hidden_size)
+    full = model.mtp_head(h, 1)
+    torch.testing.assert_close(vocab.logits(model, h, 1), full[ids])
+    spread = vocab.full_logits(vocab.logits(model, h, 1))
+    assert int(spread.argmax()) == ids[int(full[ids].argmax())]
+    assert torch.isinf(spread[[i for i in range(model.config.vocab_size) if i not in ids]]).all()
     counts = torch.zeros(model.config.vocab_size)
-    counts[[3, 9]] = 5
-    assert ReducedVocabHead.from_counts(model, counts, 2).token_ids.tolist() == [3, 9]
+    counts[3], counts[9] = 5, 7
+    assert DraftVocab.from_counts(counts, 2).ids.tolist() == [3, 9]
+    assert DraftVocab.from_counts(counts, 2, always=[0]).ids.tolist() == [0, 9]  # EOS kept, then the most frequent
 
 
 def test_bench_quick_writes_report(model_dir, tmp_path, capsys):

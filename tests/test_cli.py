@@ -66,3 +66,10 @@ def test_stop_strings_cut_exactly_under_speculation(model_dir):
         assert r.finish_reason == "stop" and r.text == text[:cut]
         assert r.tokens == full.tokens[: len(r.tokens)]
         assert stop not in model.tokenizer.decode(r.tokens[:-1])  # nothing emitted past the stop's token
+
+
+def test_a_missing_extra_is_one_line_naming_it():
+    code = "import sys; sys.modules['fastapi'] = None; from mtp.cli import main; sys.exit(main(['serve', '--threads', '1']))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert proc.stderr == "mtp: this command needs the 'serve' extra (fastapi not installed): pip install \"mtp[serve]\"\n"

@@ -232,3 +232,34 @@ def test_a_file_is_not_a_checkpoint(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(HubError, match="is a file"):
         resolve_checkpoint(tmp_path / "model.safetensors")
+
+
+def test_load_model_and_cli_take_a_cached_hub_id_offline(tmp_path, offline, monkeypatch):
+    """`mtp.load_model("org/tiny")` and `mtp generate --model org/tiny` read a checkpoint from the local hub cache."""
+    import subprocess
+
+    import torch
+
+    import mtp
+    from serve_support import build_model_dir
+
+    folder = build_model_dir(tmp_path / "src", chat_template=False)
+    cache = tmp_path / "hub"
+    add_snapshot(cache, "org/tiny", MAIN, {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()})
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))  # the default cache_dir, read at call time
+    model = mtp.load_model("org/tiny")
+    ref = mtp.load_model(folder)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    assert model.source_path.startswith(str(cache.resolve())) and torch.equal(model(ids), ref(ids))
+    with pytest.raises(HubError, match="'org/absent'.*not in the local cache"):
+        mtp.load_model("org/absent")
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache))
+    run = lambda name: subprocess.run([sys.executable, "-m", "mtp.cli", "generate", "--model", name, "--prompt", "def add(",  # noqa: E731
+                                       "--max-new-tokens", "6", "--json", "--threads", "1"], capture_output=True, text=True, env=env)
+    proc = run("org/tiny")
+    assert proc.returncode == 0, proc.stderr
+    want = mtp.generate(ref, ref.tokenizer.encode("def add("), max_new_tokens=6).tokens
+    assert json.loads(proc.stdout)["tokens"] == want
+    proc = run("org/absent")
+    assert proc.returncode != 0 and "not in the local cache" in proc.stderr and "Traceback" not in proc.stderr

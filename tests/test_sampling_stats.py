@@ -10,6 +10,7 @@ from scipy.stats import chisquare
 import mtp
 import mtp.decode.speculative as speculative
 from conftest import tiny_model
+from mtp.decode.draft_vocab import DraftVocab
 from mtp.decode.sampling import SamplingParams, apply_repetition_penalty, probs_from_logits
 
 PROMPT = [1, 3, 0, 2, 2]
@@ -38,11 +39,12 @@ def exact_joint(model, params: SamplingParams) -> dict[tuple, float]:
     return out
 
 
-def chi2_pvalue(model, params: SamplingParams, k: int) -> float:
+def chi2_pvalue(model, params: SamplingParams, k: int, draft_vocab=None) -> float:
     counts = {}
     for i in range(N):
         r = mtp.generate(model, PROMPT, max_new_tokens=4, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                           repetition_penalty=params.repetition_penalty, seed=10_000 * k + i, draft_tokens=k)
+                         repetition_penalty=params.repetition_penalty, seed=10_000 * k + i, draft_tokens=k,
+                         draft_vocab=draft_vocab)
         key = tuple(r.tokens[:3])
         counts[key] = counts.get(key, 0) + 1
     exact = exact_joint(model, params)
@@ -69,6 +71,12 @@ def chi2_pvalue(model, params: SamplingParams, k: int) -> float:
 ])
 def test_speculative_sampling_matches_the_target_distribution(model, params, k):
     assert chi2_pvalue(model, params, k) > 1e-3
+
+
+def test_reduced_vocabulary_drafting_keeps_the_target_distribution(model):
+    """Drafts over 2 of the 4 tokens: q is the MTP's law restricted to them, and the output law is still p's."""
+    vocab = DraftVocab([1, 2], model.config.vocab_size)
+    assert chi2_pvalue(model, SamplingParams(temperature=1.0), 2, vocab) > 1e-3
 
 
 def test_the_test_detects_a_wrong_acceptance_rule(model, monkeypatch):

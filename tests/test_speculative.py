@@ -44,6 +44,26 @@ def test_greedy_speculative_equals_plain_for_every_k(models, name):
         assert {"none", "some", "all"} <= patterns, patterns
 
 
+@pytest.mark.parametrize("name", ["sequential-hybrid", "parallel"])
+def test_reduced_vocabulary_drafting_stays_lossless(models, name):
+    """Greedy output is the backbone's whatever the draft vocabulary (drafts outside it can only be missed)."""
+    from mtp.decode.draft_vocab import DraftVocab
+
+    model = models[name]
+    for ids in ([0, 1, 2, 3], [2, 5], list(range(8))):
+        vocab = DraftVocab(ids, model.config.vocab_size)
+        for prompt in prompts(model.config.vocab_size, n=3, seed=5):
+            want = mtp.generate(model, prompt, max_new_tokens=25).tokens
+            for k in (1, 3, "auto"):
+                r = mtp.generate(model, prompt, max_new_tokens=25, draft_tokens=k, draft_vocab=vocab)
+                assert r.tokens == want, (ids, k)
+    full = DraftVocab(list(range(8)), 8)  # the whole vocabulary drafts exactly what the full head does
+    prompt = prompts(8, n=1, seed=6)[0]
+    a = mtp.generate(model, prompt, max_new_tokens=25, draft_tokens=3)
+    b = mtp.generate(model, prompt, max_new_tokens=25, draft_tokens=3, draft_vocab=full)
+    assert a.stats.n_history == b.stats.n_history
+
+
 def test_one_backbone_forward_per_verify_step(models):
     model = models["sequential-hybrid"]
     calls = []

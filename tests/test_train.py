@@ -16,6 +16,7 @@ from mtp.config import ConfigError
 from mtp.io import read_tensors
 from mtp.train.config import TrainConfig, load_config
 from mtp.train.trainer import SimulatedCrash, train
+from serve_support import free_port
 from test_data import build_toy
 
 MODEL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, full_attention_interval=2,
@@ -130,7 +131,7 @@ def test_torchrun_two_processes_match_one(data, tmp_path):
     subprocess.run([sys.executable, "-m", "mtp.cli", "train", "--preset", "tiny", *common, f"out={one}",
                     "micro_batch=2", "grad_accum=2"], check=True, env=env, capture_output=True)
     two = tmp_path / "two"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517",
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
                         "-m", "mtp.cli", "train", "--preset", "tiny", *common, f"out={two}", "micro_batch=2",
                         "grad_accum=1"], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -30,7 +30,7 @@ def cmd_generate(args) -> int:
     ids = tok.encode(prompt)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
-              stop=args.stop, draft_tokens=args.draft_tokens)
+              stop=args.stop, draft_tokens=args.draft_tokens, draft_vocab=args.draft_vocab)
     t0 = time.perf_counter()
     s = stream(model, ids, **kw)
     if args.json:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import os
 from pathlib import Path
 
@@ -19,7 +19,12 @@ def default_model_path() -> Path:
 
 def require_extra(extra: str, *modules: str) -> None:
     """Exit with one line naming the extra to install when one of `modules` is not importable (no traceback)."""
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    missing = []
+    for m in modules:
+        try:
+            importlib.import_module(m)
+        except ImportError:
+            missing.append(m)
     if missing:
         raise SystemExit(f"mtp: this command needs the '{extra}' extra ({', '.join(missing)} not installed): "
                          f"pip install \"mtp[{extra}]\"")
@@ -90,3 +95,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-tokens", type=parse_draft_tokens, default="auto",
                    help="MTP drafts per step: 0 = plain decoding, 1..8, or 'auto' (default)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    add_draft_vocab_arg(p)
+
+
+def add_draft_vocab_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="draft over the N most frequent tokens (token_frequencies.json beside the model); "
+                        "output is unchanged, the draft head is V/N times cheaper")

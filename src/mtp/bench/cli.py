@@ -86,7 +86,7 @@ def _costs_json(costs: dict) -> dict:
 
 def cmd_shape(args) -> int:
     """Cost model alone on a random-weight model of a named shape."""
-    from ..draft_vocab import ReducedVocabHead
+    from ..decode.draft_vocab import DraftVocab
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -95,7 +95,8 @@ def cmd_shape(args) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     g = torch.Generator().manual_seed(0)
     counts = torch.rand(model.config.vocab_size, generator=g)  # random weights: any subset costs the same
-    heads = {f"{n // 1024}k-token": ReducedVocabHead.from_counts(model, counts, n) for n in (32768, 8192)}
+    vocabs = {f"{n // 1024}k-token": DraftVocab.from_counts(counts, n) for n in (32768, 8192)}
+    heads = {name: (lambda h, v=v: int(v.ids[v.logits(model, h[0, -1], 1).argmax()])) for name, v in vocabs.items()}
     iters = 2 if args.quick else 5
     costs = measure_costs(model, q_max=8, context=128, iters=iters, warmup=1, extra_heads=heads)
     print(format_costs(costs, f"cost model, random-weight {args.shape} ({n_params / 1e6:.0f}M parameters, {model.dtype})"))

@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from .bpe import EOS, save_tokenizer, train_bpe
 from .corpus import DEFAULT_EXTENSIONS, find_documents, iter_texts, split_by_file
-from .shards import INDEX, ShardWriter, token_dtype
+from .shards import INDEX, ShardWriter, token_dtype, write_token_frequencies
 
 
 def _report(skipped: list[tuple[str, str]], start: int, quiet: bool) -> None:
@@ -94,4 +94,5 @@ def build_dataset(sources: list[Path], out: Path, vocab_size: int = 8192, val_fr
         "splits": splits, "skipped": [{"path": p, "reason": r} for p, r in skipped],
     }
     (out / INDEX).write_text(json.dumps(index, indent=1) + "\n")
+    write_token_frequencies(out)
     return index

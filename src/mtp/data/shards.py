@@ -102,3 +102,26 @@ class TokenShards:
             done += take
             i += 1
         return out
+
+
+FREQUENCIES = "token_frequencies.json"
+
+
+def token_counts(shards: TokenShards, vocab_size: int, chunk: int = 1 << 22) -> np.ndarray:
+    """How often each token id occurs in a split: int64 [vocab_size]."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for start in range(0, len(shards), chunk):
+        counts += np.bincount(shards.read(start, min(chunk, len(shards) - start)), minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def write_token_frequencies(folder: str | Path, split: str = "train") -> Path:
+    """Write `token_frequencies.json` (the split's token counts) into a data folder; the trainer copies it beside
+    the models it writes, where reduced-vocabulary drafting (`--draft-vocab N`) reads it."""
+    folder = Path(folder)
+    shards = TokenShards(folder, split)
+    vocab = json.loads((folder / INDEX).read_text())["vocab_size"]
+    counts = token_counts(shards, vocab)
+    path = folder / FREQUENCIES
+    path.write_text(json.dumps({"split": split, "tokens": int(counts.sum()), "counts": counts.tolist()}) + "\n")
+    return path

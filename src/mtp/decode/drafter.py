@@ -12,7 +12,8 @@ MTP over the positions committed since the last round (the catch-up, which also 
   reused cyclically when k exceeds them);
 - parallel (Meta's heads): every head catches up on every committed position, head d drafts token d.
 `propose(logits, drafts_before) -> (token, q)` turns a row of MTP logits into a draft and its distribution
-(q is None when drafting greedily with no penalty: the acceptance rule then needs no q).
+(q is None when drafting greedily with no penalty: the acceptance rule then needs no q). With a `DraftVocab`
+the head is evaluated over its N tokens only (`draft_vocab.py`).
 """
 
 from __future__ import annotations
@@ -21,16 +22,22 @@ from collections.abc import Callable
 
 import torch
 
+from .draft_vocab import DraftVocab
+
 Propose = Callable[[torch.Tensor, list[int]], tuple[int, torch.Tensor | None]]
 
 
 class Drafter:
-    def __init__(self, model, max_len: int, propose: Propose):
+    def __init__(self, model, max_len: int, propose: Propose, vocab: DraftVocab | None = None,
+                 argmax_only: bool = False):
+        """`argmax_only`: drafts are the plain argmax (greedy, no penalty), so no distribution is built."""
         if model.mtp is None:
             raise ValueError("this model has no MTP module to draft with")
         self.model = model
         self.mtp = model.mtp
         self.propose = propose
+        self.vocab = vocab
+        self.argmax_only = argmax_only
         self.caches = model.new_mtp_cache(1, max_len)
         self.pos = 0  # MTP slots 0..pos-1 hold accepted (h_j, t_{j+1}) entries
         self._hidden: torch.Tensor | None = None  # [1, m, H]: committed positions pos..pos+m-1 not yet caught up
@@ -75,8 +82,17 @@ class Drafter:
                 h = last
             else:
                 h = last
-            token, q = self.propose(model.mtp_head(h[0, -1], j), drafts)
+            token, q = self._propose(h[0, -1], j, drafts)
             drafts.append(token)
             if q is not None:
                 qs.append(q)
         return drafts, qs
+
+    def _propose(self, h: torch.Tensor, d: int, drafts: list[int]) -> tuple[int, torch.Tensor | None]:
+        """Depth-d hidden [H] -> (draft token, q [V] or None)."""
+        if self.vocab is None:
+            return self.propose(self.model.mtp_head(h, d), drafts)
+        reduced = self.vocab.logits(self.model, h, d)  # [N]
+        if self.argmax_only:
+            return int(self.vocab.ids[reduced.argmax()]), None
+        return self.propose(self.vocab.full_logits(reduced), drafts)

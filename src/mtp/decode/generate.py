@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import torch
 
+from .draft_vocab import DraftVocab
 from .sampling import SamplingParams
 from .session import GenerationResult, Session
 from .speculative import speculative_decode
@@ -63,11 +64,14 @@ class GenerationStream:
 def stream(model, input_ids, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int | None = None,
            top_p: float | None = None, repetition_penalty: float = 1.0, seed: int | None = None,
            eos_token_ids: list[int] | None = None, stop: list[str] | str | None = None,
-           draft_tokens: int | str | None = None, tokenizer=None) -> GenerationStream:
+           draft_tokens: int | str | None = None, tokenizer=None,
+           draft_vocab: int | DraftVocab | None = None) -> GenerationStream:
     """Streaming generation for one sequence. input_ids: list[int] or [1, T] tensor.
 
     draft_tokens: None or 0 = plain decoding; 1..8 = MTP speculative decoding with k drafts; "auto" =
     adaptive k. A model with no usable MTP falls back to plain decoding with a warning.
+    draft_vocab: draft over the N most frequent tokens (an int N, read from the model folder's
+    token_frequencies.json) or a given DraftVocab; None = the full vocabulary.
     """
     if isinstance(input_ids, torch.Tensor):
         if input_ids.dim() == 2:
@@ -85,7 +89,9 @@ def stream(model, input_ids, max_new_tokens: int = 128, temperature: float = 0.0
     if not model.has_mtp:
         warnings.warn("model has no usable MTP module; falling back to plain decoding", stacklevel=2)
         return GenerationStream(session, plain_decode(session))
-    return GenerationStream(session, speculative_decode(session, draft_tokens))
+    if isinstance(draft_vocab, int):
+        draft_vocab = DraftVocab.for_model(model, draft_vocab)
+    return GenerationStream(session, speculative_decode(session, draft_tokens, draft_vocab))
 
 
 def generate(model, input_ids, **kwargs) -> GenerationResult:

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import torch
 
 from .accept import accept_greedy, accept_sampling
+from .draft_vocab import DraftVocab
 from .drafter import Drafter
 from .policy import DraftPolicy
 from .session import Session
@@ -29,8 +30,9 @@ from .session import Session
 MAX_DRAFT = 8
 
 
-def speculative_decode(session: Session, draft_tokens: int | str) -> Iterator[list[int]]:
-    """Prefill, then draft/verify/accept/rollback rounds until a stop. Yields the tokens emitted per round."""
+def speculative_decode(session: Session, draft_tokens: int | str, vocab: DraftVocab | None = None) -> Iterator[list[int]]:
+    """Prefill, then draft/verify/accept/rollback rounds until a stop. Yields the tokens emitted per round.
+    `vocab`: draft over a reduced vocabulary (the backbone still verifies over the full one)."""
     model, stats, params = session.model, session.stats, session.params
     depth_limit = model.mtp.max_depth
     policy = DraftPolicy.from_arg(draft_tokens, MAX_DRAFT if depth_limit is None else min(MAX_DRAFT, depth_limit))
@@ -41,7 +43,7 @@ def speculative_decode(session: Session, draft_tokens: int | str) -> Iterator[li
     t0 = time.perf_counter()
     max_len = len(session.tokens) + session.max_new + policy.k_max + 2
     cache = model.new_cache(1, max_len)
-    drafter = Drafter(model, max_len, session.propose)
+    drafter = Drafter(model, max_len, session.propose, vocab, argmax_only=session.plain_argmax)
     prompt = list(session.tokens)
     hidden = model.hidden(torch.tensor([prompt], device=dev), cache)  # [1, P, H]
     first = session.choose(model.head(hidden[0, -1]))

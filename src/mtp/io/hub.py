@@ -57,6 +57,7 @@ def resolve_checkpoint(
 
     try:
         import huggingface_hub
+        from huggingface_hub import constants as hub_constants
         from huggingface_hub.utils import (
             HFValidationError,
             LocalEntryNotFoundError,
@@ -68,10 +69,10 @@ def resolve_checkpoint(
         raise HubError(f"loading {name!r} from the Hugging Face Hub needs huggingface_hub: pip install huggingface_hub") from e
 
     # huggingface_hub reads HF_HUB_OFFLINE once, at import; reading it here too honours it when it is set later.
-    offline = hub_offline() or bool(getattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False))
+    offline = hub_offline() or bool(getattr(hub_constants, "HF_HUB_OFFLINE", False))
     local_only = True if offline else bool(local_files_only)
     rev = revision or "main"
-    cache = Path(os.path.expanduser(cache_dir or huggingface_hub.constants.HF_HUB_CACHE)).resolve()
+    cache = Path(os.path.expanduser(cache_dir or hub_constants.HF_HUB_CACHE)).resolve()
     try:
         folder = huggingface_hub.snapshot_download(
             name, revision=revision, cache_dir=cache_dir, local_files_only=local_only, allow_patterns=ALLOW_PATTERNS

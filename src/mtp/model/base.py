@@ -72,11 +72,15 @@ class CausalLM(nn.Module):
         table = own(d) if own is not None else None
         return (table if table is not None else self.model.embed_tokens)(ids)
 
-    def mtp_head(self, hidden: torch.Tensor, d: int) -> torch.Tensor:
-        """MTP depth-d hidden [..., H] -> logits [..., V] (the backbone's head unless the MTP has its own)."""
+    def mtp_head_module(self, d: int) -> nn.Module:
+        """The output head MTP depth d uses (the backbone's unless the MTP has its own)."""
         own = getattr(self.mtp, "head_for_depth", None)
         head = own(d) if own is not None else None
-        return (head if head is not None else self.lm_head)(hidden)
+        return head if head is not None else self.lm_head
+
+    def mtp_head(self, hidden: torch.Tensor, d: int) -> torch.Tensor:
+        """MTP depth-d hidden [..., H] -> logits [..., V]."""
+        return self.mtp_head_module(d)(hidden)
 
     # ------------------------------------------------------------------ basics
     @property

@@ -24,7 +24,10 @@ from .base import CausalLM
 from .families import config_from_json, model_class_for
 
 log = logging.getLogger("mtp")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+# Files that travel with the weights: the tokenizer, the chat template, and the token counts that reduced-vocabulary
+# drafting reads.
+COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                   "token_frequencies.json")
 DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                "float16": torch.float16, "fp16": torch.float16}
 
@@ -162,6 +165,6 @@ def save_model(model: CausalLM, path: str | Path, max_shard_size: int | None = N
     atomic_write_text(path / "config.json", json.dumps(config.to_hf_dict(), indent=2, sort_keys=True) + "\n")
     source = model.source_path
     if source and Path(source).resolve() != path.resolve():
-        for name in TOKENIZER_FILES:
+        for name in COMPANION_FILES:
             if (Path(source) / name).exists():
                 shutil.copyfile(Path(source) / name, path / name)

@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..cli_common import add_model_args, load_from_args, model_name, parse_draft_tokens, require_extra
+from ..cli_common import add_draft_vocab_arg, add_model_args, load_from_args, model_name, parse_draft_tokens, require_extra
 
 DEFAULT_PORT = 8000
 DEFAULT_MAX_CONCURRENCY = 8
@@ -23,6 +23,7 @@ def register(subparsers) -> None:
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT})")
     p.add_argument("--draft-tokens", type=parse_draft_tokens, default="auto",
                    help="MTP drafts per step: 0 = plain decoding, 1..8, or 'auto' (default)")
+    add_draft_vocab_arg(p)
     p.add_argument("--api-key", default=os.environ.get("MTP_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $MTP_API_KEY; unset = no auth)")
     p.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY,
@@ -55,7 +56,7 @@ def cmd_serve(args) -> int:
         raise SystemExit(f"mtp serve: {model.source_path} has no tokenizer.json; the server needs one")
     source = model_name(args)  # a folder is served under its name, a hub id under the id (as vLLM does)
     name = args.served_model_name or (Path(source).resolve().name if Path(source).is_dir() else source)
-    engine = Engine(model, args.draft_tokens, args.max_concurrency)
+    engine = Engine(model, args.draft_tokens, args.max_concurrency, draft_vocab=args.draft_vocab)
     app = create_app(engine, name, api_key=args.api_key, default_max_tokens=args.default_max_tokens)
     if args.host not in LOOPBACK:
         print(f"mtp serve: warning: binding {args.host} exposes the API beyond this machine"

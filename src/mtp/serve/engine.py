@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..decode import stream as decode_stream
+from ..decode.draft_vocab import DraftVocab
 
 log = logging.getLogger("mtp.serve")
 
@@ -121,12 +122,14 @@ class Job:
 class Engine:
     """The model, its worker thread and the admission counter."""
 
-    def __init__(self, model, draft_tokens: int | str | None, max_concurrency: int):
+    def __init__(self, model, draft_tokens: int | str | None, max_concurrency: int, draft_vocab: int | None = None):
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         self.model = model
         self.tokenizer = model.tokenizer
         self.draft_tokens = usable_draft_tokens(model, draft_tokens)
+        # built once (it reads the model folder's token counts): every request drafts over the same tokens
+        self.draft_vocab = DraftVocab.for_model(model, draft_vocab) if draft_vocab and self.draft_tokens else None
         self.max_concurrency = max_concurrency
         self.context = model.context_length
         self.eos_token_ids = set(model.eos_token_ids)  # the same stop rule as `model.generate`
@@ -153,7 +156,8 @@ class Engine:
             stream = decode_stream(
                 self.model, prompt_ids, max_new_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
                 top_k=params.top_k, repetition_penalty=params.repetition_penalty, seed=params.seed,
-                stop=params.stop, draft_tokens=self.draft_tokens, eos_token_ids=[] if params.ignore_eos else None)
+                stop=params.stop, draft_tokens=self.draft_tokens, eos_token_ids=[] if params.ignore_eos else None,
+                draft_vocab=self.draft_vocab)
         return Job(self, stream, len(prompt_ids))
 
     def speculative_stats(self, stats) -> dict:

@@ -13,7 +13,7 @@ def cmd_train(args) -> int:
 
     if args.config is None and args.preset is None:
         raise SystemExit("mtp train: give --config FILE or --preset NAME (see --list-presets)")
-    cfg = load_config(args.config, args.preset, args.overrides)
+    cfg = load_config(args.config, args.preset, args.overrides + ([f"device={args.device}"] if args.device else []))
     if args.fresh:
         import shutil
 
@@ -30,19 +30,21 @@ def cmd_heal(args) -> int:
 
     report = heal(args.base, args.finetuned, args.out, train=args.train, data=args.data, steps=args.steps,
                   lr=args.lr, seq_len=args.seq_len, micro_batch=args.micro_batch, eval_seqs=args.eval_seqs,
-                  threads=args.threads, seed=args.seed)
+                  threads=args.threads, seed=args.seed, device=args.device)
     print(json.dumps(report, indent=1))
     return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from .config import PRESETS
+    from .config import DEVICES, PRESETS
 
     p = sub.add_parser("train", help="train with the MTP objective (pretrain / heads / finetune)",
                        description="Config: the preset, then --config JSON on top, then key=value overrides "
                                    "(model.key=value for model config keys). Resumes from OUT/latest when present.")
     p.add_argument("--config", type=Path, default=None, help="JSON train config")
     p.add_argument("--preset", default=None, choices=sorted(PRESETS))
+    p.add_argument("--device", default=None, choices=DEVICES,
+                   help="auto (cuda when available), cpu, cuda, mps; same as the override device=...")
     p.add_argument("--fresh", action="store_true", help="ignore (delete) the run folder's checkpoints instead of resuming")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data=DIR out=DIR max_steps=100")
     p.set_defaults(func=cmd_train)
@@ -59,5 +61,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--micro-batch", type=int, default=8)
     h.add_argument("--eval-seqs", type=int, default=64)
     h.add_argument("--threads", type=int, default=None)
+    h.add_argument("--device", default="auto", choices=DEVICES, help="auto: cuda when available, else cpu")
     h.add_argument("--seed", type=int, default=0)
     h.set_defaults(func=cmd_heal)

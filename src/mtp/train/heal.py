@@ -116,13 +116,13 @@ def _rewrite_mtp_shard(out: Path, model) -> None:
     atomic_write(shard, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
 
 
-def acceptance(path: Path, data: Path, seq_len: int, eval_seqs: int, batch: int = 8) -> dict:
+def acceptance(path: Path, data: Path, seq_len: int, eval_seqs: int, batch: int = 8, device: str = "cpu") -> dict:
     """Validation metrics (incl. accept_d) of a checkpoint on the data folder's validation split."""
     from ..data.shards import TokenShards
     from .batches import Batches
     from .evaluate import evaluate
 
-    model = load_model(path, dtype="float32")
+    model = load_model(path, dtype="float32", device=device)
     if model.mtp is None:
         return {"accept_1": 0.0, "note": "no MTP: every draft is rejected (plain decoding)"}
     vb = Batches(TokenShards(data, "val"), seq_len).fixed(eval_seqs, batch)
@@ -131,8 +131,11 @@ def acceptance(path: Path, data: Path, seq_len: int, eval_seqs: int, batch: int 
 
 def heal(base: Path, finetuned: Path, out: Path, train: bool = False, data: Path | None = None, steps: int = 200,
          lr: float = 1e-3, seq_len: int = 256, micro_batch: int = 8, eval_seqs: int = 64, threads: int | None = None,
-         seed: int = 0, progress: bool = True) -> dict:
+         seed: int = 0, progress: bool = True, device: str = "auto") -> dict:
     """Graft, optionally re-align (heads mode, self-distillation), and report acceptance before/after."""
+    from .trainer import resolve_device
+
+    dev = str(resolve_device(device))
     if train and data is None:
         raise ValueError("mtp heal --train needs --data (a folder built by `mtp data`)")
     if threads:
@@ -143,9 +146,9 @@ def heal(base: Path, finetuned: Path, out: Path, train: bool = False, data: Path
     keep = ("loss", "accept_1", "accept_pos_1", "mean_accepted_length")
     if data is not None:
         pick = lambda m: {k: round(v, 4) for k, v in m.items() if k in keep or k.startswith("accept_")}  # noqa: E731
-        report["base"] = pick(acceptance(Path(base), data, seq_len, eval_seqs))
-        report["finetuned_before"] = {"accept_1": 0.0, "note": "no mtp.* tensors: no drafts"}
-        report["grafted"] = pick(acceptance(out, data, seq_len, eval_seqs))
+        report["base"] = pick(acceptance(Path(base), data, seq_len, eval_seqs, device=dev))
+        report["finetuned_before"] = {"accept_1": 0.0, "note": "no MTP tensors: no drafts"}
+        report["grafted"] = pick(acceptance(out, data, seq_len, eval_seqs, device=dev))
     if train:
         from .config import TrainConfig
         from .trainer import train as run
@@ -154,10 +157,10 @@ def heal(base: Path, finetuned: Path, out: Path, train: bool = False, data: Path
             cfg = TrainConfig(data=str(data), out=tmp, mode="heads", init=str(out), heads_target="self",
                               seq_len=seq_len, micro_batch=micro_batch, max_steps=steps, lr=lr,
                               warmup_steps=max(1, steps // 20), eval_every=steps, save_every=steps,
-                              eval_seqs=eval_seqs, seed=seed, progress=progress, keep_checkpoints=1)
+                              eval_seqs=eval_seqs, seed=seed, progress=progress, keep_checkpoints=1, device=device)
             run(cfg)
             trained = load_model(Path(tmp) / "model", dtype="float32")
         _rewrite_mtp_shard(out, trained)
-        report["healed"] = pick(acceptance(out, data, seq_len, eval_seqs))
+        report["healed"] = pick(acceptance(out, data, seq_len, eval_seqs, device=dev))
         report["heal_steps"] = steps
     return report

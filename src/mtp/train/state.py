@@ -16,8 +16,8 @@ import torch
 
 from ..io.files import atomic_write_text
 from ..model import save_model
+from ..model.checkpoint import COMPANION_FILES
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 STATE = "trainer_state.pt"
 
 
@@ -34,7 +34,7 @@ def set_rng_state(s: dict) -> None:
 def copy_tokenizer(src: str | Path | None, dst: Path) -> None:
     if src is None:
         return
-    for name in TOKENIZER_FILES:
+    for name in COMPANION_FILES:
         if (Path(src) / name).exists():
             shutil.copyfile(Path(src) / name, dst / name)
 
