@@ -6,13 +6,19 @@ import pytest
 import torch
 
 from mtp import Qwen35Config, Qwen35ForCausalLM
+from mtp.config import Qwen35MoeConfig
 from mtp.model import init_weights_
+from mtp.model.qwen3_5 import Qwen35MoeForCausalLM
 
 # Tiny models: one intra-op thread is fastest (and the suite must not thrash a shared 2-core machine).
 torch.set_num_threads(1)
 
 
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+
+
 def tiny_config(**overrides) -> Qwen35Config:
+    """A tiny Qwen3.5 config; with any MoE key (see MOE) a Qwen3.5-MoE config."""
     base = dict(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -21,12 +27,16 @@ def tiny_config(**overrides) -> Qwen35Config:
         tie_word_embeddings=True, mtp_num_hidden_layers=1, rope_theta=10000.0, partial_rotary_factor=0.5,
     )
     base.update(overrides)
+    if any(k in base for k in MOE):
+        return Qwen35MoeConfig(**{**MOE, **base})
     return Qwen35Config(**base)
 
 
 def tiny_model(seed: int = 0, std: float = 0.2, **overrides) -> Qwen35ForCausalLM:
-    """A random tiny model; a large init std makes its outputs peaked (and sensitive to bugs)."""
-    model = Qwen35ForCausalLM(tiny_config(**overrides))
+    """A random tiny model (Qwen3.5, or Qwen3.5-MoE with MoE keys); a large init std makes its outputs peaked
+    (and sensitive to bugs)."""
+    config = tiny_config(**overrides)
+    model = (Qwen35MoeForCausalLM if isinstance(config, Qwen35MoeConfig) else Qwen35ForCausalLM)(config)
     init_weights_(model, std=std, seed=seed)
     # Randomise the norms too so that a missing (1 + w) or a swapped norm shows up in parity tests.
     g = torch.Generator().manual_seed(seed + 1)

@@ -125,6 +125,20 @@ def test_accept_sampling_hand_made_distributions():
     assert all(tok == 0 for n, tok in outcomes)  # rejected -> residual max(0, p-q) = token 0; accepted -> bonus 0
 
 
+def test_auto_policy_follows_the_verify_cost():
+    """An MoE-like verify (each extra token +80% of a plain step) makes auto stop drafting at modest acceptance;
+    the same acceptance with a flat verify cost makes it draft deep."""
+    def settle(verify_cost):
+        pol = DraftPolicy.from_arg("auto", 8)
+        for r in range(300):
+            k = pol.next_k()
+            pol.update(k, k if r % 3 else 0, 0.0005 * k, verify_cost(k + 1))  # all accepted 2 rounds in 3
+        return pol.k_last
+
+    assert settle(lambda q: 0.01 * (1 + 0.8 * (q - 1))) == 0
+    assert settle(lambda q: 0.01 * (1 + 0.02 * (q - 1))) >= 4
+
+
 def test_auto_policy_stays_in_bounds_and_follows_acceptance():
     pol = DraftPolicy.from_arg("auto", 8)
     for _ in range(50):
@@ -135,7 +149,7 @@ def test_auto_policy_stays_in_bounds_and_follows_acceptance():
     for _ in range(200):
         k = pol.next_k()
         pol.update(k, 0, 0.001 * k, 0.01 + 0.001 * k)  # nothing accepted
-    assert pol.k_last == 1
+    assert pol.k_last == 0  # drafting turned off
     with pytest.raises(ValueError, match="draft_tokens"):
         DraftPolicy.from_arg(9, 8)
 

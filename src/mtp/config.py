@@ -25,6 +25,9 @@ class ConfigWarning(UserWarning):
 class Qwen35Config:
     # The keys that describe the MTP module (what `mtp heal` carries over from a base checkpoint).
     mtp_keys = ("mtp_num_hidden_layers", "mtp_style", "mtp_use_dedicated_embeddings")
+    text_model_type = "qwen3_5_text"  # a flat, text-only config
+    outer_model_type = "qwen3_5"  # the multimodal config that nests the text one under `text_config`
+    architecture = "Qwen3_5ForCausalLM"
 
     vocab_size: int = 248320
     hidden_size: int = 1024
@@ -143,7 +146,8 @@ class Qwen35Config:
     # ------------------------------------------------------------------ HF dict round trip
     @classmethod
     def from_hf_dict(cls, data: dict[str, Any]) -> Qwen35Config:
-        """Parse a HF config dict: `qwen3_5` (nested `text_config`) or `qwen3_5_text` (flat)."""
+        """Parse a HF config dict: `qwen3_5` (nested `text_config`) or `qwen3_5_text` (flat) - or the other pair
+        of model types a subclass names."""
         data = copy.deepcopy(data)
         outer = None
         if "text_config" in data:
@@ -160,9 +164,10 @@ class Qwen35Config:
                     )
         else:
             text = data
-        model_type = text.get("model_type", "qwen3_5_text")
-        if model_type not in ("qwen3_5_text", "qwen3_5"):
-            raise ConfigError(f"config key 'model_type' is {model_type!r}; expected 'qwen3_5' or 'qwen3_5_text'")
+        model_type = text.get("model_type", cls.text_model_type)
+        if model_type not in (cls.text_model_type, cls.outer_model_type):
+            raise ConfigError(f"config key 'model_type' is {model_type!r}; expected '{cls.outer_model_type}' or "
+                              f"'{cls.text_model_type}'")
 
         known = {f.name for f in fields(cls)} - {"extra", "outer"}
         kwargs: dict[str, Any] = {}
@@ -221,15 +226,15 @@ class Qwen35Config:
         extra = dict(self.extra)
         flat_rope = extra.pop("__flat_rope__", False)
         present = extra.pop("__keys__", None)
-        model_type = extra.pop("__model_type__", "qwen3_5_text")
+        model_type = extra.pop("__model_type__", self.text_model_type)
         text: dict[str, Any] = {}
         for f in fields(self):
             if f.name in ("extra", "outer"):
                 continue
             text[f.name] = copy.deepcopy(getattr(self, f.name))
-        text["model_type"] = model_type if self.outer is None else "qwen3_5_text"
-        if model_type == "qwen3_5" and self.outer is None:
-            text["model_type"] = "qwen3_5_text"
+        text["model_type"] = model_type if self.outer is None else self.text_model_type
+        if model_type == self.outer_model_type and self.outer is None:
+            text["model_type"] = self.text_model_type
         rope = dict(text["rope_parameters"])
         rope["rope_theta"] = self.rope_theta
         rope["partial_rotary_factor"] = self.partial_rotary_factor
@@ -259,7 +264,7 @@ class Qwen35Config:
                     del text[key]
         text.update(extra)
         if self.outer is None:
-            text.setdefault("architectures", ["Qwen3_5ForCausalLM"])
+            text.setdefault("architectures", [self.architecture])
             return text
         outer = copy.deepcopy(self.outer)
         outer["text_config"] = text
@@ -281,8 +286,38 @@ class Qwen35Config:
         Path(path).write_text(json.dumps(self.to_hf_dict(), indent=2, sort_keys=True) + "\n")
 
     def text_only(self) -> Qwen35Config:
-        """A copy that writes as a flat `qwen3_5_text` config (what `save_model` writes)."""
+        """A copy that writes as a flat text-only config (`qwen3_5_text`; what `save_model` writes)."""
         c = copy.deepcopy(self)
         c.outer = None
         c.extra = {k: v for k, v in c.extra.items() if k != "__model_type__"}
         return c
+
+
+@dataclass
+class Qwen35MoeConfig(Qwen35Config):
+    """Qwen3.5-MoE (35B-A3B, 122B-A10B, 397B-A17B): the dense keys plus the sparse MoE block's. Every layer's
+    MLP, the MTP layer's included, is the MoE block; there is no `norm_topk_prob`: the top-k weights are always
+    renormalised (docs/families.md, "Qwen3.5-MoE")."""
+
+    text_model_type = "qwen3_5_moe_text"
+    outer_model_type = "qwen3_5_moe"
+    architecture = "Qwen3_5MoeForCausalLM"
+
+    num_experts: int = 256
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
+    router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = False
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"config key '{name}' must be a positive integer, got {value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConfigError(f"config key 'num_experts_per_tok' ({self.num_experts_per_tok}) exceeds "
+                              f"'num_experts' ({self.num_experts})")
+        if not self.router_aux_loss_coef >= 0:
+            raise ConfigError(f"config key 'router_aux_loss_coef' must be >= 0, got {self.router_aux_loss_coef}")

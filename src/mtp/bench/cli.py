@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ..cli_common import add_model_args, load_from_args, model_name, parse_draft_tokens
-from .costmodel import SHAPES, build_shape_model, format_costs, measure_costs, speedup_table
+from .costmodel import FULL_LAYERS, SHAPES, build_shape_model, extrapolate_depth, format_costs, measure_costs, speedup_table
 from .measure import check_identical, configs_for, load_transformers, run_interleaved
 from .prompts import DEFAULT_PROMPTS, Prompt, load_prompts
 from .report import ACCEPTED_LENGTH_NOTE, best_fixed_k, markdown_report, plot, summarize
@@ -99,21 +99,34 @@ def cmd_shape(args) -> int:
     heads = {name: (lambda h, v=v: int(v.ids[v.logits(model, h[0, -1], 1).argmax()])) for name, v in vocabs.items()}
     iters = 2 if args.quick else 5
     costs = measure_costs(model, q_max=8, context=128, iters=iters, warmup=1, extra_heads=heads)
-    print(format_costs(costs, f"cost model, random-weight {args.shape} ({n_params / 1e6:.0f}M parameters, {model.dtype})"))
+    title = f"cost model, random-weight {args.shape} ({n_params / 1e6:.0f}M parameters, {model.dtype})"
+    tables = {"measured": costs}
+    print(format_costs(costs, title))
+    print_speedups(costs)
+    if args.shape in FULL_LAYERS:
+        factor = FULL_LAYERS[args.shape] / model.config.num_hidden_layers
+        tables["extrapolated"] = full = extrapolate_depth(costs, factor)
+        print("\n" + format_costs(full, f"the same extrapolated to the real model's {FULL_LAYERS[args.shape]} layers "
+                                          f"(time outside the output head x {factor:g})"))
+        print_speedups(full)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"costs_{args.shape}.json"
+    path.write_text(json.dumps({"shape": args.shape, "dtype": str(model.dtype), "parameters": n_params, "machine": machine_info(),
+                                **{f"costs_{k}" if k != "measured" else "costs": _costs_json(v) for k, v in tables.items()}},
+                               indent=2))
+    print(f"\nwrote {path}", file=sys.stderr)
+    return 0
+
+
+def print_speedups(costs: dict) -> None:
     print("\nspeedup the cost model allows at acceptance a per position (full head / reduced heads):")
-    for a in (0.6, 0.7, 0.8, 0.9):
+    for a in (0.9, 0.8, 0.7):
         row = []
-        for k in (1, 2, 3, 4):
+        for k in range(1, len(costs["c_verify"])):
             full = speedup_table([a] * k, costs, k)[k]
             reduced = [speedup_table([a] * k, {**costs, "c_draft": c}, k)[k] for c in costs.get("c_draft_reduced", {}).values()]
             row.append(f"k={k}: {full:.2f}" + "".join(f" / {r:.2f}" for r in reduced))
         print(f"  a = {a}: " + ", ".join(row))
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"costs_{args.shape}.json"
-    path.write_text(json.dumps({"shape": args.shape, "dtype": str(model.dtype), "parameters": n_params, "machine": machine_info(),
-                                "costs": _costs_json(costs)}, indent=2))
-    print(f"\nwrote {path}", file=sys.stderr)
-    return 0
 
 
 def bench_prompts(args, model, max_prompts: int | None, max_new: int) -> tuple[list[Prompt], list[list[int]], dict]:

@@ -32,7 +32,18 @@ SHAPES = {
         linear_key_head_dim=128, linear_value_head_dim=128, full_attention_interval=4, tie_word_embeddings=True,
         mtp_num_hidden_layers=1, max_position_embeddings=4096, model_type="qwen3_5_text",
     ),
+    # Qwen3.5-35B-A3B's real widths and expert counts (256 experts, top-8, expert width 512, a shared expert of
+    # 512) and its MoE MTP layer, on a 4-layer slice (3 Gated DeltaNet + 1 attention, the real 3:1 pattern).
+    "qwen3.5-35b-a3b": dict(
+        vocab_size=248320, hidden_size=2048, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=2,
+        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, full_attention_interval=4, tie_word_embeddings=False, mtp_num_hidden_layers=1,
+        max_position_embeddings=4096, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, model_type="qwen3_5_moe_text",
+    ),
 }
+# Layers of the real model a shape is a slice of: its costs are also extrapolated to that depth.
+FULL_LAYERS = {"qwen3.5-35b-a3b": 40}
 
 
 def expected_tokens(acceptance: list[float], k: int) -> float:
@@ -57,8 +68,8 @@ def build_shape_model(name: str, dtype: torch.dtype = torch.float32, seed: int =
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r}; known: {sorted(SHAPES)}")
     config = config_from_dict(dict(SHAPES[name]))
-    with torch.device("meta"):  # skip the default init (slow at 0.8B), then materialise once
-        model = model_class_for(config)(config)
+    with torch.device("meta"):  # skip the default init (slow at 0.8B), then materialise once, in the target dtype
+        model = model_class_for(config)(config).to(dtype)
     model = model.to_empty(device="cpu")
     if getattr(config, "tie_word_embeddings", False):
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -103,8 +114,13 @@ def _step_fns(model, q_max: int, context: int, extra_heads: dict | None) -> dict
             model(toks[q], cache).argmax(-1).tolist()
         return f
 
+    def head(q: int):
+        h = hidden.expand(1, q, hidden.shape[-1]).contiguous()
+        return lambda: model.head(h).argmax(-1).tolist()
+
     fns = {"plain": plain}
     fns.update({f"verify{q}": verify(q) for q in range(1, q_max + 1)})
+    fns.update({f"head{q}": head(q) for q in range(1, q_max + 1)})
     fns.update({f"chunked{q}": prefill_path(q) for q in (2, 4, 8) if q <= q_max})
     if model.mtp is not None:
         mcache = model.new_mtp_cache(1, context + q_max + 4)
@@ -171,6 +187,7 @@ def measure_costs(model, q_max: int = 8, context: int = 128, iters: int = 15, wa
         "plain_tokens_per_s": 1.0 / t1,
         "c_verify": {q: med[f"verify{q}"] / t1 for q in range(1, q_max + 1)},
         "c_chunked": {q: med[f"chunked{q}"] / t1 for q in (2, 4, 8) if q <= q_max},
+        "c_head": {q: med[f"head{q}"] / t1 for q in range(1, q_max + 1)},
         "times_s": med,
         "t1_by_threads_s": _time_by_threads(fns["plain"], iters, warmup) if compare_threads else {},
     }
@@ -181,6 +198,26 @@ def measure_costs(model, q_max: int = 8, context: int = 128, iters: int = 15, wa
         for name in extra_heads or {}:
             out.setdefault("c_draft_reduced", {})[name] = med[f"draft[{name}]"] / t1
             out.setdefault("c_draft_head_reduced", {})[name] = med[f"draft_head[{name}]"] / t1
+    return out
+
+
+def extrapolate_depth(costs: dict, factor: float) -> dict:
+    """Costs of a model `factor` times deeper than the measured slice: every forward's time outside the output head
+    scales with depth, the head's does not; the one-layer MTP draft step is unchanged (in seconds)."""
+    t = costs["times_s"]
+    q_max = len(costs["c_verify"])
+    body = {q: t[f"verify{q}"] - t[f"head{q}"] for q in range(1, q_max + 1)}
+    full = {q: t[f"head{q}"] + factor * body[q] for q in body}
+    t1 = t["head1"] + factor * (t["plain"] - t["head1"])
+    out = {**costs, "t1_s": t1, "plain_tokens_per_s": 1.0 / t1, "c_verify": {q: v / t1 for q, v in full.items()},
+           "c_chunked": {}, "c_head": {q: t[f"head{q}"] / t1 for q in body}, "t1_by_threads_s": {},
+           "extrapolated_layers_factor": factor}
+    for key in ("draft", "draft_layer", "draft_head"):
+        if key in t:
+            out[f"c_{key}"] = t[key] / t1
+    for name in costs.get("c_draft_reduced", {}):
+        out["c_draft_reduced"] = {**out.get("c_draft_reduced", {}), name: t[f"draft[{name}]"] / t1}
+        out["c_draft_head_reduced"] = {**out.get("c_draft_head_reduced", {}), name: t[f"draft_head[{name}]"] / t1}
     return out
 
 
@@ -207,6 +244,9 @@ def format_costs(costs: dict, title: str) -> str:
              + " | ".join(f"{v:.2f}" for v in costs["c_verify"].values()) + " |",
              "| t(q)/t(1): same q tokens through the prefill path (chunks of 64) | " + " | ".join(
                  f"{costs['c_chunked'][q]:.2f}" if q in costs["c_chunked"] else "–" for q in costs["c_verify"]) + " |"]
+    if costs.get("c_head"):
+        lines.append("| t(head q)/t(1): the output head's part of it | " + " | ".join(
+            f"{costs['c_head'][q]:.2f}" for q in costs["c_verify"]) + " |")
     by_threads = costs.get("t1_by_threads_s", {})
     if len(by_threads) > 1:
         lines += ["", "plain decode step by thread count: " + ", ".join(

@@ -7,7 +7,9 @@ exponential forgetting, so it follows the text: code accepts more than prose), t
 (k-1) chain steps, and t_verify(q) fitted as alpha + beta*q over the verify lengths seen. Unseen deeper
 positions get an optimistic estimate (the last seen acceptance), and every 8th round drafts one token
 more than the estimate says, so the policy keeps learning the deeper positions. The seeds suggest k in
-2..5; the bounds default to 1..6.
+2..5; the bounds are 0..6: k = 0 (plain decoding) wins where verifying more tokens costs more than the drafts
+return, as for MoE models on memory-bound CPUs, where each extra verified token reads up to top-k more experts
+(docs/decisions.md, "Qwen3.5-MoE").
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 @dataclass
 class DraftPolicy:
     k_fixed: int | None  # None: auto
-    k_min: int = 1
+    k_min: int = 0  # auto may turn drafting off where verifying extra tokens costs more than it returns (MoE on CPU)
     k_max: int = 6
     forget: float = 0.97  # per-round decay of the acceptance counts
     prior: float = 2.0  # pseudo-counts of the starting guess
@@ -70,7 +72,8 @@ class DraftPolicy:
             for j in range(1, k + 1):
                 run *= self.acceptance(j)
                 expected += run
-            cost = self.t_first + (k - 1) * (self.t_chain if self.t_chain is not None else self.t_first) + self.verify_time(k + 1)
+            draft = 0.0 if k == 0 else self.t_first + (k - 1) * (self.t_chain if self.t_chain is not None else self.t_first)
+            cost = draft + self.verify_time(k + 1)
             if expected / cost > best:
                 best_k, best = k, expected / cost
         self.k_last = best_k

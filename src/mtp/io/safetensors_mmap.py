@@ -92,6 +92,19 @@ class SafetensorsFile:
                              offset=self._base + start)
         return t.view(e["shape"])
 
+    def release(self, name: str) -> None:
+        """Drop a tensor's pages from memory once it has been copied out (they are read from the file again if it
+        is ever touched): loading a converted checkpoint then peaks near one copy of the weights. Only pages that lie
+        wholly inside the tensor are dropped, so a neighbour kept as a view of the map is never touched."""
+        if self._mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start, end = self._entries[name]["data_offsets"]
+        page = mmap.PAGESIZE
+        lo = -(-(self._base + start) // page) * page
+        hi = (self._base + end) // page * page
+        if hi > lo:
+            self._mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
     def close(self) -> None:
         """Let go of the map (the file descriptor was closed when it was mapped). Tensors taken from this file
         hold their own reference to the map, so it is unmapped only when the last of them is freed: closing never

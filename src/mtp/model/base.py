@@ -53,6 +53,7 @@ class CausalLM(nn.Module):
         self.gradient_checkpointing = False
         self.tokenizer = None  # a `mtp.io.Tokenizer`, set by the loader when the folder has one
         self.source_path: str | None = None
+        self.checkpoint_layout: dict = {}  # how the checkpoint stored what the model holds in another form
 
     # ------------------------------------------------------------------ what a family may override
     def positions(self, start: int, length: int) -> Positions:
@@ -82,6 +83,24 @@ class CausalLM(nn.Module):
         """MTP depth-d hidden [..., H] -> logits [..., V]."""
         return self.mtp_head_module(d)(hidden)
 
+    def router_aux_loss(self, router_logits: list) -> torch.Tensor | None:
+        """The MoE load-balancing loss over collected router logits (None: the family has no such loss)."""
+        return None
+
+    # ------------------------------------------------------------------ checkpoint names
+    @classmethod
+    def checkpoint_sources(cls, names: list[str], shape, config) -> tuple[dict, dict]:
+        """Checkpoint tensor names -> ({our parameter: checkpoint name | moe.Stack}, the layout read). `shape(name)`
+        gives a checkpoint tensor's shape. The default renames one to one (`internal_name`)."""
+        return {ours: n for n in names if (ours := cls.internal_name(n)) is not None}, {}
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """The tensors `save_model` writes, under the checkpoint's names, in the layout the model was read in."""
+        state = self.state_dict()
+        if getattr(self.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)  # a tied head is not written, as transformers does
+        return {self.checkpoint_name(k): v for k, v in state.items()}
+
     # ------------------------------------------------------------------ basics
     @property
     def has_mtp(self) -> bool:
@@ -105,12 +124,14 @@ class CausalLM(nn.Module):
         return self.config.eos_token_ids
 
     # ------------------------------------------------------------------ backbone
-    def _backbone(self, ids: torch.Tensor, cache: Cache | None, keep_states: bool) -> tuple[torch.Tensor, list, int]:
+    def _backbone(self, ids: torch.Tensor, cache: Cache | None, keep_states: bool,
+                  router_logits: list | None = None) -> tuple[torch.Tensor, list, int]:
         T = ids.shape[1]
         start = 0 if cache is None else cache.pos
         if cache is not None:
             cache.check_room(T)
         pos = self.positions(start, T)
+        pos.router_logits = router_logits
         x = self.model.embed_tokens(ids)
         snapshots = []
         for i, layer in enumerate(self.model.layers):
@@ -123,10 +144,10 @@ class CausalLM(nn.Module):
             cache.pos = start + T
         return self.final_hidden(x), snapshots, start
 
-    def hidden(self, ids: torch.Tensor, cache: Cache | None = None) -> torch.Tensor:
+    def hidden(self, ids: torch.Tensor, cache: Cache | None = None, router_logits: list | None = None) -> torch.Tensor:
         """Backbone hidden states: ids [B, T] -> [B, T, H]. With a cache, continue from `cache.pos` and
-        advance it by T."""
-        return self._backbone(ids, cache, False)[0]
+        advance it by T. `router_logits` (a list): MoE layers append their router logits to it."""
+        return self._backbone(ids, cache, False, router_logits)[0]
 
     def verify(self, ids: torch.Tensor, cache: Cache) -> Verified:
         """A verify forward of q tokens [B, q]: the hidden states [B, q, H] and what `cache.keep(verified, n)`
@@ -151,21 +172,23 @@ class CausalLM(nn.Module):
         return self.mtp.new_state(batch, min(max_len, self.context_length), self.dtype, self.device)
 
     def mtp_step(self, d: int, hidden: torch.Tensor, next_ids: torch.Tensor | None, start: int,
-                 caches: list | None = None) -> torch.Tensor:
+                 caches: list | None = None, router_logits: list | None = None) -> torch.Tensor:
         """MTP depth d at positions start..start+T-1: h^{d-1} [B, T, H] and the tokens that follow each position
         [B, T] (None for parallel heads) -> h^d [B, T, H]. With `caches` (from `new_mtp_cache`) the depth's
         layer writes its keys/values there."""
         mtp = self.mtp
         emb = self.mtp_embed(next_ids, d) if mtp.style == "sequential" else None
         cache = None if caches is None else caches[mtp.layer_for_depth(d)]
-        return mtp.step(d, hidden, emb, self.positions(start, hidden.shape[1]), cache)
+        pos = self.positions(start, hidden.shape[1])
+        pos.router_logits = router_logits
+        return mtp.step(d, hidden, emb, pos, cache)
 
-    def mtp_hidden_states(self, ids: torch.Tensor, depth: int | None = None,
-                          hidden: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
+    def mtp_hidden_states(self, ids: torch.Tensor, depth: int | None = None, hidden: torch.Tensor | None = None,
+                          router_logits: list | None = None) -> Iterator[torch.Tensor]:
         """Yield h^d [B, T-d, H] for d = 1..depth, teacher-forced with the true tokens.
 
         Position i of depth d predicts token i+d+1. `hidden` (the backbone's [B, T, H]) is computed when not
-        given. A generator, so a trainer can take the loss depth by depth."""
+        given. A generator, so a trainer can take the loss depth by depth. `router_logits`: as in `hidden`."""
         if self.mtp is None:
             raise RuntimeError("this model has no MTP module (the checkpoint held no MTP tensors)")
         depth = self.mtp.num_layers if depth is None else depth
@@ -180,7 +203,7 @@ class CausalLM(nn.Module):
         for d in range(1, depth + 1):
             n = T - d
             source = prev if self.mtp.style == "sequential" else h0
-            out = self.mtp_step(d, source[:, :n], ids[:, d:], 0)
+            out = self.mtp_step(d, source[:, :n], ids[:, d:], 0, router_logits=router_logits)
             prev = out
             yield out
 

@@ -18,12 +18,14 @@ import torch
 @dataclass
 class Positions:
     """Where the T tokens of one forward sit: positions start..start+T-1 (every batch row alike), with the
-    rotary tables the family computed for them (cos/sin [T, R]; None for a family without RoPE)."""
+    rotary tables the family computed for them (cos/sin [T, R]; None for a family without RoPE).
+    `router_logits`: when a list, every MoE layer of this forward appends its router logits [B*T, E] to it."""
 
     start: int
     length: int
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
+    router_logits: list | None = None
 
 
 @dataclass

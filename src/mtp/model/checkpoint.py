@@ -22,6 +22,7 @@ from ..io.safetensors_mmap import CheckpointError
 from ..io.tokenizer import Tokenizer
 from .base import CausalLM
 from .families import config_from_json, model_class_for
+from .moe import Stack
 
 log = logging.getLogger("mtp")
 # Files that travel with the weights: the tokenizer, the chat template, and the token counts that reduced-vocabulary
@@ -79,54 +80,88 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
         config = config_from_json(path / "config.json")
     cls = model_class_for(config)
     with TensorIndex(path) as files:
-        tensors: dict[str, str] = {}  # our name -> checkpoint name
-        for key in files:
-            ours = cls.internal_name(key)
-            if ours is not None:
-                tensors[ours] = key
+        shape = lambda key: files[key][0].shape(key)  # noqa: E731
+        sources, layout = cls.checkpoint_sources(list(files), shape, config)
         n_mtp = config.mtp_num_hidden_layers
-        has_mtp_tensors = any(cls.is_mtp_tensor(k) for k in tensors.values())
+        has_mtp_tensors = any(cls.is_mtp_tensor(k) for k in files if cls.internal_name(k) is not None)
         with_mtp = n_mtp > 0 and has_mtp_tensors
         if n_mtp > 0 and not has_mtp_tensors:
             msg = (f"{path}: config declares {n_mtp} MTP layer(s) but the checkpoint holds no MTP tensors "
-                   f"({cls.mtp_tensor_pattern(config)}; typical "
-                   "after fine-tuning with transformers, which drops them). The model has NO usable MTP: speculative "
-                   "decoding falls back to plain decoding. Restore the heads with `mtp heal`.")
+                   f"({cls.mtp_tensor_pattern(config)}; typical after fine-tuning with transformers, which drops them). "
+                   "The model has NO usable MTP: speculative decoding falls back to plain decoding. Restore the heads "
+                   "with `mtp heal`.")
             warnings.warn(msg, MissingMTPWarning, stacklevel=2)
             log.warning(msg)
         with torch.device("meta"):
             model = cls(config, with_mtp=with_mtp)
         expected = dict(model.state_dict(keep_vars=True))
-        tied = {name for name in expected if _is_tied(model, name)}
-        for name in tied:
+        for name in [n for n in expected if _is_tied(model, n)]:
             expected.pop(name)
-            tensors.pop(name, None)  # some tied checkpoints store a copy; the shared parameter wins
-        missing = sorted(set(expected) - set(tensors))
-        if missing:
-            raise CheckpointError(f"{path}: missing tensor(s) {', '.join(cls.checkpoint_name(m) for m in missing[:5])}"
-                                  + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
-        unexpected = sorted(set(tensors) - set(expected))
-        if unexpected:
-            key = tensors[unexpected[0]]
-            raise CheckpointError(f"{files[key][0].path.name}: unexpected tensor '{key}'"
-                                  + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
-                                  + " for this config")
-        dtype_ = want_dtype or _checkpoint_dtype(files, list(tensors.values()))
-        state = {}
-        for name, p in expected.items():
-            st, key = files[tensors[name]]
-            if st.shape(key) != tuple(p.shape):
-                raise CheckpointError(f"{st.path.name}: tensor '{key}' has shape {list(st.shape(key))}, "
-                                      f"expected {list(p.shape)} for this config")
-            if not st.dtype(key).is_floating_point:
-                raise CheckpointError(f"{st.path.name}: tensor '{key}' has dtype {st.dtype(key)}, expected a float type")
-            state[name] = st.tensor(key).to(device=device, dtype=dtype_)
+            sources.pop(name, None)  # some tied checkpoints store a copy; the shared parameter wins
+        check_names(path, files, cls, expected, sources)
+        dtype_ = want_dtype or _checkpoint_dtype(files, [k for k in files if cls.internal_name(k) is not None])
+        state = {name: materialize(files, sources[name], tuple(p.shape), dtype_, device) for name, p in expected.items()}
     model.load_state_dict(state, strict=False, assign=True)
     _retie(model)
     model.eval()
     model.source_path = str(path)
+    model.checkpoint_layout = layout
     model.tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
     return model
+
+
+def check_names(path: Path, files: TensorIndex, cls, expected: dict, sources: dict) -> None:
+    """Every parameter has a source and every source a parameter; errors name the checkpoint's tensor."""
+    missing = sorted(set(expected) - set(sources))
+    if missing:
+        raise CheckpointError(f"{path}: missing tensor(s) {', '.join(cls.checkpoint_name(m) for m in missing[:5])}"
+                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    unexpected = sorted(set(sources) - set(expected))
+    if unexpected:
+        src = sources[unexpected[0]]
+        key = src if isinstance(src, str) else src.parts[0][0]
+        raise CheckpointError(f"{files[key][0].path.name}: unexpected tensor '{key}'"
+                              + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
+                              + " for this config")
+
+
+def _check_tensor(st, key: str, want: tuple[int, ...]) -> None:
+    if st.shape(key) != want:
+        raise CheckpointError(f"{st.path.name}: tensor '{key}' has shape {list(st.shape(key))}, expected {list(want)} "
+                              "for this config")
+    if not st.dtype(key).is_floating_point:
+        raise CheckpointError(f"{st.path.name}: tensor '{key}' has dtype {st.dtype(key)}, expected a float type")
+
+
+def materialize(files: TensorIndex, source: str | Stack, shape: tuple[int, ...], dtype: torch.dtype,
+                device: str | torch.device) -> torch.Tensor:
+    """One parameter from its checkpoint source. A tensor kept in its dtype on the CPU stays a view of the
+    memory-mapped file (no copy); a converted or stacked one is copied and its file pages are dropped from memory
+    at once, so loading peaks near the weights' size rather than twice it."""
+    if isinstance(source, str):
+        st, key = files[source]
+        _check_tensor(st, key, shape)
+        src = st.tensor(key)
+        out = src.to(device=device, dtype=dtype)
+        if out.data_ptr() != src.data_ptr():
+            st.release(key)
+        return out
+    out = torch.empty(shape, dtype=dtype, device=device)
+    for e, names in enumerate(source.parts):
+        row = 0
+        for key in names:
+            st, _ = files[key]
+            t = st.tensor(key)
+            if row + t.shape[0] > shape[1] or tuple(t.shape[1:]) != shape[2:] or not t.dtype.is_floating_point:
+                raise CheckpointError(f"{st.path.name}: tensor '{key}' has shape {list(t.shape)}, which does not fit "
+                                      f"expert {e} of a {list(shape)} parameter for this config")
+            out[e, row : row + t.shape[0]].copy_(t)
+            row += t.shape[0]
+            st.release(key)
+        if row != shape[1]:
+            raise CheckpointError(f"{files[names[0]][0].path.name}: the tensors of expert {e} ({', '.join(names)}) give "
+                                  f"{row} rows, expected {shape[1]} for this config")
+    return out
 
 
 def _is_tied(model: CausalLM, name: str) -> bool:
@@ -139,18 +174,13 @@ def _retie(model: CausalLM) -> None:
         model.lm_head.weight = model.model.embed_tokens.weight
 
 
-def model_state(model: CausalLM) -> dict[str, torch.Tensor]:
-    """Tensors to write, under the checkpoint's names (a tied head omitted, as transformers does)."""
-    return {model.checkpoint_name(k): v for k, v in model.state_dict().items() if not _is_tied(model, k)}
-
-
 def save_model(model: CausalLM, path: str | Path, max_shard_size: int | None = None,
                dtype: torch.dtype | str | None = None) -> None:
     """Write config.json + safetensors (the family's own names) + the tokenizer files to folder `path`, each
     file atomically."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    state = model_state(model)
+    state = model.checkpoint_state()
     if dtype is not None and (dt := parse_dtype(dtype)) is not None:
         state = {k: v.to(dt) for k, v in state.items()}
     save_tensors(state, path, max_shard_size)
@@ -161,7 +191,7 @@ def save_model(model: CausalLM, path: str | Path, max_shard_size: int | None = N
     saved_dtype = next(iter(state.values())).dtype
     config.extra["dtype"] = str(saved_dtype).removeprefix("torch.")
     config.extra.pop("torch_dtype", None)
-    config.extra["architectures"] = [model.hf_architecture]
+    config.extra["architectures"] = [config.architecture]
     atomic_write_text(path / "config.json", json.dumps(config.to_hf_dict(), indent=2, sort_keys=True) + "\n")
     source = model.source_path
     if source and Path(source).resolve() != path.resolve():

@@ -12,11 +12,13 @@ from typing import Any
 
 from ..config import ConfigError
 from .base import CausalLM
-from .qwen3_5 import Qwen35ForCausalLM
+from .qwen3_5 import Qwen35ForCausalLM, Qwen35MoeForCausalLM
 
 FAMILIES: dict[str, type[CausalLM]] = {
     "qwen3_5": Qwen35ForCausalLM,
     "qwen3_5_text": Qwen35ForCausalLM,
+    "qwen3_5_moe": Qwen35MoeForCausalLM,
+    "qwen3_5_moe_text": Qwen35MoeForCausalLM,
 }
 
 
@@ -55,6 +57,6 @@ def config_from_json(path: str | Path):
 def model_class_for(config) -> type[CausalLM]:
     """The model class of a parsed config."""
     for cls in FAMILIES.values():
-        if isinstance(config, cls.config_class):
+        if type(config) is cls.config_class:
             return cls
     raise ConfigError(f"no model family for config type {type(config).__name__}")

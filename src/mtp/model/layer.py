@@ -47,10 +47,18 @@ class DecoderLayer(nn.Module):
         return getattr(self, self.mixer_name)
 
     def forward(self, x: torch.Tensor, pos: Positions, cache=None, keep_states: bool = False):
-        """x [B, T, H] at positions pos.start.. -> ([B, T, H], the mixer's snapshot or None)."""
+        """x [B, T, H] at positions pos.start.. -> ([B, T, H], the mixer's snapshot or None).
+
+        An MoE mlp returns (out, router logits); the logits go to `pos.router_logits` when the forward collects
+        them (training: the load-balancing loss)."""
         h, snap = self.mixer(self.input_layernorm(x), pos, cache, keep_states)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), snap
+        out = self.mlp(self.post_attention_layernorm(x))
+        if isinstance(out, tuple):
+            out, logits = out
+            if pos.router_logits is not None:
+                pos.router_logits.append(logits)
+        return x + out, snap
 
     def new_state(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str):
         return self.mixer.new_state(batch, max_len, dtype, device)

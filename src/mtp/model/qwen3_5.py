@@ -21,21 +21,31 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..config import Qwen35Config
+from ..config import Qwen35Config, Qwen35MoeConfig
 from .attention import GatedAttention
 from .base import CausalLM
 from .cache import KVCache, Positions
 from .deltanet import GatedDeltaNet
 from .layer import MLP, DecoderLayer
+from .moe import Experts, SparseMoE, group_experts, load_balancing_loss, split_experts
 from .norm import RMSNorm, RMSNormGated
 from .rope import RotaryTable, rope_inv_freq
+
+
+def feed_forward(config: Qwen35Config) -> nn.Module:
+    """The layers' MLP: SwiGLU, or for Qwen3.5-MoE the sparse MoE block with its shared expert."""
+    c = config
+    if isinstance(c, Qwen35MoeConfig):
+        return SparseMoE(c.hidden_size, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+                         c.shared_expert_intermediate_size)
+    return MLP(c.hidden_size, c.intermediate_size)
 
 
 def decoder_layer(config: Qwen35Config, kind: str) -> DecoderLayer:
     """A Qwen3.5 decoder layer of `kind` 'full_attention' (`self_attn`) or 'linear_attention' (`linear_attn`)."""
     c = config
     mixer = ("self_attn", GatedAttention(c)) if kind == "full_attention" else ("linear_attn", GatedDeltaNet(c))
-    return DecoderLayer(*mixer, MLP(c.hidden_size, c.intermediate_size), lambda: RMSNorm(c.hidden_size, c.rms_norm_eps))
+    return DecoderLayer(*mixer, feed_forward(c), lambda: RMSNorm(c.hidden_size, c.rms_norm_eps))
 
 
 class Qwen35TextModel(nn.Module):
@@ -107,7 +117,6 @@ class Qwen35ForCausalLM(CausalLM):
     transformers (`Qwen3_5ForCausalLM`), vLLM and llama.cpp read."""
 
     config_class = Qwen35Config
-    hf_architecture = "Qwen3_5ForCausalLM"
 
     @staticmethod
     def internal_name(name: str) -> str | None:
@@ -167,9 +176,38 @@ class Qwen35ForCausalLM(CausalLM):
                 m.weight.zero_()
             elif isinstance(m, RMSNormGated):
                 m.weight.fill_(1.0)
+            elif isinstance(m, Experts):
+                nn.init.normal_(m.gate_up_proj, 0.0, std)
+                nn.init.normal_(m.down_proj, 0.0, std)
             if isinstance(m, GatedDeltaNet):
                 m.dt_bias.fill_(1.0)
                 m.A_log.copy_(torch.empty_like(m.A_log).uniform_(0.01, 16).log())
+
+
+class Qwen35MoeForCausalLM(Qwen35ForCausalLM):
+    """Qwen3.5-MoE: the same model with the sparse MoE block as every layer's MLP (the MTP layer's too).
+
+    Checkpoints hold the experts per expert or fused, per layer, in any combination (docs/families.md); both are
+    read into the fused form, and saving writes each layer back in the layout it was read in (per expert, as
+    transformers writes, for a new model)."""
+
+    config_class = Qwen35MoeConfig
+
+    @classmethod
+    def checkpoint_sources(cls, names: list[str], shape, config: Qwen35MoeConfig) -> tuple[dict, dict]:
+        sources, _ = super().checkpoint_sources(names, shape, config)
+        return group_experts(sources, shape, config.num_experts, config.moe_intermediate_size)
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        state = super().checkpoint_state()
+        return split_experts(state, {self.checkpoint_name(k): v for k, v in self.checkpoint_layout.items()})
+
+    def router_aux_loss(self, router_logits: list) -> torch.Tensor | None:
+        """router_aux_loss_coef x the load-balancing loss (as transformers computes it) over the collected layers."""
+        if not router_logits:
+            return None
+        c = self.config
+        return c.router_aux_loss_coef * load_balancing_loss(router_logits, c.num_experts, c.num_experts_per_tok)
 
 
 def init_weights_(model: CausalLM, std: float | None = None, seed: int | None = None) -> None:

@@ -85,22 +85,30 @@ class ObjectiveOutput:
     loss: torch.Tensor            # the weighted total, to backpropagate
     main: torch.Tensor            # L_main, 0-dim and detached (read it after backward: no host sync inside a step)
     depths: list[torch.Tensor]    # L_d per depth, detached (CE to true tokens, or KL to the backbone in self-distillation)
+    aux: torch.Tensor             # MoE load-balancing loss included in `loss` (coefficient applied), detached; 0 if none
 
 
 def mtp_objective(model, ids: torch.Tensor, weights: list[float], mask: torch.Tensor | None = None,
                   train_backbone: bool = True, distill: bool = False,
                   checkpoint_logits: bool = False) -> ObjectiveOutput:
-    """L = L_main + sum_d w_d L_d on one batch ids [B, T] (teacher forced), depth by depth.
+    """L = L_main + sum_d w_d L_d (+ the MoE load-balancing losses) on one batch ids [B, T] (teacher forced),
+    depth by depth.
 
     train_backbone=False (`heads` mode): the backbone runs under no_grad and L_main is reported only.
     distill=True: L_d = KL(backbone at i+d || MTP depth d at i) instead of CE to the true token.
+    MoE models add router_aux_loss_coef x the load-balancing loss of the backbone's routers (as transformers does)
+    and, separately, of the MTP layer's routers over all depths.
     """
     depth = len(weights)
+    aux = []
     if train_backbone:
-        h = model.hidden(ids)                                                   # [B, T, H]
+        routers: list = []
+        h = model.hidden(ids, router_logits=routers)                            # [B, T, H]
         main, _ = head_ce(model, h, ids, 1, mask, checkpoint_logits=checkpoint_logits)
         total = main
         main_val = main.detach()
+        if (lb := model.router_aux_loss(routers)) is not None:
+            aux.append(lb)
     else:
         with torch.no_grad():
             h = model.hidden(ids)
@@ -109,7 +117,9 @@ def mtp_objective(model, ids: torch.Tensor, weights: list[float], mask: torch.Te
         total = None
     losses = []
     if depth and model.mtp is not None:
-        for d, (w, hd) in enumerate(zip(weights, model.mtp_hidden_states(ids, depth, hidden=h)), start=1):
+        mtp_routers: list = []
+        states = model.mtp_hidden_states(ids, depth, hidden=h, router_logits=mtp_routers)
+        for d, (w, hd) in enumerate(zip(weights, states), start=1):
             # hd [B, T-d, H]: position i predicts token i+d+1
             if distill:
                 if train_backbone:
@@ -119,6 +129,9 @@ def mtp_objective(model, ids: torch.Tensor, weights: list[float], mask: torch.Te
                 ld, _ = head_ce(model, hd, ids, d + 1, mask, depth=d, checkpoint_logits=checkpoint_logits)
             losses.append(ld.detach())
             total = w * ld if total is None else total + w * ld
+        if (lb := model.router_aux_loss(mtp_routers)) is not None:
+            aux.append(lb)
     if total is None:
         raise ValueError("nothing to train: heads mode needs an MTP module and mtp depth >= 1")
-    return ObjectiveOutput(total, main_val, losses)
+    aux_total = sum(aux) if aux else torch.zeros((), device=ids.device)
+    return ObjectiveOutput(total + aux_total, main_val, losses, aux_total.detach())

@@ -43,7 +43,7 @@ class SimulatedCrash(RuntimeError):
 
 class Objective(nn.Module):
     """Wraps the model so DDP (and torch.compile) see one forward: ids [B, T], weights [D] ->
-    [1 + 1 + D] = (loss to backpropagate, L_main, L_1..L_D), the last ones detached.
+    [1 + 1 + D + 1] = (loss to backpropagate, L_main, L_1..L_D, MoE aux loss), the last ones detached.
 
     The MTP weights come in as a tensor so that a compiled objective does not recompile when the
     schedule changes them; autocast is entered inside so a compiled graph captures it."""
@@ -61,7 +61,7 @@ class Objective(nn.Module):
         with ctx:
             out = mtp_objective(self.model, ids, list(weights.unbind(0)), train_backbone=self.train_backbone,
                                 distill=self.distill, checkpoint_logits=self.checkpoint_logits)
-        return torch.stack([out.loss.float(), out.main.float(), *[d.float() for d in out.depths]])
+        return torch.stack([out.loss.float(), out.main.float(), *[d.float() for d in out.depths], out.aux.float()])
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -228,9 +228,9 @@ def resume(run: Run) -> None:
         (out / "train_config.json").write_text(json.dumps(run.cfg.to_dict(), indent=1) + "\n")
 
 
-def train_step(run: Run) -> tuple[float, list[float], list[float], float, float]:
-    """One optimizer step over grad_accum micro-batches. Returns (L_main, [L_d], MTP weights, lr, grad norm),
-    the losses averaged over the global batch."""
+def train_step(run: Run) -> tuple[float, list[float], float, list[float], float, float]:
+    """One optimizer step over grad_accum micro-batches. Returns (L_main, [L_d], MoE aux loss, MTP weights, lr,
+    grad norm), the losses averaged over the global batch."""
     cfg = run.cfg
     weights = mtp_weights(cfg.mtp_schedule, run.depth, run.tokens, cfg.mtp_lambda, cfg.mtp_lambda_late,
                           cfg.mtp_lambda_switch_tokens, cfg.mtp_decay, cfg.mtp_constant) if run.depth else []
@@ -238,7 +238,7 @@ def train_step(run: Run) -> tuple[float, list[float], list[float], float, float]
     lr = lr_at(run.step, cfg)
     for g in run.optimizer.param_groups:
         g["lr"] = lr
-    sums = torch.zeros(1 + run.depth, dtype=torch.float64, device=run.device)
+    sums = torch.zeros(1 + run.depth + 1, dtype=torch.float64, device=run.device)
     for micro in range(cfg.grad_accum):
         ids = run.batches.micro_batch(run.step, micro, cfg.micro_batch, cfg.grad_accum, run.rank, run.world)
         ids = ids.to(run.device, non_blocking=True)
@@ -257,8 +257,8 @@ def train_step(run: Run) -> tuple[float, list[float], list[float], float, float]
     if run.distributed:  # report the global mean of the per-rank losses
         dist.all_reduce(sums)
         sums /= run.world
-    main, *depths = sums.tolist()
-    return main, depths, weights, lr, float(grad_norm)
+    main, *depths, aux = sums.tolist()
+    return main, depths, aux, weights, lr, float(grad_norm)
 
 
 def validate(run: Run, bar) -> None:
@@ -318,11 +318,11 @@ def train(cfg: TrainConfig, crash_at_step: int | None = None) -> dict:
     stopped_early = False
     while run.step < cfg.max_steps:
         t0 = time.perf_counter()
-        main, depths, weights, lr, grad_norm = train_step(run)
+        main, depths, aux, weights, lr, grad_norm = train_step(run)
         tok_s = run.tokens_per_step / (time.perf_counter() - t0)
         if run.main_proc and (run.step % cfg.log_every == 0 or run.step == cfg.max_steps):
             run.log({"split": "train", "step": run.step, "tokens": run.tokens, "main": main, "mtp": depths,
-                     "w": weights, "lr": lr, "grad_norm": grad_norm, "tok_s": tok_s})
+                     **({"aux": aux} if aux else {}), "w": weights, "lr": lr, "grad_norm": grad_norm, "tok_s": tok_s})
         bar.update(1)
         bar.set_postfix_str(f"L {main:.3f}" + "".join(f" L{d + 1} {v:.3f}" for d, v in enumerate(depths))
                             + f" {tok_s:,.0f} tok/s")

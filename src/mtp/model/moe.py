@@ -1,0 +1,188 @@
+"""Mixture-of-Experts building blocks: routed SwiGLU experts that compute only the experts tokens chose, the
+Qwen3.5-MoE sparse block (softmax router + gated shared expert), the load-balancing loss, and the two expert
+layouts checkpoints use.
+
+Experts are stored fused, as transformers holds them: `experts.gate_up_proj [E, 2I, H]` (gate rows first) and
+`experts.down_proj [E, H, I]`. Checkpoints hold them either that way ("fused") or one tensor per expert
+("per_expert": `experts.{e}.gate_proj.weight [I, H]`, `up_proj [I, H]`, `down_proj [H, I]`); `group_experts`
+maps either onto the fused parameters and `split_experts` writes them back in the layout they were read in.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..io.safetensors_mmap import CheckpointError
+from .layer import MLP
+
+
+class Experts(nn.Module):
+    """E routed SwiGLU experts: x [N, H], chosen experts idx [N, k] and their weights [N, k] -> [N, H].
+
+    Only the chosen experts run: the N*k choices are sorted by expert and each chosen expert multiplies the rows
+    of every token that chose it at once (a verify of q tokens reads each of its experts' weights once). No
+    [E, ...] tensor is built per step."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.num_experts, self.intermediate = num_experts, intermediate
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        N, k = idx.shape
+        out = torch.zeros_like(x)
+        if N == 1:  # decoding one token: its k experts, added in expert order as the grouped path adds them
+            for e, j in sorted(zip(idx[0].tolist(), range(k))):
+                out += self._expert(e, x) * weights[:, j : j + 1]
+            return out
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)
+        experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        w = weights.reshape(-1, 1)
+        start = 0
+        for e, c in zip(experts.tolist(), counts.tolist()):
+            slots = order[start : start + c]
+            tokens = slots // k
+            y = self._expert(e, x[tokens]) * w[slots]
+            out.index_add_(0, tokens, y.to(out.dtype))
+            start += c
+        return out
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj[e])
+
+
+class SparseMoE(nn.Module):
+    """The Qwen3.5-MoE block (`mlp`): router `gate` [E, H] -> softmax (fp32) -> top-k -> renormalised weights;
+    the routed experts; plus `shared_expert` (SwiGLU) times sigmoid(`shared_expert_gate`(x)).
+
+    x [B, T, H] -> (out [B, T, H], router logits [B*T, E]) - the logits feed the load-balancing loss."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int, shared_intermediate: int):
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = Experts(num_experts, hidden, intermediate)
+        self.shared_expert = MLP(hidden, shared_intermediate)
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, H] -> router logits [N, E], chosen experts [N, k], their weights [N, k] (x's dtype)."""
+        logits = F.linear(x, self.gate.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, idx = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, idx, weights.to(logits.dtype)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T, H = x.shape
+        flat = x.reshape(-1, H)
+        logits, idx, weights = self.route(flat)
+        routed = self.experts(flat, idx, weights)
+        shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return (routed + shared).reshape(B, T, H), logits
+
+
+def load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int, top_k: int) -> torch.Tensor:
+    """Switch-Transformer auxiliary loss over layers' router logits (each [N, E]), as transformers computes it:
+    E * sum_e (fraction of top-k choices on e) * (mean router probability of e), pooled over the layers."""
+    tokens = torch.zeros(num_experts, dtype=torch.float32, device=router_logits[0].device)
+    probs = torch.zeros_like(tokens)
+    rows = 0
+    for logits in router_logits:
+        p = torch.softmax(logits.float(), dim=-1)
+        chosen = torch.topk(p, top_k, dim=-1).indices
+        tokens = tokens + torch.zeros_like(tokens).index_add_(0, chosen.reshape(-1), torch.ones(chosen.numel(), device=tokens.device))
+        probs = probs + p.sum(dim=0)
+        rows += p.shape[0]
+    return torch.sum((tokens / rows) * (probs / rows)) * num_experts
+
+
+# ---------------------------------------------------------------------- checkpoint layouts
+PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+FUSED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+
+
+@dataclass(frozen=True)
+class Stack:
+    """An internal [E, ...] tensor built from per-expert checkpoint tensors: expert e is the concatenation (along
+    dim 0) of the tensors named parts[e]."""
+
+    parts: tuple[tuple[str, ...], ...]
+
+
+def group_experts(sources: dict[str, str], shape, num_experts: int, intermediate: int,
+                  intermediate_key: str = "moe_intermediate_size") -> tuple[dict[str, str | Stack], dict[str, str]]:
+    """Map per-expert checkpoint tensors onto the fused parameters.
+
+    sources: our name -> checkpoint name (per-expert tensors under their own per-expert names); shape(name) gives a
+    checkpoint tensor's shape. Returns the sources with per-expert entries replaced by `Stack`s, and the layout of
+    each experts module ({our prefix: "fused" | "per_expert"}). Errors name the tensor and the config key: a
+    layer mixing layouts, a missing expert, an expert count or width that disagrees with the config."""
+    out: dict[str, str | Stack] = {}
+    per: dict[str, dict[str, dict[int, str]]] = {}
+    layouts: dict[str, str] = {}
+    for ours, ckpt in sources.items():
+        m = PER_EXPERT.match(ours)
+        if m is None:
+            f = FUSED.match(ours)
+            if f is not None:
+                layouts.setdefault(f["prefix"], "fused")
+                if layouts[f["prefix"]] != "fused":
+                    raise CheckpointError(f"tensor '{ckpt}': layer {f['prefix']} mixes fused and per-expert tensors")
+                n = shape(ckpt)[0]
+                if n != num_experts:
+                    raise CheckpointError(f"tensor '{ckpt}' holds {n} experts but config key 'num_experts' is {num_experts}")
+            out[ours] = ckpt
+            continue
+        prefix, e = m["prefix"], int(m["e"])
+        if layouts.setdefault(prefix, "per_expert") != "per_expert":
+            raise CheckpointError(f"tensor '{ckpt}': layer {prefix} mixes fused and per-expert tensors")
+        per.setdefault(prefix, {}).setdefault(m["proj"], {})[e] = ckpt
+    for prefix, projs in per.items():
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            have = projs.get(proj, {})
+            beyond = sorted(e for e in have if e >= num_experts)
+            if beyond:
+                raise CheckpointError(f"tensor '{have[beyond[0]]}': expert {beyond[0]} but config key 'num_experts' "
+                                      f"is {num_experts}")
+            missing = [e for e in range(num_experts) if e not in have]
+            if missing:
+                name = f"{prefix}.{missing[0]}.{proj}.weight"
+                more = f" (and {len(missing) - 1} more experts)" if len(missing) > 1 else ""
+                raise CheckpointError(f"missing tensor '{name}'{more}")
+            for ckpt in have.values():
+                width = shape(ckpt)[0 if proj != "down_proj" else 1]
+                if width != intermediate:
+                    raise CheckpointError(f"tensor '{ckpt}' has shape {list(shape(ckpt))}: its expert width {width} "
+                                          f"disagrees with config key '{intermediate_key}' ({intermediate})")
+        out[f"{prefix}.gate_up_proj"] = Stack(tuple((projs["gate_proj"][e], projs["up_proj"][e]) for e in range(num_experts)))
+        out[f"{prefix}.down_proj"] = Stack(tuple((projs["down_proj"][e],) for e in range(num_experts)))
+    return out, layouts
+
+
+def split_experts(state: dict[str, torch.Tensor], layouts: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Our fused expert tensors -> the checkpoint's layout (per expert unless `layouts` says the prefix was read
+    fused); other tensors pass through. Names stay ours (the family renames after)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        m = FUSED.match(name)
+        if m is None or layouts.get(m["prefix"], "per_expert") == "fused":
+            out[name] = t
+            continue
+        prefix = m["prefix"]
+        for e in range(t.shape[0]):
+            if m["proj"] == "gate_up_proj":
+                gate, up = t[e].chunk(2, dim=0)
+                out[f"{prefix}.{e}.gate_proj.weight"] = gate
+                out[f"{prefix}.{e}.up_proj.weight"] = up
+            else:
+                out[f"{prefix}.{e}.down_proj.weight"] = t[e]
+    return out
