@@ -34,6 +34,8 @@ def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("bench_model")
     mtp.save_model(tiny_model(seed=3, vocab_size=300), path)
     byte_tokenizer(300).save(str(path / "tokenizer.json"))
+    counts = torch.arange(300, 0, -1).tolist()  # token frequencies for --draft-vocab: low ids most frequent
+    (path / "token_frequencies.json").write_text(json.dumps({"split": "train", "tokens": sum(counts), "counts": counts}))
     return path
 
 
@@ -156,3 +158,15 @@ def test_bench_reports_a_failing_configuration_as_failed(model_dir, tmp_path, mo
     report = json.loads((out / "report.json").read_text())
     assert rc == 1 and report["failed"] == {"mtp k=1": "NotImplementedError: drafting is broken"}
     assert report["identical_outputs"] is False
+
+
+def test_bench_variants_are_checked_against_their_own_plain_decoding(model_dir, tmp_path):
+    out = tmp_path / "bench"
+    rc = main(["bench", "--model", str(model_dir), "--quick", "--out", str(out), "--no-transformers", "--no-cost-model",
+               "--draft-tokens", "2", "--max-new-tokens", "8", "--repeats", "1", "--variants", "bf16,int8+vocab64"])
+    report = json.loads((out / "report.json").read_text())
+    assert rc == 0, report["mismatches"]
+    code = report["summary"]["code"]
+    assert {"mtp plain", "mtp k=2", "mtp bf16 plain", "mtp bf16 k=2", "mtp int8+vocab64 plain", "mtp int8+vocab64 k=2"} <= set(code)
+    assert code["mtp int8+vocab64 k=2"]["variant"] == "int8+vocab64"
+    assert report["best_fixed_k"]["code"]["config"] == "mtp k=2"  # the default variant's

@@ -190,9 +190,10 @@ def test_streaming_yields_the_same_tokens(models):
     assert max(len(c) for c in chunks) > 1  # several tokens per step at least once
 
 
-def test_verify_form_equals_the_recurrent_form_state_by_state():
-    from mtp.model.cache import DeltaSnapshot
-    from mtp.model.deltanet import l2norm, recurrent_gated_delta_rule, verify_gated_delta_rule
+def test_verify_keeps_every_state_and_matches_plain_steps_bit_for_bit():
+    """A verify block computes each position exactly as a 1-token plain step does (same arithmetic), and keeps the
+    state after every position."""
+    from mtp.model.deltanet import l2norm, recurrent_gated_delta_rule
 
     g = torch.Generator().manual_seed(0)
     B, H, T, K, V = 2, 3, 9, 16, 8
@@ -200,13 +201,13 @@ def test_verify_form_equals_the_recurrent_form_state_by_state():
     k = l2norm(torch.randn(B, H, T, K, generator=g))
     v, S0 = torch.randn(B, H, T, V, generator=g), torch.randn(B, H, K, V, generator=g)
     decay, beta = -torch.rand(B, H, T, generator=g), torch.rand(B, H, T, generator=g)
-    o, factors = verify_gated_delta_rule(q, k, v, decay, beta, S0)
-    states = DeltaSnapshot(torch.empty(0), *factors)
+    o, final, states = recurrent_gated_delta_rule(q, k, v, decay, beta, S0, keep_states=True)
+    assert torch.equal(states[:, :, -1], final)
+    S = S0
     for t in range(T):
-        o_ref, s_ref = recurrent_gated_delta_rule(q[:, :, : t + 1], k[:, :, : t + 1], v[:, :, : t + 1],
-                                                  decay[:, :, : t + 1], beta[:, :, : t + 1], S0)
-        torch.testing.assert_close(states.state(t + 1), s_ref, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(o[:, :, t], o_ref[:, :, t], atol=1e-5, rtol=1e-5)
+        o_t, S, _ = recurrent_gated_delta_rule(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1],
+                                               decay[:, :, t : t + 1], beta[:, :, t : t + 1], S)
+        assert torch.equal(states[:, :, t], S) and torch.equal(o[:, :, t], o_t[:, :, 0])
 
 
 @torch.no_grad()

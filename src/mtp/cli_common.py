@@ -62,8 +62,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) when --model is a hub id")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and activations (auto: the checkpoint's)")
+    p.add_argument("--quantize", default=None, choices=["int8"],
+                   help="int8: weight-only int8 linear layers (per-channel scales, bf16 activations; the MTP's fc stays bf16)")
     p.add_argument("--device", default="auto", choices=DEVICES, help="auto: cuda when available, else cpu")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: chosen from the cores that are free now, see `auto_threads`)")
 
 
 def model_name(args) -> str:
@@ -77,12 +80,24 @@ def load_from_args(args):
 
     from .model import load_model
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or auto_threads())
     name = model_name(args)
     if args.model is None and not Path(name).exists():
         raise SystemExit(f"mtp: model folder {name} does not exist (pass --model PATH or a hub id)")
-    return load_model(name, dtype=args.dtype, device=resolve_device(args.device), revision=args.revision)
+    return load_model(name, dtype=args.dtype, device=resolve_device(args.device), revision=args.revision,
+                      quantize=getattr(args, "quantize", None))
+
+
+def auto_threads() -> int:
+    """CPU threads for decoding: the cores this process may use minus those other processes keep busy now (the
+    1-minute load average). On a loaded machine a second thread waits at every barrier for a core someone else
+    holds: measured 958 ms vs 23 ms per step for 2 vs 1 threads on a shared 2-core machine (docs/decisions.md)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        busy = os.getloadavg()[0]
+    except OSError:
+        busy = 0.0
+    return max(1, min(cores, round(cores - busy)))
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

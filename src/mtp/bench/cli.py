@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
-from ..cli_common import add_model_args, load_from_args, model_name, parse_draft_tokens
+from ..cli_common import add_draft_vocab_arg, add_model_args, auto_threads, load_from_args, model_name, parse_draft_tokens
+from ..model import load_model
 from .costmodel import FULL_LAYERS, SHAPES, build_shape_model, extrapolate_depth, format_costs, measure_costs, speedup_table
-from .measure import check_identical, configs_for, load_transformers, run_interleaved
+from .measure import Variant, check_identical, configs_for, load_transformers, run_interleaved
 from .prompts import DEFAULT_PROMPTS, Prompt, load_prompts
 from .report import ACCEPTED_LENGTH_NOTE, best_fixed_k, markdown_report, plot, summarize
 
@@ -52,6 +53,10 @@ def register(subparsers) -> None:
     p.add_argument("--repeats", type=int, default=None, help="interleaved repeats per prompt (default 3; 2 with --quick)")
     p.add_argument("--max-prompts", type=int, default=None, help="use at most this many prompts of each kind")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for report.json, report.md and plots")
+    add_draft_vocab_arg(p)
+    p.add_argument("--variants", type=lambda v: [Variant.parse(x) for x in v.split(",")], default=[],
+                   help="more variants measured beside the default one, interleaved: comma list of fp32, bf16, fp16, int8, "
+                        "each optionally +vocabN (e.g. bf16,int8,int8+vocab4096); each is checked against its own plain decoding")
     p.add_argument("--quick", action="store_true", help="a CI-sized run: 1 prompt per kind, few tokens, 2 repeats")
     p.add_argument("--no-transformers", action="store_true", help="leave transformers' generate out")
     p.add_argument("--no-cost-model", action="store_true", help="skip the cost measurement")
@@ -88,10 +93,12 @@ def cmd_shape(args) -> int:
     """Cost model alone on a random-weight model of a named shape."""
     from ..decode.draft_vocab import DraftVocab
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    print(f"building a random-weight {args.shape} model ({args.dtype}) …", file=sys.stderr)
-    model = build_shape_model(args.shape, torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype))
+    torch.set_num_threads(args.threads or auto_threads())
+    dtype = "bfloat16" if args.quantize and args.dtype == "auto" else args.dtype
+    print(f"building a random-weight {args.shape} model ({dtype}{', ' + args.quantize if args.quantize else ''}) …",
+          file=sys.stderr)
+    model = build_shape_model(args.shape, torch.float32 if dtype == "auto" else getattr(torch, dtype))
+    model.prepare_for_inference(args.quantize)
     n_params = sum(p.numel() for p in model.parameters())
     g = torch.Generator().manual_seed(0)
     counts = torch.rand(model.config.vocab_size, generator=g)  # random weights: any subset costs the same
@@ -99,7 +106,8 @@ def cmd_shape(args) -> int:
     heads = {name: (lambda h, v=v: int(v.ids[v.logits(model, h[0, -1], 1).argmax()])) for name, v in vocabs.items()}
     iters = 2 if args.quick else 5
     costs = measure_costs(model, q_max=8, context=128, iters=iters, warmup=1, extra_heads=heads)
-    title = f"cost model, random-weight {args.shape} ({n_params / 1e6:.0f}M parameters, {model.dtype})"
+    title = (f"cost model, random-weight {args.shape} ({n_params / 1e6:.0f}M parameters, {model.dtype}"
+             f"{', ' + args.quantize if args.quantize else ''})")
     tables = {"measured": costs}
     print(format_costs(costs, title))
     print_speedups(costs)
@@ -159,6 +167,7 @@ def bench_meta(args, model, prompts, prompt_ids, drafts, max_new: int, repeats: 
         "parameters": sum(p.numel() for p in model.parameters()),
         "vocab_size": model.config.vocab_size, "max_new_tokens": max_new, "repeats": repeats,
         "threads": torch.get_num_threads(), "draft_tokens": drafts, "machine": machine_info(),
+        "quantize": args.quantize, "draft_vocab": args.draft_vocab, "variants": [v.name for v in args.variants],
         "prompt_counts": {k: sum(p.kind == k for p in prompts) for k in ("code", "text")},
         "prompts": [{"kind": p.kind, "source": p.source, "tokens": len(ids)} for p, ids in zip(prompts, prompt_ids)],
         "notes": notes, "mean_accepted_length_note": ACCEPTED_LENGTH_NOTE,
@@ -184,6 +193,12 @@ def cmd_bench(args) -> int:
         raise ValueError("--max-new-tokens and --repeats must be >= 1")
 
     model = load_from_args(args)
+    default = Variant("", args.dtype, args.quantize, args.draft_vocab)
+    variants = [default] + args.variants
+    models = {default.model_key: model}
+    for v in args.variants:
+        if v.model_key not in models:
+            models[v.model_key] = load_model(model.source_path, dtype=v.dtype, device=model.device, quantize=v.quantize)
     prompts, prompt_ids, notes = bench_prompts(args, model, args.max_prompts or (1 if args.quick else None), max_new)
     hf_model, hf_note = (None, "left out (--no-transformers)") if args.no_transformers else load_transformers(
         model.source_path, model.dtype, model.device)
@@ -201,10 +216,11 @@ def cmd_bench(args) -> int:
         costs = measure_costs(model, q_max=max(ks) + 1 if ks else 5, context=min(128, model.context_length - max_new - 16),
                               iters=3 if args.quick else 15)
 
-    configs = configs_for(drafts, hf_model is not None)
+    configs = configs_for(drafts, hf_model is not None, variants)
     with tqdm(total=repeats * len(prompts) * len(configs), unit="run", file=sys.stderr, dynamic_ncols=True) as bar:
-        runs, failed = run_interleaved(model, hf_model, configs, prompts, prompt_ids, max_new, repeats, pad, bar)
-    problems = check_identical(runs) + [f"{name}: FAILED: {why}" for name, why in failed.items()]
+        runs, failed = run_interleaved(models, hf_model, configs, prompts, prompt_ids, max_new, repeats, pad, bar)
+    references = {c.name: c.reference for c in configs if c.engine == "mtp"}
+    problems = check_identical(runs, references) + [f"{name}: FAILED: {why}" for name, why in failed.items()]
     summary = summarize(runs, prompts, configs, costs)
     meta = bench_meta(args, model, prompts, prompt_ids, drafts, max_new, repeats, notes)
     report = {

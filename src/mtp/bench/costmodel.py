@@ -41,9 +41,36 @@ SHAPES = {
         max_position_embeddings=4096, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
         shared_expert_intermediate_size=512, model_type="qwen3_5_moe_text",
     ),
+    # DeepSeek-V3's real widths (MLA with q-LoRA 1536 / kv-LoRA 512, 128 heads, YaRN x40, expert width 2048, top-8 in
+    # 4 of 8 groups, one shared expert, 129,280-token vocabulary) on a slice: 1 dense + 1 MoE layer and the MoE MTP
+    # layer. To fit ~10 GB in bf16 (8.8 GB) the slice has 16 routed experts instead of 256 (a token still reads 8 of
+    # them, but a verify of q tokens reads at most 16: verify costs come out low for q >= 3), and its MTP layer uses
+    # the backbone's embedding and head (GLM-4.6 style) instead of its own copies (the draft costs the same).
+    "deepseek-v3": dict(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=2,
+        first_k_dense_replace=1, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=16, num_experts_per_tok=8,
+        n_shared_experts=1, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True,
+        num_nextn_predict_layers=1, mtp_embed_tokens=False, mtp_shared_head=False, tie_word_embeddings=False,
+        max_position_embeddings=163840, rope_theta=10000.0,
+        rope_scaling={"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
+                      "original_max_position_embeddings": 4096},
+        model_type="deepseek_v3",
+    ),
+    # GLM-4.5's real widths (96 heads of 128 with 8 KV heads, q/k norm, RoPE on half of each head, expert width 1536,
+    # top-8, one shared expert, 151,552-token vocabulary) on a slice: 1 dense + 1 MoE layer and the MoE MTP layer, with
+    # 32 routed experts instead of 160 and the MTP layer on the backbone's embedding and head (7.5 GB in bf16).
+    "glm-4.5": dict(
+        vocab_size=151552, hidden_size=5120, intermediate_size=12288, moe_intermediate_size=1536, num_hidden_layers=2,
+        first_k_dense_replace=1, num_attention_heads=96, num_key_value_heads=8, head_dim=128, use_qk_norm=True,
+        attention_bias=True, partial_rotary_factor=0.5, rope_theta=1000000.0, rms_norm_eps=1e-5, n_routed_experts=32,
+        num_experts_per_tok=8, n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, num_nextn_predict_layers=1, mtp_embed_tokens=False, mtp_shared_head=False,
+        tie_word_embeddings=False, max_position_embeddings=131072, model_type="glm4_moe",
+    ),
 }
 # Layers of the real model a shape is a slice of: its costs are also extrapolated to that depth.
-FULL_LAYERS = {"qwen3.5-35b-a3b": 40}
+FULL_LAYERS = {"qwen3.5-35b-a3b": 40, "deepseek-v3": 61, "glm-4.5": 92}
 
 
 def expected_tokens(acceptance: list[float], k: int) -> float:

@@ -24,13 +24,54 @@ PLAIN = "mtp plain"
 HF = "transformers"
 
 
+@dataclass(frozen=True)
+class Variant:
+    """How the model runs: weights' dtype, int8 quantization, reduced draft vocabulary. `name` "" is the default
+    (the command line's --dtype / --quantize / --draft-vocab)."""
+
+    name: str = ""
+    dtype: str = "auto"
+    quantize: str | None = None
+    draft_vocab: int | None = None
+
+    @property
+    def model_key(self) -> tuple[str, str | None]:
+        return self.dtype, self.quantize
+
+    @classmethod
+    def parse(cls, spec: str) -> Variant:
+        """'bf16', 'int8', 'fp32', 'bf16+vocab4096' -> a Variant."""
+        parts = spec.strip().split("+")
+        dtypes = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": "auto"}
+        head, vocab = parts[0], None
+        for extra in parts[1:]:
+            if not extra.startswith("vocab") or not extra[5:].isdigit():
+                raise ValueError(f"bench variant {spec!r}: '+{extra}' is not '+vocabN'")
+            vocab = int(extra[5:])
+        if head == "int8":
+            return cls(spec, "bfloat16", "int8", vocab)
+        if head not in dtypes:
+            raise ValueError(f"bench variant {spec!r}: expected fp32, bf16, fp16, int8 or auto, optionally +vocabN")
+        return cls(spec, dtypes[head], None, vocab)
+
+
 @dataclass
 class BenchConfig:
-    """One configuration: `mtp` with `draft_tokens` (None = plain greedy), or transformers' generate."""
+    """One configuration: `mtp` with `draft_tokens` (None = plain greedy) in a variant, or transformers' generate."""
 
     name: str
     engine: str  # "mtp" or "transformers"
     draft_tokens: int | str | None = None
+    variant: Variant = field(default_factory=Variant)
+
+    @property
+    def reference(self) -> str:
+        """The configuration whose greedy output this one must reproduce (its variant's plain decoding)."""
+        return plain_name(self.variant)
+
+
+def plain_name(variant: Variant) -> str:
+    return f"mtp {variant.name} plain" if variant.name else PLAIN
 
 
 @dataclass
@@ -48,10 +89,14 @@ class Run:
     rss_before_mb: float | None = None  # resident set just before the run (peak - this = the run's working memory)
 
 
-def configs_for(draft_tokens: list[int | str], with_transformers: bool) -> list[BenchConfig]:
-    """plain, one per draft setting, then transformers (when available)."""
-    out = [BenchConfig(PLAIN, "mtp", None)]
-    out += [BenchConfig(f"mtp k={k}", "mtp", k) for k in draft_tokens]
+def configs_for(draft_tokens: list[int | str], with_transformers: bool,
+                variants: list[Variant] | None = None) -> list[BenchConfig]:
+    """Per variant (the default first): plain, then one per draft setting; then transformers (when available)."""
+    out = []
+    for v in variants or [Variant()]:
+        label = f"mtp {v.name} " if v.name else "mtp "
+        out.append(BenchConfig(plain_name(v), "mtp", None, v))
+        out += [BenchConfig(f"{label}k={k}", "mtp", k, v) for k in draft_tokens]
     if with_transformers:
         out.append(BenchConfig(HF, "transformers"))
     return out
@@ -101,12 +146,16 @@ def load_transformers(path: str | Path, dtype: torch.dtype, device: torch.device
     return model.eval(), None
 
 
-def make_generate_fn(model, hf_model, cfg: BenchConfig, max_new_tokens: int, pad_token_id: int) -> Callable:
-    """A function prompt_ids -> (new token ids, mtp stats or None, k history), greedy, EOS stops disabled."""
+def make_generate_fn(models: dict, hf_model, cfg: BenchConfig, max_new_tokens: int, pad_token_id: int) -> Callable:
+    """A function prompt_ids -> (new token ids, mtp stats or None, k history), greedy, EOS stops disabled.
+    `models`: the loaded model of each variant's (dtype, quantize)."""
     if cfg.engine == "mtp":
+        model = models[cfg.variant.model_key]
+        vocab = cfg.variant.draft_vocab if cfg.draft_tokens else None
+
         def run_mtp(ids: list[int]):
             r = generate(model, ids, max_new_tokens=max_new_tokens, temperature=0.0, draft_tokens=cfg.draft_tokens,
-                         eos_token_ids=[])
+                         eos_token_ids=[], draft_vocab=vocab)
             return r.tokens, r.stats.as_dict(), list(r.stats.k_history)
         return run_mtp
 
@@ -126,7 +175,7 @@ def make_generate_fn(model, hf_model, cfg: BenchConfig, max_new_tokens: int, pad
 
 
 # ---------------------------------------------------------------------- the loop
-def run_interleaved(model, hf_model, configs: list[BenchConfig], prompts: list[Prompt], prompt_ids: list[list[int]],
+def run_interleaved(models: dict, hf_model, configs: list[BenchConfig], prompts: list[Prompt], prompt_ids: list[list[int]],
                     max_new_tokens: int, repeats: int, pad_token_id: int, progress=None,
                     warmup_tokens: int = 8) -> tuple[list[Run], dict[str, str]]:
     """Warm every configuration up, then measure repeats x prompts x configs, interleaved.
@@ -136,8 +185,8 @@ def run_interleaved(model, hf_model, configs: list[BenchConfig], prompts: list[P
     failed: dict[str, str] = {}
     fns = {}
     for cfg in configs:
-        fns[cfg.name] = make_generate_fn(model, hf_model, cfg, max_new_tokens, pad_token_id)
-        warm = make_generate_fn(model, hf_model, cfg, warmup_tokens, pad_token_id)
+        fns[cfg.name] = make_generate_fn(models, hf_model, cfg, max_new_tokens, pad_token_id)
+        warm = make_generate_fn(models, hf_model, cfg, warmup_tokens, pad_token_id)
         try:
             warm(prompt_ids[0])
         except Exception as e:  # noqa: BLE001 - reported as this configuration's failure, the others still run
@@ -161,14 +210,17 @@ def run_interleaved(model, hf_model, configs: list[BenchConfig], prompts: list[P
     return runs, failed
 
 
-def check_identical(runs: list[Run], reference: str = PLAIN) -> list[str]:
-    """Every run's tokens must equal the reference configuration's for the same prompt (repeat 0).
+def check_identical(runs: list[Run], references: dict[str, str] | None = None) -> list[str]:
+    """Every run's tokens must equal its reference configuration's for the same prompt (repeat 0): a variant's own
+    plain decoding (`references`: config -> reference; default: mtp plain for all).
 
     Returns one message per mismatch (empty: all identical)."""
-    ref = {r.prompt: r.tokens for r in runs if r.config == reference and r.repeat == 0}
+    references = references or {}
+    repeat0 = {(r.config, r.prompt): r.tokens for r in runs if r.repeat == 0}
     problems = []
     for r in runs:
-        want = ref.get(r.prompt)
+        reference = references.get(r.config, PLAIN)
+        want = repeat0.get((reference, r.prompt))
         if want is None or r.tokens == want:
             continue
         first = next((i for i, (a, b) in enumerate(zip(r.tokens, want)) if a != b), min(len(r.tokens), len(want)))

@@ -43,7 +43,8 @@ def _summarize_kind(runs: list[Run], configs: list[BenchConfig], costs: dict | N
         tokens = sum(len(v[0].tokens) for v in per_prompt.values())
         seconds = sum(statistics.median(x.seconds for x in v) for v in per_prompt.values())
         paired = [secs[(PLAIN, r.prompt, r.repeat)] / r.seconds for r in rs if (PLAIN, r.prompt, r.repeat) in secs]
-        fig = {"engine": cfg.engine, "draft_tokens": cfg.draft_tokens, "runs": len(rs), "new_tokens": tokens,
+        fig = {"engine": cfg.engine, "draft_tokens": cfg.draft_tokens, "variant": cfg.variant.name, "runs": len(rs),
+               "new_tokens": tokens,
                "median_seconds": round(seconds, 4), "tokens_per_s": tokens / seconds if seconds else 0.0,
                "paired_speedup_vs_plain": statistics.median(paired) if paired else None,
                "peak_rss_mb": round(max(r.peak_rss_mb for r in rs), 1)}
@@ -105,6 +106,7 @@ def markdown_table(summary: dict, kind: str) -> str:
 
 def best_fixed_k(figures: dict) -> tuple[str, dict] | None:
     """The fixed-k configuration with the highest tokens/s, and how auto compares to it."""
+    figures = {n: f for n, f in figures.items() if not f.get("variant")}  # the default variant's k against its auto
     fixed = [(n, f) for n, f in figures.items() if isinstance(f.get("draft_tokens"), int)]
     if not fixed:
         return None
@@ -181,7 +183,8 @@ def plot(summary: dict, out: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for kind in kinds:
-        pts = [(f["draft_tokens"], f) for f in summary[kind].values() if isinstance(f.get("draft_tokens"), int)]
+        pts = [(f["draft_tokens"], f) for f in summary[kind].values()
+               if isinstance(f.get("draft_tokens"), int) and not f.get("variant")]
         pts.sort(key=lambda t: t[0])
         ks = [k for k, _ in pts]
         if ks:
@@ -191,7 +194,7 @@ def plot(summary: dict, out: Path) -> list[Path]:
             if points:
                 ax.plot([k for k, _ in points], [b for _, b in points], ":", marker="x", color=line.get_color(),
                         label=f"cost-model speedup ({kind})")
-            auto = next((f for f in summary[kind].values() if f.get("draft_tokens") == "auto"), None)
+            auto = next((f for f in summary[kind].values() if f.get("draft_tokens") == "auto" and not f.get("variant")), None)
             if auto:
                 ax.scatter([max(ks) + 1], [auto["speedup_vs_plain"]], marker="*", s=120, color=line.get_color(),
                            label=f"auto ({kind})")

@@ -46,15 +46,26 @@ class GatedAttention(nn.Module):
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None, start: int,
            scale: float) -> torch.Tensor:
     """Causal (grouped-query) attention of q [B, A, T, D] over k/v [B, Hk, T, D] at positions start..; with a
-    cache, k/v are stored there first and q attends to every earlier position too. Returns [B, A, T, Dv]."""
+    cache, k/v are stored there first and q attends to every earlier position too. Returns [B, A, T, Dv].
+
+    A block of a few new tokens after cached ones (a verify) runs one query row at a time over exactly the keys a
+    plain decoding step at that position sees: SDPA with a mask over more keys sums differently in the last bits
+    (seen in bf16), and each verified position must be computed exactly as a plain step (docs/decisions.md)."""
+    gqa = q.shape[1] != k.shape[1]
+    if cache is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, scale=scale, enable_gqa=gqa)
     T = q.shape[2]
-    mask, causal = None, T > 1
-    if cache is not None:
-        k, v = cache.write(k, v, start)
-        if start > 0:
-            causal = False
-            if T > 1:  # query i sees keys 0..start+i (SDPA's is_causal aligns top-left, wrong here)
-                rows = torch.arange(T, device=q.device)[:, None] + start
-                mask = torch.arange(start + T, device=q.device)[None, :] <= rows
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    k, v = cache.write(k, v, start)
+    if start == 0:  # a prefill
+        return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=scale, enable_gqa=gqa)
+    if T == 1 or T <= VERIFY_ROWS:
+        rows = [F.scaled_dot_product_attention(q[:, :, t : t + 1], k[:, :, : start + t + 1], v[:, :, : start + t + 1],
+                                               scale=scale, enable_gqa=gqa) for t in range(T)]
+        return rows[0] if T == 1 else torch.cat(rows, dim=2)
+    # a long chunk after cached tokens: query i sees keys 0..start+i (SDPA's is_causal aligns top-left, wrong here)
+    mask = torch.arange(start + T, device=q.device)[None, :] <= torch.arange(T, device=q.device)[:, None] + start
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+# Blocks up to this many tokens after cached ones are verify blocks (k + 1 <= 9): attended row by row.
+VERIFY_ROWS = 16

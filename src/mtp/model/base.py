@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .cache import Cache, KVCache, Positions, Verified
+from .linear import prepare_for_inference as prepare_linears
 
 
 class MTPModule(Protocol):
@@ -82,6 +83,28 @@ class CausalLM(nn.Module):
     def mtp_head(self, hidden: torch.Tensor, d: int) -> torch.Tensor:
         """MTP depth-d hidden [..., H] -> logits [..., V]."""
         return self.mtp_head_module(d)(hidden)
+
+    # The MTP's input projection: kept in bf16 when the rest is quantized (serving engines learned that int8 there
+    # costs acceptance; vLLM keeps `mtp.fc` unquantised). Families name theirs.
+    keep_precision: tuple[str, ...] = ("mtp.fc",)
+
+    def prepare_for_inference(self, quantize: str | None = None) -> None:
+        """Swap the linear layers for faster CPU inference kernels (`model/linear.py`): bf16 weights use oneDNN's
+        packed layout; `quantize` "int8" (weight-only, per-channel scales) quantizes every linear layer but
+        `keep_precision` (bf16). Parameters and the state dict stay as they are; a no-op off CPU
+        or for fp32 weights without `quantize`."""
+        if self.device.type != "cpu":
+            return
+        if quantize is None:
+            if self.dtype == torch.bfloat16:
+                prepare_linears(self, "bf16")
+            return
+        if self.dtype != torch.bfloat16:
+            raise ValueError(f"quantize={quantize!r} needs a bfloat16 model (load it with dtype='bfloat16'), got {self.dtype}")
+        prepare_linears(self, quantize, skip=self.keep_precision)
+        for name, m in self.named_modules():
+            if any(name.endswith(s) for s in self.keep_precision) and isinstance(m, nn.Linear):
+                prepare_linears(m, "bf16")
 
     def router_aux_loss(self, router_logits: list) -> torch.Tensor | None:
         """The MoE load-balancing loss over collected router logits (None: the family has no such loss)."""

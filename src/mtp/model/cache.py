@@ -3,7 +3,7 @@
 - `KVCache`: attention keys/values preallocated for `max_len` positions and addressed by position, so
   rolling back is only moving `Cache.pos` (entries past it are overwritten later).
 - `DeltaState`: a Gated DeltaNet layer's conv inputs and recurrent state. A verify forward of q tokens
-  returns a `DeltaSnapshot` per such layer (the conv window and every position's state in factored form);
+  returns a `DeltaSnapshot` per such layer (the conv window and every position's state);
   `Cache.keep(verified, n)` selects the state after the n-th position.
 - `Verified`: the hidden states of a verify forward and the snapshots; nothing is left on the cache.
 """
@@ -50,23 +50,15 @@ class KVCache:
 
 @dataclass
 class DeltaSnapshot:
-    """What a verify forward of q tokens keeps for one Gated DeltaNet layer: the conv window and every
-    position's recurrent state in factored form (S0 [B, H, Kd, Vd], gc [B, H, q], k [B, H, q, Kd], v' [B, H, q, Vd]):
-        S_t = exp(gc_t) S0 + sum_{j<=t} exp(gc_t - gc_j) k_j v'_j^T
-    Writing all q states out would cost q full [Kd, Vd] tensors per head; `state(n)` builds one with a single
-    rank-n product."""
+    """What a verify forward of q tokens keeps for one Gated DeltaNet layer: the conv window and the recurrent state
+    after every verified position."""
 
     window: torch.Tensor  # [B, C, kernel-1+q]: the conv inputs before and of the q tokens
-    s0: torch.Tensor
-    gc: torch.Tensor
-    k: torch.Tensor
-    v_new: torch.Tensor
+    states: torch.Tensor  # [B, H, q, Kd, Vd] fp32
 
     def state(self, n: int) -> torch.Tensor:
         """The recurrent state after the first n (>= 1) positions: [B, H, Kd, Vd]."""
-        last = self.gc[..., n - 1 : n]  # [B, H, 1]
-        kd = self.k[:, :, :n] * (last - self.gc[..., :n]).exp()[..., None]  # [B, H, n, Kd]
-        return last.exp()[..., None] * self.s0 + kd.transpose(-1, -2) @ self.v_new[:, :, :n]
+        return self.states[:, :, n - 1]
 
 
 @dataclass

@@ -63,15 +63,19 @@ def _checkpoint_dtype(files: TensorIndex, names: list[str]) -> torch.dtype:
 
 
 def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str | torch.device = "cpu",
-               config=None, revision: str | None = None) -> CausalLM:
+               config=None, revision: str | None = None, quantize: str | None = None) -> CausalLM:
     """Load a checkpoint folder or hub id (`org/name`, optional `revision`) -> model in eval mode.
 
-    dtype "auto" keeps the checkpoint's (bf16 stays bf16, and the weights stay memory-mapped). Errors
+    dtype "auto" keeps the checkpoint's (bf16 stays bf16, and the weights stay memory-mapped). On the CPU a bf16
+    model's linear layers get oneDNN-packed copies for inference; `quantize="int8"` quantizes them (weight-only,
+    per-channel; the model is then bf16) - see `model/linear.py`. Errors
     (CheckpointError) name the file and tensor: missing, unexpected, wrong shape, wrong dtype, truncated or
     corrupt. A config with MTP layers but no MTP tensors loads with a MissingMTPWarning and
     `model.has_mtp == False` (never random heads)."""
     path = resolve_checkpoint(path, revision=revision)
     want_dtype = parse_dtype(dtype)
+    if quantize is not None and want_dtype is None:
+        want_dtype = torch.bfloat16
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint folder")
     if config is None:
@@ -81,9 +85,10 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
     cls = model_class_for(config)
     with TensorIndex(path) as files:
         shape = lambda key: files[key][0].shape(key)  # noqa: E731
+        config = checkpoint_config(cls, config, list(files))
         sources, layout = cls.checkpoint_sources(list(files), shape, config)
         n_mtp = config.mtp_num_hidden_layers
-        has_mtp_tensors = any(cls.is_mtp_tensor(k) for k in files if cls.internal_name(k) is not None)
+        has_mtp_tensors = any(cls.is_mtp_tensor(k, config) for k in files if cls.internal_name(k, config) is not None)
         with_mtp = n_mtp > 0 and has_mtp_tensors
         if n_mtp > 0 and not has_mtp_tensors:
             msg = (f"{path}: config declares {n_mtp} MTP layer(s) but the checkpoint holds no MTP tensors "
@@ -98,23 +103,38 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
         for name in [n for n in expected if _is_tied(model, n)]:
             expected.pop(name)
             sources.pop(name, None)  # some tied checkpoints store a copy; the shared parameter wins
-        check_names(path, files, cls, expected, sources)
-        dtype_ = want_dtype or _checkpoint_dtype(files, [k for k in files if cls.internal_name(k) is not None])
-        state = {name: materialize(files, sources[name], tuple(p.shape), dtype_, device) for name, p in expected.items()}
+        check_names(path, files, cls, expected, sources, config)
+        dtype_ = want_dtype or _checkpoint_dtype(files, [k for k in files if cls.internal_name(k, config) is not None])
+        state = {name: materialize(files, sources[name], tuple(p.shape), torch.float32 if keeps_fp32(cls, name) else dtype_,
+                                   device) for name, p in expected.items()}
     model.load_state_dict(state, strict=False, assign=True)
     _retie(model)
     model.eval()
+    model.prepare_for_inference(quantize)
     model.source_path = str(path)
     model.checkpoint_layout = layout
     model.tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
     return model
 
 
-def check_names(path: Path, files: TensorIndex, cls, expected: dict, sources: dict) -> None:
+def checkpoint_config(cls, config, names: list[str]):
+    """The config completed with what only the checkpoint's tensor names tell (a family's optional
+    `checkpoint_config(config, names)`; e.g. whether DeepSeek-style MTP layers hold their own embedding)."""
+    complete = getattr(cls, "checkpoint_config", None)
+    return config if complete is None else complete(config, names)
+
+
+def keeps_fp32(cls, name: str) -> bool:
+    """Is this parameter (our name or the checkpoint's) kept in fp32 whatever the model's dtype? A family lists such
+    parameters by name suffix in `fp32_parameters` (DeepSeek's router, as transformers keeps it)."""
+    return any(name == s or name.endswith("." + s) for s in getattr(cls, "fp32_parameters", ()))
+
+
+def check_names(path: Path, files: TensorIndex, cls, expected: dict, sources: dict, config=None) -> None:
     """Every parameter has a source and every source a parameter; errors name the checkpoint's tensor."""
     missing = sorted(set(expected) - set(sources))
     if missing:
-        raise CheckpointError(f"{path}: missing tensor(s) {', '.join(cls.checkpoint_name(m) for m in missing[:5])}"
+        raise CheckpointError(f"{path}: missing tensor(s) {', '.join(cls.checkpoint_name(m, config) for m in missing[:5])}"
                               + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
     unexpected = sorted(set(sources) - set(expected))
     if unexpected:
@@ -182,7 +202,7 @@ def save_model(model: CausalLM, path: str | Path, max_shard_size: int | None = N
     path.mkdir(parents=True, exist_ok=True)
     state = model.checkpoint_state()
     if dtype is not None and (dt := parse_dtype(dtype)) is not None:
-        state = {k: v.to(dt) for k, v in state.items()}
+        state = {k: v if keeps_fp32(type(model), k) else v.to(dt) for k, v in state.items()}
     save_tensors(state, path, max_shard_size)
     config = model.config.text_only()
     if model.mtp is None and config.mtp_num_hidden_layers > 0:

@@ -1,9 +1,9 @@
 """Gated DeltaNet (linear attention) of Qwen3.5.
 
 Per value head, with state S [Kd, Vd]:  S <- S * exp(g);  delta = beta * (v - k^T S);  S <- S + k delta^T;
-o = q^T S.  Three forms: a chunked (parallel within chunks) form for prefill and training, a
-recurrent form for one-token decoding, and a one-chunk form for verification that also returns the state
-after every verified position in factored form (`cache.DeltaSnapshot`; rollback selects one).
+o = q^T S.  Two forms: a chunked (parallel within chunks) form for prefill and training, and a recurrent
+form for decoding and verification; a verify keeps the state after every verified position
+(`cache.DeltaSnapshot`) and rollback selects one.
 """
 
 from __future__ import annotations
@@ -66,35 +66,18 @@ def chunk_gated_delta_rule(
     return o, S
 
 
-def verify_gated_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """The chunked form as ONE chunk of T (a verify block, no padding), keeping every position's state.
-
-    Shapes as `chunk_gated_delta_rule`; state [B, H, Kd, Vd]. Returns o [B, H, T, Vd] and the states of all
-    T positions in factored form (S_0, gc, k, v') - see `cache.DeltaSnapshot`: rollback selects a kept state
-    and never re-runs the layer. (Writing all T states out costs T full [Kd, Vd] tensors per head - at
-    Qwen3.5-0.8B shape that made verification slower than the recurrent loop.)
-    """
-    T = q.shape[2]
-    gc = g.cumsum(-1)  # [B, H, T]
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [B, H, T, T]
-    kb, vb = k * beta[..., None], v * beta[..., None]
-    system = (kb @ k.transpose(-1, -2)) * decay
-    u = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, kb * gc.exp()[..., None], upper=False, unitriangular=True)
-    v_new = u - w @ state  # [B, H, T, Vd]
-    o = (q * gc.exp()[..., None]) @ state + ((q @ k.transpose(-1, -2)) * decay) @ v_new
-    return o, (state.clone(), gc, k, v_new)
-
-
 def recurrent_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token at a time (decoding). Same shapes as the chunked form; state [B, H, Kd, Vd] fp32.
-    Returns o [B, H, T, Vd] and the final state."""
-    outs = []
+    keep_states: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One token at a time (decoding, and verification). Same shapes as the chunked form; state [B, H, Kd, Vd]
+    fp32. Returns o [B, H, T, Vd], the final state, and with `keep_states` the state after every token
+    [B, H, T, Kd, Vd] (for rollback).
+
+    A verify block runs exactly this per-token arithmetic, as a plain step does, so each verified position's output
+    is bit-identical to plain decoding's whatever the block length - which keeps greedy speculative decoding
+    identical to plain decoding in bf16 and int8 too (docs/decisions.md, 2026-11-30 speed)."""
+    outs, states = [], []
     S = state
     for t in range(q.shape[2]):
         S = S * g[:, :, t].exp()[..., None, None]
@@ -102,8 +85,10 @@ def recurrent_gated_delta_rule(
         kv = (kt.unsqueeze(-2) @ S).squeeze(-2)  # k^T S: [B, H, Vd]
         delta = (v[:, :, t] - kv) * beta[:, :, t, None]
         S = S + kt.unsqueeze(-1) * delta.unsqueeze(-2)
+        if keep_states:
+            states.append(S)
         outs.append((q[:, :, t].unsqueeze(-2) @ S).squeeze(-2))
-    return torch.stack(outs, dim=2), S
+    return torch.stack(outs, dim=2), S, torch.stack(states, dim=2) if keep_states else None
 
 
 class GatedDeltaNet(nn.Module):
@@ -150,7 +135,9 @@ class GatedDeltaNet(nn.Module):
             else:
                 qkv = F.conv1d(window, weight, groups=self.conv_dim)
             cache.conv.copy_(window[..., -(self.kernel - 1):])
-        qkv = F.silu(qkv).transpose(1, 2)
+        # contiguous [B, T, C]: the l2norm reductions below then run over a contiguous last dim for every T, so a
+        # verified position sums exactly as a plain step does (a stride-T dim sums in another order)
+        qkv = F.silu(qkv).transpose(1, 2).contiguous()
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(B, T, self.num_k_heads, self.head_k_dim)
         k = k.reshape(B, T, self.num_k_heads, self.head_k_dim)
@@ -165,13 +152,11 @@ class GatedDeltaNet(nn.Module):
         g = (-self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())).transpose(1, 2)
 
         snap = None
-        if cache is not None and keep_states:
-            o, factors = verify_gated_delta_rule(q, k, v, g, beta, cache.ssm)
-            snap = DeltaSnapshot(window, *factors)
-            cache.ssm.copy_(snap.state(T))
-        elif cache is not None and T == 1:
-            o, S = recurrent_gated_delta_rule(q, k, v, g, beta, cache.ssm)
+        if cache is not None and (T == 1 or keep_states):
+            o, S, states = recurrent_gated_delta_rule(q, k, v, g, beta, cache.ssm, keep_states)
             cache.ssm.copy_(S)
+            if keep_states:
+                snap = DeltaSnapshot(window, states)
         else:
             o, S = chunk_gated_delta_rule(q, k, v, g, beta, None if cache is None else cache.ssm)
             if cache is not None:

@@ -12,6 +12,9 @@ from typing import Any
 
 from ..config import ConfigError
 from .base import CausalLM
+from .deepseek_v3 import DeepseekV3ForCausalLM
+from .glm4_moe import Glm4MoeForCausalLM
+from .mimo import MiMoForCausalLM
 from .qwen3_5 import Qwen35ForCausalLM, Qwen35MoeForCausalLM
 
 FAMILIES: dict[str, type[CausalLM]] = {
@@ -19,6 +22,14 @@ FAMILIES: dict[str, type[CausalLM]] = {
     "qwen3_5_text": Qwen35ForCausalLM,
     "qwen3_5_moe": Qwen35MoeForCausalLM,
     "qwen3_5_moe_text": Qwen35MoeForCausalLM,
+    "deepseek_v3": DeepseekV3ForCausalLM,
+    "glm4_moe": Glm4MoeForCausalLM,
+    "mimo": MiMoForCausalLM,
+}
+# Families whose MTP we know but whose backbone we do not run: model_type -> what is missing.
+UNSUPPORTED = {
+    "deepseek_v32": "DeepSeek-V3.2 uses DeepSeek Sparse Attention (its lightning indexer), which mtp does not implement",
+    "glm_moe_dsa": "GLM-5 uses DeepSeek Sparse Attention (its lightning indexer), which mtp does not implement",
 }
 
 
@@ -29,6 +40,8 @@ def model_class(data: dict[str, Any]) -> type[CausalLM]:
         model_type = data["text_config"].get("model_type")
     if model_type is None:
         model_type = "qwen3_5_text"  # text-only Qwen3.5 configs written by hand often omit it
+    if model_type in UNSUPPORTED:
+        raise ConfigError(f"config key 'model_type' is {model_type!r}: not supported: {UNSUPPORTED[model_type]}")
     if model_type not in FAMILIES:
         raise ConfigError(f"config key 'model_type' is {model_type!r}; supported: {', '.join(sorted(FAMILIES))}")
     return FAMILIES[model_type]

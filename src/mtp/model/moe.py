@@ -1,6 +1,7 @@
 """Mixture-of-Experts building blocks: routed SwiGLU experts that compute only the experts tokens chose, the
-Qwen3.5-MoE sparse block (softmax router + gated shared expert), the load-balancing loss, and the two expert
-layouts checkpoints use.
+Qwen3.5-MoE sparse block (softmax router + gated shared expert), DeepSeekMoE (grouped sigmoid router with a
+selection bias + shared experts; DeepSeek-V3 and GLM-4.5), the load-balancing loss, and the two expert layouts
+checkpoints use.
 
 Experts are stored fused, as transformers holds them: `experts.gate_up_proj [E, 2I, H]` (gate rows first) and
 `experts.down_proj [E, H, I]`. Checkpoints hold them either that way ("fused") or one tensor per expert
@@ -90,6 +91,65 @@ class SparseMoE(nn.Module):
         return (routed + shared).reshape(B, T, H), logits
 
 
+class GroupedTopkRouter(nn.Module):
+    """DeepSeek-V3's router (`mlp.gate`; docs/families.md, "Router"): `weight` [E, H] and `e_score_correction_bias`
+    [E], both kept in fp32. Scores s = sigmoid(x W^T) in fp32; the biased scores s + b choose (the bias never
+    weights): the `topk_group` groups (of E / n_group experts) with the largest sums of their top-2 biased scores,
+    then the top-k experts inside them. Weights = s at the chosen experts, divided by their sum (+1e-20) when
+    `norm_topk_prob`, times `routed_scaling_factor`.
+
+    x [N, H] -> chosen experts [N, k], their weights [N, k] (fp32)."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
+                 routed_scaling_factor: float):
+        super().__init__()
+        self.num_experts, self.top_k, self.n_group, self.topk_group = num_experts, top_k, n_group, topk_group
+        self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32))
+        # Updated outside the gradient by DeepSeek's auxiliary-loss-free balancing (which `mtp` does not train): a buffer.
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        if self.n_group > 1:
+            groups = choice.view(-1, self.n_group, self.num_experts // self.n_group)
+            group_scores = groups.topk(2, dim=-1)[0].sum(dim=-1)  # [N, n_group]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1, sorted=False)[1], True)
+            choice = choice.masked_fill(~keep.repeat_interleave(self.num_experts // self.n_group, dim=1), float("-inf"))
+        idx = choice.topk(self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, idx)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return idx, weights * self.routed_scaling_factor
+
+
+class DeepseekMoE(nn.Module):
+    """DeepSeekMoE (`mlp`): `gate` (GroupedTopkRouter), the routed `experts`, plus `shared_experts` (one SwiGLU of
+    width moe_intermediate_size x n_shared_experts, ungated) when n_shared_experts > 0. x [B, T, H] -> [B, T, H].
+
+    No load-balancing loss: DeepSeek-V3 balances without one (its bias), and transformers computes none."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int, n_shared_experts: int, n_group: int,
+                 topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float):
+        super().__init__()
+        self.gate = GroupedTopkRouter(hidden, num_experts, top_k, n_group, topk_group, norm_topk_prob,
+                                      routed_scaling_factor)
+        self.experts = Experts(num_experts, hidden, intermediate)
+        if n_shared_experts:
+            self.shared_experts = MLP(hidden, intermediate * n_shared_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, H = x.shape
+        flat = x.reshape(-1, H)
+        idx, weights = self.gate(flat)
+        out = self.experts(flat, idx, weights)
+        if hasattr(self, "shared_experts"):
+            out = out + self.shared_experts(flat)
+        return out.reshape(B, T, H)
+
+
 def load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int, top_k: int) -> torch.Tensor:
     """Switch-Transformer auxiliary loss over layers' router logits (each [N, E]), as transformers computes it:
     E * sum_e (fraction of top-k choices on e) * (mean router probability of e), pooled over the layers."""
@@ -119,7 +179,8 @@ class Stack:
 
 
 def group_experts(sources: dict[str, str], shape, num_experts: int, intermediate: int,
-                  intermediate_key: str = "moe_intermediate_size") -> tuple[dict[str, str | Stack], dict[str, str]]:
+                  intermediate_key: str = "moe_intermediate_size",
+                  experts_key: str = "num_experts") -> tuple[dict[str, str | Stack], dict[str, str]]:
     """Map per-expert checkpoint tensors onto the fused parameters.
 
     sources: our name -> checkpoint name (per-expert tensors under their own per-expert names); shape(name) gives a
@@ -139,7 +200,7 @@ def group_experts(sources: dict[str, str], shape, num_experts: int, intermediate
                     raise CheckpointError(f"tensor '{ckpt}': layer {f['prefix']} mixes fused and per-expert tensors")
                 n = shape(ckpt)[0]
                 if n != num_experts:
-                    raise CheckpointError(f"tensor '{ckpt}' holds {n} experts but config key 'num_experts' is {num_experts}")
+                    raise CheckpointError(f"tensor '{ckpt}' holds {n} experts but config key '{experts_key}' is {num_experts}")
             out[ours] = ckpt
             continue
         prefix, e = m["prefix"], int(m["e"])
@@ -151,7 +212,7 @@ def group_experts(sources: dict[str, str], shape, num_experts: int, intermediate
             have = projs.get(proj, {})
             beyond = sorted(e for e in have if e >= num_experts)
             if beyond:
-                raise CheckpointError(f"tensor '{have[beyond[0]]}': expert {beyond[0]} but config key 'num_experts' "
+                raise CheckpointError(f"tensor '{have[beyond[0]]}': expert {beyond[0]} but config key '{experts_key}' "
                                       f"is {num_experts}")
             missing = [e for e in range(num_experts) if e not in have]
             if missing:

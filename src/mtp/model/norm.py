@@ -1,4 +1,5 @@
-"""Qwen3.5 norms: zero-centred RMSNorm (`(1 + w)`, fp32) and the gated RMSNorm of Gated DeltaNet."""
+"""Norms: Qwen3.5's zero-centred RMSNorm (`(1 + w)`, fp32) and the gated RMSNorm of Gated DeltaNet; the plain
+RMSNorm (`w * x`) of DeepSeek-V3, GLM and Qwen2/MiMo."""
 
 import torch
 import torch.nn.functional as F
@@ -38,3 +39,17 @@ class RMSNormGated(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * xf.to(dtype)
         return (out * F.silu(gate.float())).to(dtype)
+
+
+class PlainRMSNorm(nn.Module):
+    """RMSNorm with a plain weight (initialised to ones): `w * rmsnorm(x)`, normalised in fp32 and cast back before
+    the weight, as transformers' DeepSeek-V3 / GLM / Qwen2 norms compute it. [..., D] -> [..., D]."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)

@@ -119,7 +119,7 @@ class Qwen35ForCausalLM(CausalLM):
     config_class = Qwen35Config
 
     @staticmethod
-    def internal_name(name: str) -> str | None:
+    def internal_name(name: str, config: Qwen35Config | None = None) -> str | None:
         """Checkpoint tensor name -> our parameter name (None: not part of the text model)."""
         if name.startswith("model.visual.") or name.startswith("visual."):
             return None
@@ -128,7 +128,7 @@ class Qwen35ForCausalLM(CausalLM):
         return name
 
     @staticmethod
-    def checkpoint_name(name: str) -> str:
+    def checkpoint_name(name: str, config: Qwen35Config | None = None) -> str:
         """Our parameter name -> the tensor name we write (the text-only layout)."""
         return name
 
@@ -138,7 +138,7 @@ class Qwen35ForCausalLM(CausalLM):
         return "mtp.*"
 
     @staticmethod
-    def is_mtp_tensor(name: str) -> bool:
+    def is_mtp_tensor(name: str, config: Qwen35Config | None = None) -> bool:
         """Is this (checkpoint) tensor part of the MTP module?"""
         return name.startswith("mtp.")
 

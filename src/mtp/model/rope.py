@@ -1,4 +1,7 @@
-"""Partial rotary position embedding (rotate-half style) on the first `rotary_dim` dims of each head."""
+"""Partial rotary position embedding (rotate-half style) on the first `rotary_dim` dims of each head; the interleaved
+(GPT-J) variant and YaRN scaling that DeepSeek-V3 uses; tables from a config's RoPE parameters."""
+
+import math
 
 import torch
 
@@ -51,3 +54,59 @@ class RotaryTable:
                     cos, sin = cos * self.scale, sin * self.scale
                 table = self._table = (cos.to(dtype=dtype, device=device), sin.to(dtype=dtype, device=device))
         return table[0][start:end], table[1][start:end]
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D] whose dims are rotated in interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's `rope_interleave`),
+    cos/sin [T, D] as the tables hold them (the angles twice) -> [B, H, T, D] with the rotated pairs written as
+    [evens | odds], as transformers writes them: q and k get the same layout, so their dot products are unchanged."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[..., :half], sin[..., :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context extended `scale` times: 0.1 * mscale * ln(scale) + 1 (1 when scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_inv_freq(dim: int, theta: float, factor: float, original_max_position_embeddings: int, beta_fast: float = 32,
+                  beta_slow: float = 1, truncate: bool = True) -> torch.Tensor:
+    """YaRN inverse frequencies [dim // 2] (fp32, CPU): the low frequencies interpolated by `factor`, the high ones
+    kept, a linear ramp between the dims that turn `beta_fast` and `beta_slow` times over the original context."""
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    pos_freqs = theta ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # 1: keep the original frequency, 0: interpolate
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def rotary_table(params: dict, head_dim: int, max_position_embeddings: int) -> RotaryTable:
+    """The rotary table of a config's RoPE parameters (`rope_type` "default" or "yarn", `rope_theta`,
+    `partial_rotary_factor`, YaRN's `factor`, `mscale`, `mscale_all_dim`, ...) over the first
+    head_dim * partial_rotary_factor dims; YaRN's cos/sin are multiplied by its attention factor."""
+    dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    theta = params["rope_theta"]
+    if params.get("rope_type", "default") == "default":
+        return RotaryTable(rope_inv_freq(dim, theta))
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or max_position_embeddings / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+    inv_freq = yarn_inv_freq(dim, theta, factor, original, params.get("beta_fast") or 32, params.get("beta_slow") or 1,
+                             params.get("truncate", True))
+    return RotaryTable(inv_freq, float(attention_factor))

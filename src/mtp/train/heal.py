@@ -1,4 +1,5 @@
-"""`mtp heal`: give a fine-tuned checkpoint that lost its MTP tensors (`mtp.*` in Qwen3.5) its base model's MTP back.
+"""`mtp heal`: give a fine-tuned checkpoint that lost its MTP tensors (`mtp.*` in Qwen3.5; each family names its own)
+its base model's MTP back.
 
 Grafting works on the tensor files: the fine-tune's safetensors are copied byte for byte (so extra tensors
 such as `model.visual.*` survive) and renamed as shards of a normal sharded checkpoint, and the base's
@@ -22,7 +23,9 @@ from safetensors.torch import save_file
 from ..io.files import INDEX, atomic_write, atomic_write_text, read_tensors, weight_files
 from ..io.safetensors_mmap import CheckpointError, SafetensorsFile
 from ..model import config_from_json, load_model
+from ..model.checkpoint import checkpoint_config, keeps_fp32
 from ..model.families import model_class_for
+from ..model.moe import Stack
 
 
 def _with_mtp_of(config, base):
@@ -49,25 +52,27 @@ def graft(base: Path, finetuned: Path, out: Path) -> list[str]:
         raise CheckpointError(f"--base {base} ({type(bcfg).__name__}) and --finetuned {finetuned} "
                               f"({type(fcfg).__name__}) are different model families")
     bkeys, fkeys = read_tensors(base), read_tensors(finetuned)
-    mtp_keys = sorted(k for k in bkeys if cls.is_mtp_tensor(k))
+    mtp_keys = sorted(k for k in bkeys if cls.is_mtp_tensor(k, bcfg))
     if not mtp_keys:
         raise CheckpointError(f"--base {base}: holds no MTP tensors, nothing to graft")
-    if any(cls.is_mtp_tensor(k) for k in fkeys):
+    if any(cls.is_mtp_tensor(k, fcfg) for k in fkeys):
         raise CheckpointError(f"--finetuned {finetuned}: already holds MTP tensors; nothing to heal")
     # what the fine-tune's architecture expects of the MTP, with the base's MTP settings (our names)
-    fcfg = _with_mtp_of(fcfg, bcfg)
+    fcfg = checkpoint_config(cls, _with_mtp_of(fcfg, bcfg), list(bkeys))
     with torch.device("meta"):
         want = {k: tuple(v.shape) for k, v in cls(fcfg).state_dict().items() if k.startswith("mtp.")}
-    have = {cls.internal_name(k): k for k in mtp_keys}
-    missing = sorted(cls.checkpoint_name(k) for k in set(want) - set(have))
-    extra = sorted(have[k] for k in set(have) - set(want))
+    shape = lambda key: bkeys[key][0].shape(key)  # noqa: E731
+    have, _ = cls.checkpoint_sources(mtp_keys, shape, fcfg)  # our name -> base tensor (or per-expert tensors)
+    missing = sorted(cls.checkpoint_name(k, fcfg) for k in set(want) - set(have))
+    extra = sorted(_first_tensor(have[k]) for k in set(have) - set(want))
     if missing or extra:
         raise CheckpointError(f"--base {base}: MTP tensors do not match the fine-tune's architecture "
                               f"(missing {missing[:3]}, unexpected {extra[:3]})")
-    for ours, k in have.items():
-        st, key = bkeys[k]
-        if st.shape(key) != want[ours]:
-            raise CheckpointError(f"--base {st.path.name}: tensor '{k}' has shape {list(st.shape(key))}, the fine-tune "
+    for ours, src in have.items():
+        k = _first_tensor(src)
+        got = _source_shape(src, shape)
+        if got != want[ours]:
+            raise CheckpointError(f"--base {bkeys[k][0].path.name}: tensor '{k}' gives shape {list(got)}, the fine-tune "
                                   f"({finetuned}) needs {list(want[ours])}: base and fine-tune differ in size")
     ref_key = next((k for k in fkeys if k.endswith("embed_tokens.weight")), next(iter(fkeys)))
     dtype = fkeys[ref_key][0].dtype(fkeys[ref_key][1])
@@ -90,7 +95,7 @@ def graft(base: Path, finetuned: Path, out: Path) -> list[str]:
                 weight_map[k] = name
                 total += st.nbytes(k)
     mtp_name = f"model-{n:05d}-of-{n:05d}.safetensors"
-    tensors = {k: bkeys.tensor(k).to(dtype).contiguous() for k in mtp_keys}
+    tensors = {k: bkeys.tensor(k).to(torch.float32 if keeps_fp32(cls, k) else dtype).contiguous() for k in mtp_keys}
     atomic_write(out / mtp_name, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     for k, t in tensors.items():
         weight_map[k] = mtp_name
@@ -103,16 +108,28 @@ def graft(base: Path, finetuned: Path, out: Path) -> list[str]:
     return mtp_keys
 
 
+def _first_tensor(source: str | Stack) -> str:
+    return source if isinstance(source, str) else source.parts[0][0]
+
+
+def _source_shape(source: str | Stack, shape) -> tuple[int, ...]:
+    """The shape a checkpoint source loads as: one tensor's, or the experts' stacked [E, rows, ...]."""
+    if isinstance(source, str):
+        return tuple(shape(source))
+    first = [tuple(shape(k)) for k in source.parts[0]]
+    return (len(source.parts), sum(s[0] for s in first), *first[0][1:])
+
+
 def _rewrite_mtp_shard(out: Path, model) -> None:
     index = json.loads((out / INDEX).read_text())
-    names = {v for k, v in index["weight_map"].items() if model.is_mtp_tensor(k)}
+    names = {v for k, v in index["weight_map"].items() if model.is_mtp_tensor(k, model.config)}
     if len(names) != 1:
         raise CheckpointError(f"{out}: MTP tensors are spread over {len(names)} files; expected one")
     shard = out / names.pop()
     with SafetensorsFile(shard) as st:
         dtype = st.dtype(st.keys()[0])
-    state = {model.checkpoint_name(k): v.detach().to(dtype).contiguous()
-             for k, v in model.state_dict().items() if k.startswith("mtp.")}
+    state = {k: v.detach().to(torch.float32 if keeps_fp32(type(model), k) else dtype).contiguous()
+             for k, v in model.checkpoint_state().items() if model.is_mtp_tensor(k, model.config)}
     atomic_write(shard, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
 
 

@@ -1,0 +1,194 @@
+"""DeepSeek-V3/R1: MLA + DeepSeekMoE backbone and its MTP layers, under the checkpoint's names; the base class it
+shares with GLM-4.5/4.6/4.7 (`glm4_moe.py`), which differs only in its attention.
+
+Backbone `model.embed_tokens`, `model.layers.{i}` (`self_attn`, `mlp`: SwiGLU before layer `first_k_dense_replace`,
+DeepSeekMoE from it on, two plain RMSNorms), `model.norm`, `lm_head`. MTP layer i is stored as
+`model.layers.{num_hidden_layers + i}` and held as `mtp.layers.{i}` (so `mtp.*` is the MTP module, as in every
+family). Depth d at position i (docs/families.md, "DeepSeek-V3/R1 and GLM-4.5/4.6/4.7"):
+    x = eh_proj(cat[enorm(embed(t_{i+d})), hnorm(h^{d-1}_i)])        embedding first
+    h^d_i = shared_head.norm(decoder_layer(x))                        -> logits of t_{i+d+1} = shared_head.head(h^d_i)
+h^0 is the backbone's hidden state after its final norm; the MTP layer's own `embed_tokens` / `shared_head.head`
+are used when the checkpoint holds them, the backbone's otherwise (GLM-4.6). The embedding at position 0 is not
+zeroed (docs/families.md). The MTP layer's MLP is DeepSeekMoE (its index is past `first_k_dense_replace`).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import torch
+from torch import nn
+
+from ..config import DeepseekV3Config, NextNMoeConfig
+from ..io.safetensors_mmap import CheckpointError
+from .base import CausalLM
+from .cache import Positions
+from .layer import MLP, DecoderLayer
+from .mla import MLAttention
+from .moe import DeepseekMoE, group_experts, split_experts
+from .nextn import Backbone, NextNLayer, NextNMTP, normal_init
+from .norm import PlainRMSNorm
+from .rope import RotaryTable, rotary_table
+
+LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+
+
+class NextNMoeForCausalLM(CausalLM):
+    """What DeepSeek-V3 and GLM-4.5 share: the backbone but its attention, the MoE, the MTP layers stored after the
+    backbone's, names, init. A subclass supplies `attention(config)` and `rotary_head_dim(config)`.
+
+    Checkpoints hold the routed experts per expert (as transformers writes them) or fused, per layer; they are read
+    into the fused form and written back as read. The router's `weight` and `e_score_correction_bias` stay fp32 (as
+    transformers keeps them)."""
+
+    config_class: type[NextNMoeConfig] = NextNMoeConfig
+    fp32_parameters = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+    keep_precision = ("eh_proj",)  # the MTP input projection stays unquantised (`base.prepare_for_inference`)
+
+    @staticmethod
+    def attention(config: NextNMoeConfig) -> nn.Module:
+        raise NotImplementedError
+
+    @staticmethod
+    def rotary_head_dim(config: NextNMoeConfig) -> int:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ checkpoint names
+    @staticmethod
+    def internal_name(name: str, config: NextNMoeConfig) -> str | None:
+        """Checkpoint tensor name -> our parameter name: MTP layer `model.layers.{L + i}.*` -> `mtp.layers.{i}.*`."""
+        m = LAYER.match(name)
+        if m is not None and int(m[1]) >= config.num_hidden_layers:
+            return f"mtp.layers.{int(m[1]) - config.num_hidden_layers}.{m[2]}"
+        return name
+
+    @staticmethod
+    def checkpoint_name(name: str, config: NextNMoeConfig) -> str:
+        """Our parameter name -> the checkpoint's."""
+        m = MTP.match(name)
+        return name if m is None else f"model.layers.{config.num_hidden_layers + int(m[1])}.{m[2]}"
+
+    @staticmethod
+    def is_mtp_tensor(name: str, config: NextNMoeConfig) -> bool:
+        """Is this (checkpoint) tensor part of an MTP layer?"""
+        m = LAYER.match(name)
+        return m is not None and int(m[1]) >= config.num_hidden_layers
+
+    @staticmethod
+    def mtp_tensor_pattern(config: NextNMoeConfig) -> str:
+        """Where the checkpoint keeps its MTP tensors (for messages)."""
+        return f"model.layers.{config.num_hidden_layers}.* (one per num_nextn_predict_layers)"
+
+    @staticmethod
+    def _mtp_layers(names: list[str], config: NextNMoeConfig) -> dict[int, set[str]]:
+        """{MTP layer i: the names of its tensors inside the layer} among checkpoint names."""
+        out: dict[int, set[str]] = {}
+        for name in names:
+            m = LAYER.match(name)
+            if m is not None and int(m[1]) >= config.num_hidden_layers:
+                out.setdefault(int(m[1]) - config.num_hidden_layers, set()).add(m[2])
+        return out
+
+    @classmethod
+    def checkpoint_config(cls, config: NextNMoeConfig, names: list[str]) -> NextNMoeConfig:
+        """The config with what only the tensor names say: whether the MTP layers hold their own `embed_tokens` and
+        `shared_head.head` (GLM-4.6 has neither). Unchanged when the checkpoint holds no MTP layer."""
+        layers = cls._mtp_layers(names, config)
+        if not layers:
+            return config
+        c = copy.deepcopy(config)
+        c.mtp_embed_tokens = any("embed_tokens.weight" in inner for inner in layers.values())
+        c.mtp_shared_head = any("shared_head.head.weight" in inner for inner in layers.values())
+        return c
+
+    @classmethod
+    def checkpoint_sources(cls, names: list[str], shape, config: NextNMoeConfig) -> tuple[dict, dict]:
+        """Our parameter -> checkpoint name (or `moe.Stack` of per-expert tensors), and the expert layouts read. An
+        MTP layer count that disagrees with `num_nextn_predict_layers` is an error naming both."""
+        found = sorted(cls._mtp_layers(names, config))
+        n = config.num_nextn_predict_layers
+        if found and found != list(range(n)):
+            layers = ", ".join(f"model.layers.{config.num_hidden_layers + i}.*" for i in found)
+            raise CheckpointError(f"config key 'num_nextn_predict_layers' is {n} but the checkpoint holds MTP layer "
+                                  f"tensors {layers} ({len(found)} layer(s) after num_hidden_layers = "
+                                  f"{config.num_hidden_layers})")
+        sources = {ours: name for name in names if (ours := cls.internal_name(name, config)) is not None}
+        return group_experts(sources, shape, config.n_routed_experts, config.moe_intermediate_size,
+                             experts_key="n_routed_experts")
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """The tensors to save under the checkpoint's names, experts in the layout they were read in (new models:
+        per expert, as transformers writes them)."""
+        state = self.state_dict()
+        if self.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        state = split_experts(state, self.checkpoint_layout)
+        return {self.checkpoint_name(k, self.config): v for k, v in state.items()}
+
+    # ------------------------------------------------------------------ modules
+    def __init__(self, config: NextNMoeConfig, with_mtp: bool | None = None):
+        super().__init__()
+        self.config = c = config
+        layers = [DecoderLayer("self_attn", self.attention(c), self.feed_forward(i), self.norm_factory())
+                  for i in range(c.num_hidden_layers)]
+        self.model = Backbone(nn.Embedding(c.vocab_size, c.hidden_size), layers, PlainRMSNorm(c.hidden_size, c.rms_norm_eps))
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        if with_mtp is None:
+            with_mtp = c.num_nextn_predict_layers > 0
+        self.mtp = self.new_mtp_module() if with_mtp and c.num_nextn_predict_layers > 0 else None
+        self.rotary: RotaryTable = rotary_table(c.rope(), self.rotary_head_dim(c), c.max_position_embeddings)
+
+    def norm_factory(self):
+        c = self.config
+        return lambda: PlainRMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def feed_forward(self, i: int) -> nn.Module:
+        """Layer i's MLP (MTP layers continue the numbering): SwiGLU, or DeepSeekMoE from `first_k_dense_replace` on."""
+        c = self.config
+        if not c.is_moe_layer(i):
+            return MLP(c.hidden_size, c.intermediate_size)
+        return DeepseekMoE(c.hidden_size, c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+                           c.n_shared_experts, c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
+
+    def new_mtp_module(self) -> NextNMTP:
+        """A fresh MTP module for this config (training heads onto a checkpoint that has none)."""
+        c = self.config
+        return NextNMTP([NextNLayer(self.attention(c), self.feed_forward(c.num_hidden_layers + i), self.norm_factory(),
+                                    c.hidden_size, c.vocab_size, c.mtp_embed_tokens, c.mtp_shared_head)
+                         for i in range(c.num_nextn_predict_layers)])
+
+    def positions(self, start: int, length: int) -> Positions:
+        cos, sin = self.rotary(start, length, self.dtype, self.device)
+        return Positions(start, length, cos, sin)
+
+    @torch.no_grad()
+    def init_weights(self, std: float | None = None, modules: nn.Module | None = None) -> None:
+        """Initialise for training from scratch (all of the model, or only `modules`) as transformers does
+        (`nextn.normal_init`). MTP layers with their own embedding / head start as copies of the backbone's
+        (DeepSeek-V3 trains them shared)."""
+        scope = modules or self
+        normal_init(scope, self.config.initializer_range if std is None else std)
+        inside = set(scope.modules())
+        for layer in self.mtp.layers if self.mtp is not None else []:
+            if getattr(layer, "embed_tokens", None) in inside:
+                layer.embed_tokens.weight.copy_(self.model.embed_tokens.weight)
+            if layer.head is not None and layer.head in inside:
+                layer.head.weight.copy_(self.lm_head.weight)
+
+
+class DeepseekV3ForCausalLM(NextNMoeForCausalLM):
+    """DeepSeek-V3/R1 (`deepseek_v3`): multi-head latent attention (`mla.py`) with YaRN RoPE on its rope part."""
+
+    config_class = DeepseekV3Config
+
+    @staticmethod
+    def attention(config: DeepseekV3Config) -> nn.Module:
+        return MLAttention(config)
+
+    @staticmethod
+    def rotary_head_dim(config: DeepseekV3Config) -> int:
+        return config.qk_rope_head_dim

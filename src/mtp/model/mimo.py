@@ -1,0 +1,143 @@
+"""MiMo-7B (`mimo`, `MiMoForCausalLM`): a Qwen2 backbone and its MTP layers, under the checkpoint's names.
+
+Backbone (Qwen2): `model.embed_tokens`, `model.layers.{i}` (`self_attn` with q/k/v bias and no o bias, full
+rotate-half RoPE; SwiGLU `mlp`; plain RMSNorms), `model.norm`, `lm_head`. MTP layer i is stored as
+`model.mtp_layers.{i}` and held as `mtp.layers.{i}`: `token_layernorm`, `hidden_layernorm`, `input_proj` [H, 2H],
+a Qwen2 decoder layer's modules, `final_layernorm`. Depth d at position i (docs/families.md, "MiMo-7B"):
+    x = input_proj(cat[hidden_layernorm(h^{d-1}_i), token_layernorm(embed(t_{i+d}))])      hidden FIRST
+    h^d_i = final_layernorm(decoder_layer(x))       -> logits of t_{i+d+1} = lm_head(h^d_i), the shared head
+h^0 is the backbone's hidden state BEFORE its final norm: for this family `hidden()` returns the last layer's output
+and `head(h)` applies `model.norm` then `lm_head`.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from ..config import MiMoConfig
+from ..io.safetensors_mmap import CheckpointError
+from .base import CausalLM
+from .cache import Positions
+from .gqa import GroupedQueryAttention
+from .layer import MLP, DecoderLayer
+from .nextn import Backbone, NextNMTP, normal_init
+from .norm import PlainRMSNorm
+from .rope import RotaryTable, rotary_table
+
+CKPT_MTP = re.compile(r"^model\.mtp_layers\.(\d+)\.(.+)$")
+MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+
+
+def qwen2_layer(config: MiMoConfig) -> tuple[nn.Module, nn.Module]:
+    """A Qwen2 decoder layer's attention and MLP."""
+    c = config
+    return (GroupedQueryAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, qkv_bias=True),
+            MLP(c.hidden_size, c.intermediate_size))
+
+
+class MiMoMTPLayer(DecoderLayer):
+    """One MiMo MTP layer: a Qwen2 decoder layer plus `token_layernorm`, `hidden_layernorm`, `input_proj` and
+    `final_layernorm` (see the module docstring for the equations)."""
+
+    head = None  # the backbone's lm_head serves every depth
+
+    def __init__(self, config: MiMoConfig):
+        c = config
+        norm = lambda: PlainRMSNorm(c.hidden_size, c.rms_norm_eps)  # noqa: E731
+        super().__init__("self_attn", *qwen2_layer(c), norm)
+        self.token_layernorm = norm()
+        self.hidden_layernorm = norm()
+        self.input_proj = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
+        self.final_layernorm = norm()
+
+    def combine(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return self.input_proj(torch.cat([self.hidden_layernorm(hidden), self.token_layernorm(emb)], dim=-1))
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        return self.final_layernorm(x)
+
+
+class MiMoForCausalLM(CausalLM):
+    """Qwen2 backbone + output head + MiMo's MTP layers (`mtp`, None when the checkpoint has no usable MTP)."""
+
+    config_class = MiMoConfig
+    keep_precision = ("input_proj",)  # the MTP input projection stays unquantised (`base.prepare_for_inference`)
+
+    @staticmethod
+    def internal_name(name: str, config: MiMoConfig | None = None) -> str | None:
+        """Checkpoint tensor name -> our parameter name: `model.mtp_layers.{i}.*` -> `mtp.layers.{i}.*`."""
+        m = CKPT_MTP.match(name)
+        return name if m is None else f"mtp.layers.{m[1]}.{m[2]}"
+
+    @staticmethod
+    def checkpoint_name(name: str, config: MiMoConfig | None = None) -> str:
+        """Our parameter name -> the checkpoint's."""
+        m = MTP.match(name)
+        return name if m is None else f"model.mtp_layers.{m[1]}.{m[2]}"
+
+    @staticmethod
+    def is_mtp_tensor(name: str, config: MiMoConfig | None = None) -> bool:
+        """Is this (checkpoint) tensor part of an MTP layer?"""
+        return CKPT_MTP.match(name) is not None
+
+    @staticmethod
+    def mtp_tensor_pattern(config: MiMoConfig) -> str:
+        """Where the checkpoint keeps its MTP tensors (for messages)."""
+        return "model.mtp_layers.*"
+
+    @classmethod
+    def checkpoint_sources(cls, names: list[str], shape, config: MiMoConfig) -> tuple[dict, dict]:
+        """Our parameter -> checkpoint name. An MTP layer count that disagrees with `num_nextn_predict_layers` is an
+        error naming both."""
+        found = sorted({int(m[1]) for name in names if (m := CKPT_MTP.match(name))})
+        n = config.num_nextn_predict_layers
+        if found and found != list(range(n)):
+            raise CheckpointError(f"config key 'num_nextn_predict_layers' is {n} but the checkpoint holds MTP layer "
+                                  f"tensors {', '.join(f'model.mtp_layers.{i}.*' for i in found)}")
+        return {cls.internal_name(name, config): name for name in names}, {}
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """The tensors to save, under the checkpoint's names."""
+        state = self.state_dict()
+        if self.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        return {self.checkpoint_name(k, self.config): v for k, v in state.items()}
+
+    def __init__(self, config: MiMoConfig, with_mtp: bool | None = None):
+        super().__init__()
+        self.config = c = config
+        norm = lambda: PlainRMSNorm(c.hidden_size, c.rms_norm_eps)  # noqa: E731
+        layers = [DecoderLayer("self_attn", *qwen2_layer(c), norm) for _ in range(c.num_hidden_layers)]
+        self.model = Backbone(nn.Embedding(c.vocab_size, c.hidden_size), layers, norm())
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        if with_mtp is None:
+            with_mtp = c.num_nextn_predict_layers > 0
+        self.mtp = self.new_mtp_module() if with_mtp and c.num_nextn_predict_layers > 0 else None
+        self.rotary: RotaryTable = rotary_table(c.rope(), c.head_dim, c.max_position_embeddings)
+
+    def new_mtp_module(self) -> NextNMTP:
+        """A fresh MTP module for this config (training heads onto a checkpoint that has none)."""
+        return NextNMTP([MiMoMTPLayer(self.config) for _ in range(self.config.num_nextn_predict_layers)])
+
+    def positions(self, start: int, length: int) -> Positions:
+        cos, sin = self.rotary(start, length, self.dtype, self.device)
+        return Positions(start, length, cos, sin)
+
+    def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """MiMo's MTP reads the last layer's output before the final norm: `hidden()` returns it as is."""
+        return x
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Pre-norm backbone hidden [..., H] -> logits [..., V]: the final norm, then lm_head."""
+        return self.lm_head(self.model.norm(hidden))
+
+    @torch.no_grad()
+    def init_weights(self, std: float | None = None, modules: nn.Module | None = None) -> None:
+        """Initialise for training from scratch (all of the model, or only `modules`) as transformers does
+        (`nextn.normal_init`)."""
+        normal_init(modules or self, self.config.initializer_range if std is None else std)
