@@ -115,14 +115,14 @@ class CausalLM(nn.Module):
     def checkpoint_sources(cls, names: list[str], shape, config) -> tuple[dict, dict]:
         """Checkpoint tensor names -> ({our parameter: checkpoint name | moe.Stack}, the layout read). `shape(name)`
         gives a checkpoint tensor's shape. The default renames one to one (`internal_name`)."""
-        return {ours: n for n in names if (ours := cls.internal_name(n)) is not None}, {}
+        return {ours: n for n in names if (ours := cls.internal_name(n, config)) is not None}, {}
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
         """The tensors `save_model` writes, under the checkpoint's names, in the layout the model was read in."""
         state = self.state_dict()
         if getattr(self.config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)  # a tied head is not written, as transformers does
-        return {self.checkpoint_name(k): v for k, v in state.items()}
+        return {self.checkpoint_name(k, self.config): v for k, v in state.items()}
 
     # ------------------------------------------------------------------ basics
     @property

@@ -200,7 +200,7 @@ class Qwen35MoeForCausalLM(Qwen35ForCausalLM):
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
         state = super().checkpoint_state()
-        return split_experts(state, {self.checkpoint_name(k): v for k, v in self.checkpoint_layout.items()})
+        return split_experts(state, {self.checkpoint_name(k, self.config): v for k, v in self.checkpoint_layout.items()})
 
     def router_aux_loss(self, router_logits: list) -> torch.Tensor | None:
         """router_aux_loss_coef x the load-balancing loss (as transformers computes it) over the collected layers."""
