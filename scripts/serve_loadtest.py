@@ -1,19 +1,35 @@
-"""Bounded load test for a running `mtp serve`: C concurrent clients x R requests each, through the
-official `openai` client (no retries, so every failure counts), cycling through completions and chat,
-streaming and not. Prints requests/s and latency percentiles; exits 1 if any request failed or the
-server is not healthy (and idle) afterwards.
+"""Bounded load test for `mtp serve`, two ways.
+
+Against a running server: C concurrent clients x R requests each, through the official `openai` client
+(no retries, so every failure counts), cycling through completions and chat, streaming and not. Prints
+requests/s and latency percentiles; exits 1 if any request failed or the server is not healthy (and idle)
+afterwards.
 
     mtp serve --model models/code-small --port 8000 &
     python scripts/serve_loadtest.py --base-url http://127.0.0.1:8000/v1 --clients 8 --requests 20
+
+A throughput table: with --model, one `mtp serve` per mode (off = plain decoding, on = 3 drafts, auto, or a
+number of drafts) on a free loopback port; at each concurrency level, that many clients send greedy
+completions of the shipped code prompts. Prints a Markdown table (total new tokens/s, latency p50/p95) and,
+per mode, C concurrent clients against the same C requests sent one after another. Exits 1 on any failed
+request. (--concurrency without --model: the same table for the server at --base-url.)
+
+    python scripts/serve_loadtest.py --model models/code-small --concurrency 1,2,4,8,16 --modes off,on,auto \
+        --max-tokens 96 --requests-per-client 2 --json loadtest.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -82,17 +98,246 @@ def run(base_url: str, api_key: str, clients: int, requests: int, max_tokens: in
             "health_after": health}
 
 
+# ---- the throughput table ------------------------------------------------------------------------------
+MODES = {"off": "0", "on": "3", "auto": "auto"}  # mode -> the server's --draft-tokens (a number 0..8 is itself)
+COMPARE_AT = 8  # "8 concurrent clients" vs "the same 8 requests one after another" (the largest level if 8 is not run)
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def code_prompts(path: str | None) -> list[str]:
+    """The code prompts ("kind": "code") of a bench prompt file (default: the shipped set)."""
+    from mtp.bench.prompts import load_prompts
+
+    prompts = [p.text for p in load_prompts(path) if p.kind == "code"]
+    if not prompts:
+        raise SystemExit(f"no code prompts in {path or 'the shipped prompt set'}")
+    return prompts
+
+
+class Server:
+    """`python -m mtp.cli serve` on a free loopback port for one mode; its output goes to `log_path`."""
+
+    def __init__(self, model: str, draft_tokens: str, extra: list[str], log_path: Path, startup_timeout: float):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
+        cmd = [sys.executable, "-m", "mtp.cli", "serve", "--model", model, "--port", str(self.port),
+               "--draft-tokens", draft_tokens, "--log-level", "warning", *extra]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"mtp serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url.removesuffix("/v1") + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"mtp serve did not answer /health in {startup_timeout}s:\n{self.log_tail()}")
+            time.sleep(0.2)
+
+    def log_tail(self, lines: int = 20) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=15)
+        self._log.close()
+
+
+def completion(client: openai.OpenAI, model: str, prompt: str, max_tokens: int) -> int:
+    """One greedy completion; returns its completion tokens."""
+    return client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0).usage.completion_tokens
+
+
+def level(base_url: str, api_key: str, model: str, prompts: list[str], clients: int, per_client: int, max_tokens: int,
+          sequential: bool = False) -> dict:
+    """`clients` clients x `per_client` requests (request i = r * clients + c sends prompt i mod len(prompts)), all at
+    once, or with `sequential` one after another in request order. Returns the row of figures."""
+    latencies: list[float] = []
+    failures: list[str] = []
+    tokens = [0]
+    lock = threading.Lock()
+
+    def send(client: openai.OpenAI, i: int) -> None:
+        t = time.perf_counter()
+        try:
+            n = completion(client, model, prompts[i % len(prompts)], max_tokens)
+        except Exception as e:  # a failed request is the measurement, not a crash of the load test
+            with lock:
+                failures.append(f"{type(e).__name__}: {e}")
+            return
+        with lock:
+            latencies.append(time.perf_counter() - t)
+            tokens[0] += n
+
+    def client_loop(c: int) -> None:
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
+        for r in range(per_client):
+            send(client, r * clients + c)
+
+    t0 = time.perf_counter()
+    if sequential:
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
+        for i in range(clients * per_client):
+            send(client, i)
+    else:
+        threads = [threading.Thread(target=client_loop, args=(c,)) for c in range(clients)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    wall = time.perf_counter() - t0
+    health = httpx.get(base_url.removesuffix("/v1") + "/health", timeout=10).json()
+    if health.get("status") != "ok" or health.get("active") != 0:
+        failures.append(f"server not healthy and idle after the level: {health}")
+    return {"concurrency": 1 if sequential else clients, "sequential": sequential, "requests": clients * per_client,
+            "ok": len(latencies), "failed": len(failures), "failures": failures[:5], "new_tokens": tokens[0],
+            "wall_s": round(wall, 3), "tokens_per_s": round(tokens[0] / wall, 2),
+            "latency_p50_s": round(percentile(latencies, 50), 4) if latencies else None,
+            "latency_p95_s": round(percentile(latencies, 95), 4) if latencies else None}
+
+
+def sweep(base_url: str, api_key: str, mode: str, prompts: list[str], levels: list[int], per_client: int,
+          max_tokens: int) -> tuple[list[dict], dict | None]:
+    """One server: a warm-up request, each concurrency level, then the sequential baseline. Returns (rows, baseline);
+    a failed warm-up is the only row (and no baseline)."""
+    model = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600).models.list().data[0].id
+    warm = level(base_url, api_key, model, prompts, 1, 1, max_tokens, sequential=True)  # first-call costs are not measured
+    if warm["failed"]:
+        return [{"mode": f"{mode} (warm-up)", **warm}], None
+    rows = []
+    for c in levels:
+        row = {"mode": mode, **level(base_url, api_key, model, prompts, c, per_client, max_tokens)}
+        print(f"  {mode}: {c} clients: {row['ok']}/{row['requests']} ok, {row['tokens_per_s']} tok/s", file=sys.stderr, flush=True)
+        rows.append(row)
+    compare = COMPARE_AT if COMPARE_AT in levels else max(levels)
+    baseline = {"mode": mode, **level(base_url, api_key, model, prompts, compare, 1, max_tokens, sequential=True)}
+    return rows, baseline
+
+
+def cell(value) -> str:
+    return "-" if value is None else str(value)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| mode | concurrency | requests | new tokens/s (total) | p50 latency (s) | p95 latency (s) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['mode']} | {r['concurrency']} | {r['requests']} | {r['tokens_per_s']} | "
+                     f"{cell(r['latency_p50_s'])} | {cell(r['latency_p95_s'])} |")
+    return "\n".join(lines)
+
+
+def comparison(rows: list[dict], baseline: dict) -> str:
+    """One line: C concurrent clients' total throughput against the same C requests one after another."""
+    c = baseline["requests"]
+    conc = next(r for r in rows if r["mode"] == baseline["mode"] and r["concurrency"] == c)
+    ratio = conc["tokens_per_s"] / baseline["tokens_per_s"] if baseline["tokens_per_s"] else float("nan")
+    return (f"- {baseline['mode']}: {c} concurrent clients {conc['tokens_per_s']} tok/s total vs the same {c} requests one "
+            f"after another {baseline['tokens_per_s']} tok/s ({ratio:.2f}x)")
+
+
+def parse_list(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def table_main(args) -> int:
+    """The throughput table (see the module docstring); 1 if any request failed."""
+    levels = sorted({int(c) for c in parse_list(args.concurrency or "1,2,4,8,16")})
+    if not levels or levels[0] < 1:
+        raise SystemExit("--concurrency: positive integers, e.g. 1,2,4,8")
+    per_client = args.requests or 2
+    prompts = code_prompts(args.prompts)
+    rows: list[dict] = []
+    baselines: list[dict | None] = []
+    if args.model:
+        modes = parse_list(args.modes)
+        for m in modes:
+            if m not in MODES and not (m.isdigit() and 0 <= int(m) <= 8):
+                raise SystemExit(f"--modes: each one of {', '.join(MODES)} or a number of drafts 0..8, got {m!r}")
+        extra = ["--max-concurrency", str(max(levels)), "--dtype", args.dtype, "--device", args.device]
+        if args.threads:
+            extra += ["--threads", str(args.threads)]
+        with tempfile.TemporaryDirectory(prefix="mtp-loadtest-") as tmp:
+            for m in modes:
+                print(f"mode {m}: starting mtp serve --draft-tokens {MODES.get(m, m)}", file=sys.stderr, flush=True)
+                try:
+                    server = Server(args.model, MODES.get(m, m), extra, Path(tmp) / f"serve-{m}.log", args.startup_timeout)
+                except RuntimeError as e:
+                    print(f"mode {m}: {e}", file=sys.stderr)
+                    return 1
+                try:
+                    r, b = sweep(server.url, "none", m, prompts, levels, per_client, args.max_tokens)
+                finally:
+                    server.stop()
+                rows += r
+                baselines.append(b)
+                if b is None or any(x["failed"] for x in [*r, b]):
+                    print(f"mode {m}: the server's log ends:\n{server.log_tail()}", file=sys.stderr)
+    else:
+        health = httpx.get(args.base_url.removesuffix("/v1") + "/health", timeout=10).json()
+        mode = f"draft_tokens={health.get('draft_tokens')}"
+        rows, b = sweep(args.base_url, args.api_key, mode, prompts, levels, per_client, args.max_tokens)
+        baselines.append(b)
+
+    print(f"max_tokens {args.max_tokens}, {per_client} request(s) per client, greedy, {len(prompts)} code prompts\n")
+    print(markdown_table(rows))
+    print()
+    baselines = [b for b in baselines if b is not None]
+    for b in baselines:
+        print(comparison(rows, b))
+    failed = [f for x in rows + baselines for f in x["failures"]]
+    for f in failed[:10]:
+        print("  failure:", f)
+    if args.json and args.json != "-":
+        Path(args.json).write_text(json.dumps({"max_tokens": args.max_tokens, "requests_per_client": per_client,
+                                               "rows": rows, "sequential": baselines}, indent=1))
+    elif args.json:
+        print(json.dumps({"rows": rows, "sequential": baselines}))
+    return 1 if any(x["failed"] for x in rows + baselines) else 0
+
+
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="a running server (without --model)")
     p.add_argument("--api-key", default="none", help="the server's --api-key, if it has one")
-    p.add_argument("--clients", type=int, default=8)
-    p.add_argument("--requests", type=int, default=20, help="requests per client")
+    p.add_argument("--clients", type=int, default=8, help="concurrent clients (against --base-url, without --concurrency)")
+    p.add_argument("--requests", "--requests-per-client", dest="requests", type=int, default=None,
+                   help="requests per client (default: 20 against --base-url; 2 per level for the table)")
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--prompt", default="def fibonacci(n):")
-    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    p.add_argument("--prompt", default="def fibonacci(n):", help="the prompt against --base-url (the table uses --prompts)")
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="OUT",
+                   help="--json alone: print the figures as JSON; --json OUT: also save the table's rows to OUT")
+    table = p.add_argument_group("the throughput table")
+    table.add_argument("--model", default=None, help="start `mtp serve --model MODEL` per mode (a folder or hub id)")
+    table.add_argument("--concurrency", default=None, help="concurrency levels, comma-separated (default 1,2,4,8,16)")
+    table.add_argument("--modes", default="off,on,auto", help="off (plain), on (3 drafts), auto, or a number of drafts")
+    table.add_argument("--prompts", default=None, help="bench prompt JSONL (default: the shipped set); its code prompts are sent")
+    table.add_argument("--threads", type=int, default=None, help="the servers' --threads")
+    table.add_argument("--dtype", default="auto", help="the servers' --dtype")
+    table.add_argument("--device", default="auto", help="the servers' --device")
+    table.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for a server to load its model")
     args = p.parse_args()
-    out = run(args.base_url, args.api_key, args.clients, args.requests, args.max_tokens, args.prompt)
+    if args.model or args.concurrency:
+        return table_main(args)
+    out = run(args.base_url, args.api_key, args.clients, args.requests or 20, args.max_tokens, args.prompt)
     if args.json:
         print(json.dumps(out))
     else:

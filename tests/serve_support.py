@@ -12,10 +12,11 @@ import time
 from pathlib import Path
 
 import httpx
+import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import mtp
-from conftest import tiny_model
+from conftest import pattern_batch, tiny_model
 
 EOS = "<|endoftext|>"
 CHAT_TEMPLATE = (
@@ -29,6 +30,7 @@ CORPUS = [
     "import torch\nx = torch.zeros(3)\n",
 ] * 4
 CONTEXT = 4096
+LETTERS = "abcdefgh"  # the alphabet `build_trained_model_dir` trains on
 
 
 def train_tokenizer(vocab_size: int = 300) -> Tokenizer:
@@ -53,6 +55,31 @@ def build_model_dir(path: Path, chat_template: bool, seed: int = 0) -> Path:
     if chat_template:
         config["chat_template"] = CHAT_TEMPLATE
     (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+def build_trained_model_dir(path: Path, steps: int = 100, seed: int = 0) -> Path:
+    """Like `build_model_dir` (no chat template), but the backbone and its MTP module were trained together for
+    `steps` steps (a few seconds) on `pattern_batch` motifs over the letters a..h: greedy continuations of such
+    text are repetitive and drafts are often, but not always, accepted."""
+    tok = train_tokenizer()
+    model = tiny_model(seed=seed, std=0.02, vocab_size=tok.get_vocab_size(), max_position_embeddings=CONTEXT,
+                       eos_token_id=tok.token_to_id(EOS)).train()
+    letters = torch.tensor([tok.token_to_id(c) for c in LETTERS])
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        ids = letters[pattern_batch(len(LETTERS), 8, 32, gen)]
+        h = model.hidden(ids)
+        loss = torch.nn.functional.cross_entropy(model.head(h[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+        hd = next(iter(model.mtp_hidden_states(ids, 1, hidden=h)))
+        loss = loss + torch.nn.functional.cross_entropy(model.mtp_head(hd[:, :-1], 1).flatten(0, 1), ids[:, 2:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    mtp.save_model(model.eval(), path)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}))
     return path
 
 

@@ -39,12 +39,15 @@ def exact_joint(model, params: SamplingParams) -> dict[tuple, float]:
     return out
 
 
-def chi2_pvalue(model, params: SamplingParams, k: int, draft_vocab=None) -> float:
+def chi2_pvalue(model, params: SamplingParams, k: int, draft_vocab=None, seeded: bool = True) -> float:
+    """Seeded runs sample by the Gumbel-max coupling, unseeded ones by Leviathan's rule (from torch's global RNG,
+    seeded here so the test itself is reproducible)."""
     counts = {}
+    torch.manual_seed(1234 + k)
     for i in range(N):
         r = mtp.generate(model, PROMPT, max_new_tokens=4, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                         repetition_penalty=params.repetition_penalty, seed=10_000 * k + i, draft_tokens=k,
-                         draft_vocab=draft_vocab)
+                         repetition_penalty=params.repetition_penalty, seed=10_000 * k + i if seeded else None,
+                         draft_tokens=k, draft_vocab=draft_vocab)
         key = tuple(r.tokens[:3])
         counts[key] = counts.get(key, 0) + 1
     exact = exact_joint(model, params)
@@ -64,19 +67,30 @@ def chi2_pvalue(model, params: SamplingParams, k: int, draft_vocab=None) -> floa
     return float(chisquare(obs, [e * scale for e in exp]).pvalue)
 
 
-@pytest.mark.parametrize("params, k", [
-    (SamplingParams(temperature=1.0), 2),
-    (SamplingParams(temperature=0.7, top_k=3), 3),
-    (SamplingParams(temperature=1.3, top_p=0.8, repetition_penalty=1.3), 2),
+@pytest.mark.parametrize("params, k, seeded", [
+    (SamplingParams(temperature=1.0), 2, False),
+    (SamplingParams(temperature=0.7, top_k=3), 3, False),
+    (SamplingParams(temperature=1.3, top_p=0.8, repetition_penalty=1.3), 2, False),
+    (SamplingParams(temperature=1.0), 2, True),
+    (SamplingParams(temperature=1.3, top_p=0.8, repetition_penalty=1.3), 3, True),
 ])
-def test_speculative_sampling_matches_the_target_distribution(model, params, k):
-    assert chi2_pvalue(model, params, k) > 1e-3
+def test_speculative_sampling_matches_the_target_distribution(model, params, k, seeded):
+    assert chi2_pvalue(model, params, k, seeded=seeded) > 1e-3
+
+
+def test_a_seed_fixes_the_sample_whatever_k(model):
+    """Seeded sampling (Gumbel-max, noise fixed per position) gives the same tokens for plain decoding and every k."""
+    for seed in range(5):
+        kw = dict(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=seed)
+        want = mtp.generate(model, PROMPT, **kw).tokens
+        for k in (1, 2, 4, "auto"):
+            assert mtp.generate(model, PROMPT, draft_tokens=k, **kw).tokens == want, (seed, k)
 
 
 def test_reduced_vocabulary_drafting_keeps_the_target_distribution(model):
     """Drafts over 2 of the 4 tokens: q is the MTP's law restricted to them, and the output law is still p's."""
     vocab = DraftVocab([1, 2], model.config.vocab_size)
-    assert chi2_pvalue(model, SamplingParams(temperature=1.0), 2, vocab) > 1e-3
+    assert chi2_pvalue(model, SamplingParams(temperature=1.0), 2, vocab, seeded=False) > 1e-3
 
 
 def test_the_test_detects_a_wrong_acceptance_rule(model, monkeypatch):
@@ -89,4 +103,4 @@ def test_the_test_detects_a_wrong_acceptance_rule(model, monkeypatch):
         return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=generator))
 
     monkeypatch.setattr(speculative, "accept_sampling", accept_without_residual)
-    assert chi2_pvalue(model, SamplingParams(temperature=1.0), 2) < 1e-3
+    assert chi2_pvalue(model, SamplingParams(temperature=1.0), 2, seeded=False) < 1e-3

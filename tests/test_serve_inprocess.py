@@ -9,7 +9,6 @@ import httpx
 import pytest
 
 import mtp
-from mtp.decode import GenerationStream
 from mtp.serve.app import create_app
 from mtp.serve.engine import Engine
 from serve_support import build_model_dir
@@ -46,22 +45,18 @@ def test_chat_without_template_uses_the_plain_fallback(engine):
 
 
 def test_a_generation_that_fails_midway_is_reported_and_frees_its_slot(engine, monkeypatch):
-    import mtp.serve.engine as engine_module
+    from mtp.decode.batch import BatchDecoder
 
-    real_stream = engine_module.decode_stream
+    real_step = BatchDecoder.step
 
-    def failing_stream(model, prompt_ids, **kw):
-        session = real_stream(model, prompt_ids, **kw).session
-
-        def steps():
-            session.emit([1])
-            yield [1]
+    def failing_step(self):
+        if any(s.decoding and s.session.new_tokens for s in self.rows):  # after the first token
             raise RuntimeError("simulated failure")
-        return GenerationStream(session, steps())
+        return real_step(self)
 
     app = create_app(engine, "plain")
     body = {"model": "plain", "prompt": "Hello", "max_tokens": 5, "temperature": 0}
-    monkeypatch.setattr(engine_module, "decode_stream", failing_stream)
+    monkeypatch.setattr(BatchDecoder, "step", failing_step)
     r = post(app, "/v1/completions", body)
     assert r.status_code == 500 and "simulated failure" in r.json()["error"]["message"]
     r = post(app, "/v1/completions", {**body, "stream": True})

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import torch
 
 from .draft_vocab import DraftVocab
+from .prefill import prefill
 from .sampling import SamplingParams
 from .session import GenerationResult, Session
 from .speculative import speculative_decode
@@ -21,14 +22,16 @@ def plain_decode(session: Session) -> Iterator[list[int]]:
     dev = model.device
     t0 = time.perf_counter()
     cache = model.new_cache(1, len(session.tokens) + session.max_new + 1)
-    logits = model(torch.tensor([session.tokens], device=dev), cache)[0, -1]
+    logits = model.head(prefill(model, session.tokens, cache)[0, -1])
     stats.prefill_forwards += 1
     stats.time_prefill = time.perf_counter() - t0
     step = torch.empty(1, 1, dtype=torch.long, device=dev)
+    kind = "prefill"
     while True:
         t = time.perf_counter()
         tok = session.choose(logits)
-        out = session.emit([tok])
+        out = session.emit([tok], [kind])
+        kind = "plain"
         stats.time_other += time.perf_counter() - t
         if out:
             yield out

@@ -103,3 +103,97 @@ class DraftPolicy:
             else:
                 self.t_first = ema(self.t_first, t_draft / k)
         self.t_verify[k + 1] = ema(self.t_verify.get(k + 1), t_verify)
+
+
+@dataclass
+class BatchDraftPolicy:
+    """The draft length for a batch of B sequences decoded together (continuous batching): one k per round (each
+    sequence drafts min(k, what it has left)), chosen to maximise tokens per second of the whole batch,
+        B * E(k) / t_round(B, k)
+    with E(k) from the acceptance pooled over the batch (exponential forgetting) and t_round the measured time of a
+    round at that batch size and k (EMA; unseen k interpolated from the ones seen at this B, or scaled from the nearest
+    B). Verifying B(k+1) tokens costs more per token as the batch grows, so k falls with B, down to 0 (MTP off) where
+    extra verified tokens stop paying. Every 8th round tries k+1 and every 8th (offset) k-1, to keep measuring."""
+
+    k_fixed: int | None  # None: auto; 0: MTP off
+    k_max: int = 6
+    forget: float = 0.97
+    offered: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+    times: dict[tuple[int, int], float] = field(default_factory=dict)  # (B, k) -> EMA seconds per round
+    k_last: int = 2
+    probe_every: int = 8
+    n: int = 0
+
+    @classmethod
+    def from_arg(cls, draft_tokens: int | str | None, limit: int) -> BatchDraftPolicy:
+        if draft_tokens in (None, 0):
+            return cls(0, k_max=0)
+        if draft_tokens == "auto":
+            return cls(None, k_max=min(6, limit))
+        return cls(DraftPolicy.from_arg(draft_tokens, limit).k_fixed, k_max=draft_tokens)
+
+    def acceptance(self, j: int) -> float:
+        if j <= len(self.offered) and self.offered[j - 1] > 0:
+            return (self.accepted[j - 1] + 1.4) / (self.offered[j - 1] + 2.0)  # a prior of 0.7 worth 2 rounds
+        return self.acceptance(j - 1) if j > 1 else 0.7
+
+    def round_time(self, batch: int, k: int) -> float | None:
+        """Estimated seconds of a round of `batch` sequences drafting k."""
+        if (batch, k) in self.times:
+            return self.times[(batch, k)]
+        seen = sorted((kk, t) for (b, kk), t in self.times.items() if b == batch)
+        if len(seen) >= 2:  # linear in k through the seen points (least squares)
+            n = len(seen)
+            mx, my = sum(x for x, _ in seen) / n, sum(y for _, y in seen) / n
+            var = sum((x - mx) ** 2 for x, _ in seen)
+            slope = max(0.0, sum((x - mx) * (y - my) for x, y in seen) / var)
+            return max(1e-9, my + slope * (k - mx))
+        if seen:
+            k0, t0 = seen[0]
+            return t0 * (1 + 0.15 * (k - k0))  # assume +15% per draft until a second k is seen at this batch size
+        if not self.times:
+            return None
+        b0 = min({b for b, _ in self.times}, key=lambda b: abs(b - batch))
+        t = self.round_time(b0, k)
+        return None if t is None else t * batch / b0
+
+    def next_k(self, batch: int) -> int:
+        """k for the next round of a batch of `batch` sequences."""
+        if self.k_fixed is not None:
+            return self.k_fixed
+        self.n += 1
+        best_k, best = self.k_last, -1.0
+        for k in range(0, self.k_max + 1):
+            t = self.round_time(batch, k)
+            if t is None:
+                break
+            expected, run = 1.0, 1.0
+            for j in range(1, k + 1):
+                run *= self.acceptance(j)
+                expected += run
+            if batch * expected / t > best:
+                best_k, best = k, batch * expected / t
+        self.k_last = best_k
+        if self.n % self.probe_every == 0 and best_k < self.k_max:
+            return best_k + 1
+        if self.n % self.probe_every == self.probe_every // 2 and best_k > 0:
+            return best_k - 1
+        return best_k
+
+    def update(self, batch: int, k: int, rows: list[tuple[int, int]], seconds: float) -> None:
+        """After a round of `batch` sequences with draft length k: rows = (drafts made, accepted) per sequence."""
+        depth = max((kk for kk, _ in rows), default=0)
+        while len(self.offered) < depth:
+            self.offered.append(0.0)
+            self.accepted.append(0.0)
+        for j in range(len(self.offered)):
+            self.offered[j] *= self.forget
+            self.accepted[j] *= self.forget
+        for kk, n in rows:
+            for j in range(min(kk, n + 1)):
+                self.offered[j] += 1
+            for j in range(n):
+                self.accepted[j] += 1
+        old = self.times.get((batch, k))
+        self.times[(batch, k)] = seconds if old is None else 0.8 * old + 0.2 * seconds

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,6 +17,12 @@ class GenerationResult:
     text: str | None  # decoded new tokens, cut before a stop string (None without a tokenizer)
     finish_reason: str  # "eos", "stop" (a stop string) or "length" (max new tokens / context)
     stats: GenerationStats
+    kinds: list[str] = field(default_factory=list)  # per new token, where it came from (see TOKEN_KINDS)
+
+
+# Where a new token came from: the prefill forward's token, a plain decoding step, an accepted MTP draft, the
+# backbone's own token at the first rejected draft, or the backbone's token after all k drafts were accepted.
+TOKEN_KINDS = ("prefill", "plain", "draft", "correction", "bonus")
 
 
 class Session:
@@ -36,6 +42,7 @@ class Session:
         self.model = model
         self.prompt_len = len(prompt)
         self.tokens = list(prompt)
+        self.kinds: list[str] = []  # parallel to new_tokens: each one's kind (TOKEN_KINDS)
         self.max_new = min(max_new_tokens, limit - len(prompt))
         self.params = params
         self.eos = set(model.eos_token_ids if eos_token_ids is None else eos_token_ids)
@@ -45,9 +52,11 @@ class Session:
         self.finish_reason = "length"
         self.text: str | None = None
         self.stats = GenerationStats(prompt_tokens=len(prompt))
+        # Unseeded sampling draws from this generator (None: torch's global one) with the Leviathan acceptance rule.
+        # A seeded request samples by the Gumbel-max trick with noise fixed per (seed, position) instead: the token
+        # at each position is then a function of the seed alone, identical for plain decoding, any k and any batch
+        # (see `gumbel`).
         self.generator = None
-        if params.seed is not None:
-            self.generator = torch.Generator(device=model.device).manual_seed(params.seed)
         self._seen = torch.tensor([self.tokens], dtype=torch.long, device=model.device) if params.repetition_penalty != 1.0 else None
 
     @property
@@ -69,29 +78,57 @@ class Session:
         """Greedy with no repetition penalty: the next token is the raw logits' argmax (the fast path)."""
         return self.params.greedy and self._seen is None
 
+    @property
+    def seeded(self) -> bool:
+        """Sampling with a seed: Gumbel-max with per-position noise (deterministic under any k and any batch)."""
+        return not self.params.greedy and self.params.seed is not None
+
+    def gumbel(self, position: int, size: int) -> torch.Tensor:
+        """The Gumbel noise [V] of one sequence position, fixed by (seed, position): argmax(log p + noise) is an exact
+        sample from p, and a draft argmax(log q + noise) equals it often when q is close to p."""
+        g = torch.Generator().manual_seed((self.params.seed * 1_000_003 + position) % 2**63)
+        u = torch.rand(size, generator=g, dtype=torch.float64).clamp_(1e-300, 1.0)
+        return (-(-u.log()).log()).float().to(self.model.device)
+
+    def gumbel_pick(self, probs: torch.Tensor, position: int) -> int:
+        """argmax(log probs + the position's Gumbel noise): a sample from probs [V], fixed by the seed."""
+        return int((probs.log() + self.gumbel(position, probs.shape[-1])).argmax())
+
     def choose(self, logits: torch.Tensor) -> int:
-        """The next token from logits [V]: argmax (greedy) or a sample."""
+        """The next token (at position len(tokens)) from logits [V]: argmax (greedy) or a sample."""
         if self.plain_argmax:
             return int(logits.argmax())
         probs = self.probs(logits)
-        return int(probs.argmax()) if self.params.greedy else sample(probs, self.generator)
+        if self.params.greedy:
+            return int(probs.argmax())
+        return self.gumbel_pick(probs, len(self.tokens)) if self.seeded else sample(probs, self.generator)
 
     def propose(self, logits: torch.Tensor, drafts: list[int]) -> tuple[int, torch.Tensor | None]:
         """A draft token from the MTP's logits [V], given the drafts before it this round, with the draft
-        distribution q [V] that the acceptance rule needs (None on the greedy fast path, where q is one-hot)."""
+        distribution q [V] that the acceptance rule needs (None on the greedy fast path and for seeded sampling,
+        where acceptance is an equality test)."""
         if self.plain_argmax:
             return int(logits.argmax()), None
         q = self.probs(logits, extra=drafts)
-        token = int(q.argmax()) if self.params.greedy else int(torch.multinomial(q, 1, generator=self.generator))
-        return token, q
+        if self.params.greedy:
+            return int(q.argmax()), q
+        if self.seeded:
+            return self.gumbel_pick(q, len(self.tokens) + len(drafts)), None
+        return int(torch.multinomial(q, 1, generator=self.generator)), q
 
-    def emit(self, toks: list[int]) -> list[int]:
-        """Append tokens, honouring EOS, stop strings and the length limit; returns those emitted."""
+    def emit(self, toks: list[int], kinds: list[str] | None = None) -> list[int]:
+        """Append tokens, honouring EOS, stop strings and the length limit; returns those emitted. `kinds`: one
+        of TOKEN_KINDS per token (default "plain"), kept in `self.kinds` for the tokens that stay."""
+        if kinds is None:
+            kinds = ["plain"] * len(toks)
+        elif len(kinds) != len(toks):
+            raise ValueError(f"emit got {len(toks)} tokens but {len(kinds)} kinds")
         out: list[int] = []
-        for t in toks:
+        for t, kind in zip(toks, kinds):
             if self.done:
                 break
             self.tokens.append(t)
+            self.kinds.append(kind)
             out.append(t)
             if t in self.eos:
                 self.done, self.finish_reason = True, "eos"
@@ -119,6 +156,7 @@ class Session:
                 break
         dropped = len(new) - keep
         del self.tokens[len(self.tokens) - dropped:]
+        del self.kinds[len(self.kinds) - dropped:]
         self.done, self.finish_reason, self.text = True, "stop", text[:cut]
         return out[: len(out) - dropped]
 
@@ -126,4 +164,4 @@ class Session:
         text = self.text
         if text is None and self.tokenizer is not None:
             text = self.tokenizer.decode(self.new_tokens)
-        return GenerationResult(self.new_tokens, text, self.finish_reason, self.stats)
+        return GenerationResult(self.new_tokens, text, self.finish_reason, self.stats, list(self.kinds))

@@ -25,15 +25,34 @@ from .accept import accept_greedy, accept_sampling
 from .draft_vocab import DraftVocab
 from .drafter import Drafter
 from .policy import DraftPolicy
+from .prefill import prefill
 from .session import Session
 
 MAX_DRAFT = 8
 
 
+def accept(session: Session, drafts: list[int], q_rows: list[torch.Tensor], logits: torch.Tensor) -> tuple[int, int]:
+    """The acceptance rule for one sequence: its k drafts, their draft distributions (empty on the greedy fast path)
+    and the verify logits [k+1, V] -> (drafts accepted n, the next token: correction or bonus). Unseeded sampling
+    uses Leviathan et al.'s rule; seeded sampling the Gumbel-max coupling (`Session.gumbel`), also exact."""
+    k = len(drafts)
+    if session.plain_argmax:
+        return accept_greedy(drafts, logits[: k + 1].argmax(-1).tolist())
+    if session.params.greedy:
+        return accept_greedy(drafts, [int(session.probs(logits[j], extra=drafts[:j]).argmax()) for j in range(k + 1)])
+    if session.seeded:  # Gumbel-max: the target's own sample at each position, fixed by the seed; drafts must equal it
+        at = len(session.tokens)
+        return accept_greedy(drafts, [session.gumbel_pick(session.probs(logits[j], extra=drafts[:j]), at + j)
+                                      for j in range(k + 1)])
+    p = torch.stack([session.probs(logits[j], extra=drafts[:j]) for j in range(k + 1)])
+    q = torch.stack(q_rows) if q_rows else p[:0]
+    return accept_sampling(drafts, p, q, session.generator)
+
+
 def speculative_decode(session: Session, draft_tokens: int | str, vocab: DraftVocab | None = None) -> Iterator[list[int]]:
     """Prefill, then draft/verify/accept/rollback rounds until a stop. Yields the tokens emitted per round.
     `vocab`: draft over a reduced vocabulary (the backbone still verifies over the full one)."""
-    model, stats, params = session.model, session.stats, session.params
+    model, stats = session.model, session.stats
     depth_limit = model.mtp.max_depth
     policy = DraftPolicy.from_arg(draft_tokens, MAX_DRAFT if depth_limit is None else min(MAX_DRAFT, depth_limit))
     stats.draft_tokens_max = policy.k_max
@@ -45,12 +64,12 @@ def speculative_decode(session: Session, draft_tokens: int | str, vocab: DraftVo
     cache = model.new_cache(1, max_len)
     drafter = Drafter(model, max_len, session.propose, vocab, argmax_only=session.plain_argmax)
     prompt = list(session.tokens)
-    hidden = model.hidden(torch.tensor([prompt], device=dev), cache)  # [1, P, H]
+    hidden = prefill(model, prompt, cache)  # [1, P, H]
     first = session.choose(model.head(hidden[0, -1]))
     drafter.commit(hidden, prompt[1:] + [first])
     stats.prefill_forwards += 1
     stats.time_prefill = time.perf_counter() - t0
-    out = session.emit([first])
+    out = session.emit([first], ["prefill"])
     if out:
         yield out
 
@@ -75,22 +94,14 @@ def speculative_decode(session: Session, draft_tokens: int | str, vocab: DraftVo
 
         # 3. accept
         t = time.perf_counter()
-        if session.plain_argmax:
-            n, nxt = accept_greedy(drafts, logits.argmax(-1).tolist())
-        elif params.greedy:
-            target = [int(session.probs(logits[j], extra=drafts[:j]).argmax()) for j in range(k + 1)]
-            n, nxt = accept_greedy(drafts, target)
-        else:
-            p = torch.stack([session.probs(logits[j], extra=drafts[:j]) for j in range(k + 1)])
-            q = torch.stack(q_rows) if q_rows else p[:0]
-            n, nxt = accept_sampling(drafts, p, q, session.generator)
+        n, nxt = accept(session, drafts, q_rows, logits)
 
         # 4. rollback: keep t_P and the n accepted drafts
         cache.keep(verified, n + 1)
         drafter.commit(verified.hidden[:, : n + 1], drafts[:n] + [nxt])
         stats.record_step(k, n)
         policy.update(k, n, t_draft, t_verify)
-        out = session.emit(drafts[:n] + [nxt])
+        out = session.emit(drafts[:n] + [nxt], ["draft"] * n + ["plain" if k == 0 else "bonus" if n == k else "correction"])
         stats.time_other += time.perf_counter() - t
         if out:
             yield out

@@ -35,7 +35,7 @@ class GatedAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, D)).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, D).transpose(1, 2)
         q, k = apply_rope(q, pos.cos, pos.sin), apply_rope(k, pos.cos, pos.sin)
-        out = attend(q, k, v, cache, pos.start, D**-0.5)
+        out = attend(q, k, v, cache, pos, D**-0.5)
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * D) * torch.sigmoid(gate)
         return self.o_proj(out), None
 
@@ -43,10 +43,11 @@ class GatedAttention(nn.Module):
         return KVCache.allocate(batch, self.num_kv_heads, max_len, self.head_dim, self.head_dim, dtype, device)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None, start: int,
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None, pos: Positions,
            scale: float) -> torch.Tensor:
-    """Causal (grouped-query) attention of q [B, A, T, D] over k/v [B, Hk, T, D] at positions start..; with a
-    cache, k/v are stored there first and q attends to every earlier position too. Returns [B, A, T, Dv].
+    """Causal (grouped-query) attention of q [B, A, T, D] over k/v [B, Hk, T, D] at positions pos.start.. (or per
+    row, pos.starts); with a cache, k/v are stored there first and q attends to every earlier position too.
+    Returns [B, A, T, Dv].
 
     A block of a few new tokens after cached ones (a verify) runs one query row at a time over exactly the keys a
     plain decoding step at that position sees: SDPA with a mask over more keys sums differently in the last bits
@@ -55,13 +56,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | N
     if cache is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, scale=scale, enable_gqa=gqa)
     T = q.shape[2]
+    if pos.starts is not None:  # a batch of sequences at different positions: each row over its own keys
+        cache.write_rows(k, v, pos.starts)
+        return torch.cat([attend_rows(q[b : b + 1], cache.k[b : b + 1], cache.v[b : b + 1], s, scale, gqa)
+                          for b, s in enumerate(pos.starts)])
+    start = pos.start
     k, v = cache.write(k, v, start)
     if start == 0:  # a prefill
         return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=scale, enable_gqa=gqa)
-    if T == 1 or T <= VERIFY_ROWS:
-        rows = [F.scaled_dot_product_attention(q[:, :, t : t + 1], k[:, :, : start + t + 1], v[:, :, : start + t + 1],
-                                               scale=scale, enable_gqa=gqa) for t in range(T)]
-        return rows[0] if T == 1 else torch.cat(rows, dim=2)
+    if T <= VERIFY_ROWS:
+        return attend_rows(q, k, v, start, scale, gqa)
     # a long chunk after cached tokens: query i sees keys 0..start+i (SDPA's is_causal aligns top-left, wrong here)
     mask = torch.arange(start + T, device=q.device)[None, :] <= torch.arange(T, device=q.device)[:, None] + start
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
@@ -69,3 +73,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | N
 
 # Blocks up to this many tokens after cached ones are verify blocks (k + 1 <= 9): attended row by row.
 VERIFY_ROWS = 16
+
+
+def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float, gqa: bool) -> torch.Tensor:
+    """Query row t of q [B, A, T, D] (position start + t) over keys 0..start+t of k/v [B, Hk, >=start+T, D], one row at
+    a time: exactly what a plain decoding step at that position computes."""
+    rows = [F.scaled_dot_product_attention(q[:, :, t : t + 1], k[:, :, : start + t + 1], v[:, :, : start + t + 1],
+                                           scale=scale, enable_gqa=gqa) for t in range(q.shape[2])]
+    return rows[0] if len(rows) == 1 else torch.cat(rows, dim=2)

@@ -57,8 +57,14 @@ class CausalLM(nn.Module):
         self.checkpoint_layout: dict = {}  # how the checkpoint stored what the model holds in another form
 
     # ------------------------------------------------------------------ what a family may override
-    def positions(self, start: int, length: int) -> Positions:
-        return Positions(start, length)
+    def positions(self, start: int | list[int], length: int) -> Positions:
+        """Positions start..start+length-1 (or from a start per batch row) with the family's rotary tables
+        (`self.rotary`, a `rope.RotaryTable`, when it has one)."""
+        rotary = getattr(self, "rotary", None)
+        cos, sin = (None, None) if rotary is None else rotary(start, length, self.dtype, self.device)
+        if isinstance(start, int):
+            return Positions(start, length, cos, sin)
+        return Positions(0, length, cos, sin, starts=list(start))
 
     def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
         """The last layer's output -> the hidden state `hidden()` returns (and the MTP reads): the final norm."""
@@ -150,7 +156,7 @@ class CausalLM(nn.Module):
     def _backbone(self, ids: torch.Tensor, cache: Cache | None, keep_states: bool,
                   router_logits: list | None = None) -> tuple[torch.Tensor, list, int]:
         T = ids.shape[1]
-        start = 0 if cache is None else cache.pos
+        start = 0 if cache is None else (cache.pos if cache.rows is None else list(cache.rows))
         if cache is not None:
             cache.check_room(T)
         pos = self.positions(start, T)
@@ -164,7 +170,10 @@ class CausalLM(nn.Module):
                 x, snap = layer(x, pos, None if cache is None else cache.layers[i], keep_states)
             snapshots.append(snap)
         if cache is not None:
-            cache.pos = start + T
+            if cache.rows is None:
+                cache.pos = start + T
+            else:
+                cache.rows = [s + T for s in start]
         return self.final_hidden(x), snapshots, start
 
     def hidden(self, ids: torch.Tensor, cache: Cache | None = None, router_logits: list | None = None) -> torch.Tensor:
@@ -176,16 +185,20 @@ class CausalLM(nn.Module):
         """A verify forward of q tokens [B, q]: the hidden states [B, q, H] and what `cache.keep(verified, n)`
         needs to keep only the first n of them (one forward; rollback then selects, never recomputes)."""
         h, snapshots, start = self._backbone(ids, cache, True)
+        if isinstance(start, list):
+            return Verified(h, 0, snapshots, starts=start)
         return Verified(h, start, snapshots)
 
     def forward(self, ids: torch.Tensor, cache: Cache | None = None) -> torch.Tensor:
         """Backbone logits: ids [B, T] -> [B, T, V]."""
         return self.head(self.hidden(ids, cache))
 
-    def new_cache(self, batch: int, max_len: int) -> Cache:
-        """Preallocated backbone decode state for `max_len` positions (capped at the context length)."""
+    def new_cache(self, batch: int, max_len: int, rows: bool = False) -> Cache:
+        """Preallocated backbone decode state for `max_len` positions (capped at the context length); `rows`: a
+        position per batch row (continuous batching)."""
         max_len = min(max_len, self.context_length)
-        return Cache([layer.new_state(batch, max_len, self.dtype, self.device) for layer in self.model.layers], max_len)
+        layers = [layer.new_state(batch, max_len, self.dtype, self.device) for layer in self.model.layers]
+        return Cache(layers, max_len, [0] * batch if rows else None)
 
     # ------------------------------------------------------------------ MTP
     def new_mtp_cache(self, batch: int, max_len: int) -> list:

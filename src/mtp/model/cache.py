@@ -17,8 +17,9 @@ import torch
 
 @dataclass
 class Positions:
-    """Where the T tokens of one forward sit: positions start..start+T-1 (every batch row alike), with the
-    rotary tables the family computed for them (cos/sin [T, R]; None for a family without RoPE).
+    """Where the T tokens of one forward sit: positions start..start+T-1 of every batch row, or with `starts` (a
+    batch of sequences at different places: continuous batching) starts[b]..starts[b]+T-1 for row b; with the rotary
+    tables the family computed for them (cos/sin [T, R], or [B, 1, T, R] per row; None for a family without RoPE).
     `router_logits`: when a list, every MoE layer of this forward appends its router logits [B*T, E] to it."""
 
     start: int
@@ -26,6 +27,7 @@ class Positions:
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
     router_logits: list | None = None
+    starts: list[int] | None = None
 
 
 @dataclass
@@ -46,6 +48,25 @@ class KVCache:
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
         return self.k[:, :, :end], self.v[:, :, :end]
+
+    def write_rows(self, k: torch.Tensor, v: torch.Tensor, starts: list[int]) -> None:
+        """Store row b of k, v [B, Hk, T, D] at positions starts[b]..starts[b]+T-1."""
+        T = k.shape[2]
+        for b, s in enumerate(starts):
+            self.k[b, :, s : s + T] = k[b]
+            self.v[b, :, s : s + T] = v[b]
+
+    def rows(self, lo: int, hi: int) -> KVCache:
+        """Rows lo..hi-1 (views: writes go to this cache)."""
+        return KVCache(self.k[lo:hi], self.v[lo:hi])
+
+    def reset_row(self, b: int) -> None:
+        """Nothing to clear: entries are addressed by position and written before they are read."""
+
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        """Row dst := row src over positions 0..length-1."""
+        self.k[dst, :, :length] = self.k[src, :, :length]
+        self.v[dst, :, :length] = self.v[src, :, :length]
 
 
 @dataclass
@@ -72,6 +93,27 @@ class DeltaState:
         self.conv.copy_(snap.window[:, :, n : n + width])
         self.ssm.copy_(snap.state(n))
 
+    def restore_rows(self, snap: DeltaSnapshot, ns: list[int]) -> None:
+        """Row b := its state after its first ns[b] positions (batched verify with a length per row)."""
+        width = self.conv.shape[-1]
+        q = snap.states.shape[2]
+        for b, n in enumerate(ns):
+            if n < q:
+                self.conv[b].copy_(snap.window[b, :, n : n + width])
+                self.ssm[b].copy_(snap.states[b, :, n - 1])
+
+    def rows(self, lo: int, hi: int) -> DeltaState:
+        return DeltaState(self.conv[lo:hi], self.ssm[lo:hi])
+
+    def reset_row(self, b: int) -> None:
+        """Row b starts a new sequence: no conv inputs, zero state."""
+        self.conv[b].zero_()
+        self.ssm[b].zero_()
+
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        self.conv[dst] = self.conv[src]
+        self.ssm[dst] = self.ssm[src]
+
 
 @dataclass
 class Verified:
@@ -81,6 +123,7 @@ class Verified:
     hidden: torch.Tensor
     start: int
     snapshots: list[DeltaSnapshot | None]
+    starts: list[int] | None = None  # per row, for a batch at different positions
 
     @property
     def length(self) -> int:
@@ -88,16 +131,47 @@ class Verified:
 
 
 class Cache:
-    """Per-layer decode state of one batch of sequences; `pos` = tokens already consumed."""
+    """Per-layer decode state of one batch of sequences; `pos` = tokens already consumed. For a batch of sequences
+    at different positions (continuous batching) `rows` holds each row's position instead (`pos` is unused)."""
 
-    def __init__(self, layers: list, max_len: int):
+    def __init__(self, layers: list, max_len: int, rows: list[int] | None = None):
         self.layers = layers
         self.max_len = max_len
         self.pos = 0
+        self.rows = rows
+
+    def view(self, lo: int, hi: int) -> Cache:
+        """Rows lo..hi-1 as a cache of their own (views of the same memory); a single row (hi = lo + 1) continues at
+        its position as a plain cache, several rows keep per-row positions. Write positions back with `sync`."""
+        view = Cache([layer.rows(lo, hi) for layer in self.layers], self.max_len,
+                     None if hi - lo == 1 else list(self.rows[lo:hi]))
+        if hi - lo == 1:
+            view.pos = self.rows[lo]
+        return view
+
+    def sync(self, view: Cache, lo: int) -> None:
+        """Take a view's positions back into this cache's rows."""
+        if view.rows is None:
+            self.rows[lo] = view.pos
+        else:
+            self.rows[lo : lo + len(view.rows)] = view.rows
+
+    def reset_row(self, b: int) -> None:
+        """Row b starts a new sequence at position 0."""
+        for layer in self.layers:
+            layer.reset_row(b)
+        self.rows[b] = 0
+
+    def copy_row(self, src: int, dst: int) -> None:
+        """Row dst := row src (moving a sequence to another row)."""
+        for layer in self.layers:
+            layer.copy_row(src, dst, self.rows[src])
+        self.rows[dst] = self.rows[src]
 
     def check_room(self, n: int) -> None:
-        if self.pos + n > self.max_len:
-            raise ValueError(f"cache holds {self.max_len} positions; cannot add {n} at position {self.pos}")
+        last = self.pos if self.rows is None else max(self.rows)
+        if last + n > self.max_len:
+            raise ValueError(f"cache holds {self.max_len} positions; cannot add {n} at position {last}")
 
     def keep(self, verified: Verified, n: int) -> None:
         """Keep the first n (1 <= n <= q) positions of a verify forward and roll the others back: DeltaNet
@@ -112,3 +186,13 @@ class Cache:
                 if snap is not None:
                     state.restore(snap, n)
         self.pos = verified.start + n
+
+    def keep_rows(self, verified: Verified, ns: list[int]) -> None:
+        """`keep` for a batch verified at per-row positions: row b keeps its first ns[b] positions."""
+        q = verified.length
+        if any(not 1 <= n <= q for n in ns):
+            raise ValueError(f"keep_rows({ns}) after a verify of {q} tokens")
+        for state, snap in zip(self.layers, verified.snapshots):
+            if snap is not None:
+                state.restore_rows(snap, ns)
+        self.rows = [s + n for s, n in zip(verified.starts, ns)]

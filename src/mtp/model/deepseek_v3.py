@@ -23,7 +23,6 @@ from torch import nn
 from ..config import DeepseekV3Config, NextNMoeConfig
 from ..io.safetensors_mmap import CheckpointError
 from .base import CausalLM
-from .cache import Positions
 from .layer import MLP, DecoderLayer
 from .mla import MLAttention
 from .moe import DeepseekMoE, group_experts, split_experts
@@ -160,10 +159,6 @@ class NextNMoeForCausalLM(CausalLM):
         return NextNMTP([NextNLayer(self.attention(c), self.feed_forward(c.num_hidden_layers + i), self.norm_factory(),
                                     c.hidden_size, c.vocab_size, c.mtp_embed_tokens, c.mtp_shared_head)
                          for i in range(c.num_nextn_predict_layers)])
-
-    def positions(self, start: int, length: int) -> Positions:
-        cos, sin = self.rotary(start, length, self.dtype, self.device)
-        return Positions(start, length, cos, sin)
 
     @torch.no_grad()
     def init_weights(self, std: float | None = None, modules: nn.Module | None = None) -> None:

@@ -42,7 +42,7 @@ class GroupedQueryAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), pos.cos, pos.sin)
         k = apply_rope(k.transpose(1, 2), pos.cos, pos.sin)
-        out = attend(q, k, v, cache, pos.start, D**-0.5)
+        out = attend(q, k, v, cache, pos, D**-0.5)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * D)), None
 
     def new_state(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:

@@ -20,7 +20,6 @@ from torch import nn
 from ..config import MiMoConfig
 from ..io.safetensors_mmap import CheckpointError
 from .base import CausalLM
-from .cache import Positions
 from .gqa import GroupedQueryAttention
 from .layer import MLP, DecoderLayer
 from .nextn import Backbone, NextNMTP, normal_init
@@ -123,10 +122,6 @@ class MiMoForCausalLM(CausalLM):
     def new_mtp_module(self) -> NextNMTP:
         """A fresh MTP module for this config (training heads onto a checkpoint that has none)."""
         return NextNMTP([MiMoMTPLayer(self.config) for _ in range(self.config.num_nextn_predict_layers)])
-
-    def positions(self, start: int, length: int) -> Positions:
-        cos, sin = self.rotary(start, length, self.dtype, self.device)
-        return Positions(start, length, cos, sin)
 
     def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
         """MiMo's MTP reads the last layer's output before the final norm: `hidden()` returns it as is."""

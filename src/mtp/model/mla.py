@@ -66,7 +66,7 @@ class MLAttention(nn.Module):
         k_rot = self.rope_fn(k_rot.view(B, 1, T, self.rope), pos.cos, pos.sin)
         q = torch.cat([q_nope, q_rot], dim=-1)
         k = torch.cat([k_nope, k_rot.expand(B, A, T, self.rope)], dim=-1)
-        out = attend(q, k, v, cache, pos.start, self.scale)  # [B, A, T, v_head_dim]
+        out = attend(q, k, v, cache, pos, self.scale)  # [B, A, T, v_head_dim]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, A * self.v_dim)), None
 
     def new_state(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:

@@ -154,10 +154,6 @@ class Qwen35ForCausalLM(CausalLM):
         self.mtp = Qwen35MTP(config) if with_mtp and config.mtp_num_hidden_layers > 0 else None
         self.rotary = RotaryTable(rope_inv_freq(config.rotary_dim, config.rope_theta))
 
-    def positions(self, start: int, length: int) -> Positions:
-        cos, sin = self.rotary(start, length, self.dtype, self.device)
-        return Positions(start, length, cos, sin)
-
     def new_mtp_module(self) -> Qwen35MTP:
         """A fresh MTP module for this config (training heads onto a checkpoint that has none)."""
         return Qwen35MTP(self.config)

@@ -40,7 +40,15 @@ class RotaryTable:
         self.scale = scale
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def __call__(self, start: int, length: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, start: int | list[int], length: int, dtype: torch.dtype,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [length, R] of positions start..start+length-1; with a start per batch row, [B, 1, length, R]
+        (broadcasting over the heads of a [B, heads, T, D] tensor)."""
+        if not isinstance(start, int):
+            cos, sin = self(max(start), length, dtype, device)  # grows the table far enough
+            table = self._table
+            idx = torch.tensor(start, device=device)[:, None] + torch.arange(length, device=device)  # [B, T]
+            return table[0][idx].unsqueeze(1), table[1][idx].unsqueeze(1)
         end = start + length
         table = self._table
         if table is None or table[0].shape[0] < end or table[0].dtype != dtype or table[0].device != device:

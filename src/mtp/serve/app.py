@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health.
+"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, and Prometheus
+metrics on /metrics (metrics.py).
 
 Request flow: API key -> body validation (protocol.py) -> prompt tokens and limits -> admission
 (429 + Retry-After when `--max-concurrency` requests are in flight) -> generation on the engine's worker
@@ -11,6 +12,7 @@ from __future__ import annotations
 import hmac
 import json
 import time
+import weakref
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -22,6 +24,7 @@ from .. import __version__
 from . import protocol as P
 from .engine import Engine, GenerationParams, Job
 from .errors import APIError, install_error_handlers
+from .metrics import Metrics, finished_reason
 from .requestlog import RequestLogMiddleware
 from .textstream import TextStream, final_text
 
@@ -37,9 +40,11 @@ def sse(obj: dict | str) -> str:
 class Server:
     """The steps from an HTTP request to a generation and back; `create_app` routes the endpoints here."""
 
-    def __init__(self, engine: Engine, model_name: str, api_key: str | None, default_max_tokens: int):
+    def __init__(self, engine: Engine, model_name: str, api_key: str | None, default_max_tokens: int, metrics: Metrics):
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
         self.default_max_tokens = default_max_tokens
+        self.metrics = metrics
+        self._counted: weakref.WeakSet[Job] = weakref.WeakSet()  # jobs already in the metrics (finish runs twice for streams)
         self.tok = engine.tokenizer
         self.model_card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "mtp",
                            "max_model_len": engine.context, "draft_tokens": engine.draft_tokens}
@@ -110,6 +115,7 @@ class Server:
             msg = str(e)
             raise APIError(400, msg, param=prompt_field if "prompt" in msg else msg.split(" ")[0]) from None
         request.state.log.update(prompt_tokens=len(prompt_ids), max_tokens=params.max_tokens, temperature=params.temperature)
+        self.metrics.request_started()
         return job
 
     def record(self, job: Job, request: Request) -> None:
@@ -122,9 +128,21 @@ class Server:
                                  mean_accepted_length=round(stats.mean_accepted_length, 4),
                                  acceptance_per_position=[round(a, 4) for a in stats.acceptance_per_position])
 
+    def count_finished(self, job: Job) -> None:
+        """Metrics for a job that ended (once per job): its outcome, tokens and latency. (Rounds, batch sizes and the
+        running / waiting gauges are the engine's to count, as they happen.)"""
+        if job in self._counted:
+            return
+        self._counted.add(job)
+        result, timing = job.stream.result, job.timing()
+        self.metrics.request_finished(finished_reason(result.finish_reason if result is not None else None, job.failed),
+                                      job.prompt_tokens, len(job.new_tokens), timing["generation_s"],
+                                      timing["time_to_first_token_s"])
+
     def finish_job(self, job: Job, request: Request) -> None:
         job.finish()
         self.record(job, request)
+        self.count_finished(job)
 
     def result_text(self, job: Job) -> tuple[str, str, dict]:
         r = job.stream.result
@@ -218,11 +236,16 @@ class Server:
         return JSONResponse(P.chat_completion(rid, body.model, text, finish, usage))
 
 
-def create_app(engine: Engine, model_name: str, api_key: str | None = None, default_max_tokens: int = 256) -> FastAPI:
-    """The ASGI app serving `engine` under the name `model_name`; `api_key` set = Bearer auth on /v1."""
-    server = Server(engine, model_name, api_key, default_max_tokens)
+def create_app(engine: Engine, model_name: str, api_key: str | None = None, default_max_tokens: int = 256,
+               metrics: Metrics | None = None) -> FastAPI:
+    """The ASGI app serving `engine` under the name `model_name`; `api_key` set = Bearer auth on /v1; `metrics`:
+    where to count (None: a new Metrics, reachable as `app.state.metrics`)."""
+    metrics = metrics if metrics is not None else Metrics()
+    engine.metrics = metrics  # the engine counts rounds, batch sizes, running and waiting requests
+    server = Server(engine, model_name, api_key, default_max_tokens, metrics)
     app = FastAPI(title="mtp serve", version=__version__, docs_url=None, redoc_url=None)
-    app.add_middleware(RequestLogMiddleware)
+    app.state.metrics = metrics
+    app.add_middleware(RequestLogMiddleware, metrics=metrics)
     install_error_handlers(app)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(server.check_api_key)])
 
@@ -230,6 +253,11 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, defa
     async def health() -> dict:
         return {"status": "ok", "model": model_name, "active": engine.active, "max_concurrency": engine.max_concurrency,
                 "served": engine.served, "draft_tokens": engine.draft_tokens, "context": engine.context}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:  # no API key, as vLLM: scrapers rarely send one
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
 
     @v1.get("/models")
     async def models() -> dict:

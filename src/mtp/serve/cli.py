@@ -27,8 +27,11 @@ def register(subparsers) -> None:
     p.add_argument("--api-key", default=os.environ.get("MTP_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $MTP_API_KEY; unset = no auth)")
     p.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY,
-                   help="requests generating at once (interleaved step by step); more get 429 + Retry-After "
+                   help="requests admitted at once (decoded together, see --max-batch); more get 429 + Retry-After "
                         f"(default {DEFAULT_MAX_CONCURRENCY})")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="requests decoded together in one batch (continuous batching; default: --max-concurrency); "
+                        "admitted requests beyond it wait for a row")
     p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help="max_tokens when a request gives none (capped by the room left in the context; default "
                         f"{DEFAULT_MAX_TOKENS})")
@@ -38,7 +41,7 @@ def register(subparsers) -> None:
 
 
 def cmd_serve(args) -> int:
-    require_extra("serve", "fastapi", "uvicorn")
+    require_extra("serve", "fastapi", "uvicorn", "prometheus_client")
     import uvicorn
 
     from .app import create_app
@@ -56,7 +59,7 @@ def cmd_serve(args) -> int:
         raise SystemExit(f"mtp serve: {model.source_path} has no tokenizer.json; the server needs one")
     source = model_name(args)  # a folder is served under its name, a hub id under the id (as vLLM does)
     name = args.served_model_name or (Path(source).resolve().name if Path(source).is_dir() else source)
-    engine = Engine(model, args.draft_tokens, args.max_concurrency, draft_vocab=args.draft_vocab)
+    engine = Engine(model, args.draft_tokens, args.max_concurrency, draft_vocab=args.draft_vocab, max_batch=args.max_batch)
     app = create_app(engine, name, api_key=args.api_key, default_max_tokens=args.default_max_tokens)
     if args.host not in LOOPBACK:
         print(f"mtp serve: warning: binding {args.host} exposes the API beyond this machine"

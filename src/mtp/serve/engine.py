@@ -1,32 +1,34 @@
-"""The generation engine behind the HTTP server: admission control and a single worker thread.
+"""The generation engine behind the HTTP server: admission control and continuous batching on one worker thread.
 
-Every decode step of every request runs on one worker thread, one step at a time: concurrent requests are
-interleaved step by step (each streams from the start, nobody waits for a whole other generation), the
-event loop never runs a forward, and torch never sees two forwards at once (which would not help on a
-CPU: the intra-op threads already use the cores). At most `max_concurrency` requests are admitted; the
-handler answers the next one 429 at once rather than letting a queue grow without bound.
+Admitted requests join a `decode.batch.BatchDecoder` between rounds: the worker thread loops over `step()` (one
+prompt chunk of a newcomer, then one batched speculative round for every decoding request) and hands each request's
+new tokens to its `Job` on the event loop. The event loop never runs a forward, and torch never sees two forwards
+at once. At most `max_concurrency` requests are admitted (beyond: 429); at most `max_batch` decode together, the
+others wait in the decoder's queue.
 
-A `Job` is one admitted generation. `Job.steps()` yields the emitted tokens of each step; `Job.finish()`
-(idempotent) closes the decoder's stream on the worker and frees the slot, whether the job ran to the
-end, failed, or its client went away.
+A `Job` is one admitted generation. `Job.steps()` yields the tokens emitted at each round; `Job.finish()`
+(idempotent) cancels the request (the worker frees its row) and frees the admission slot, whether the job ran to
+the end, failed, or its client went away.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
-import warnings
-from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import torch
 
-from ..decode import stream as decode_stream
+from ..decode.batch import BatchDecoder, Sequence
 from ..decode.draft_vocab import DraftVocab
+from ..decode.sampling import SamplingParams
+from ..decode.session import GenerationResult, Session
 
 log = logging.getLogger("mtp.serve")
+_END = object()
 
 
 def usable_draft_tokens(model, draft_tokens: int | str | None) -> int | str | None:
@@ -54,21 +56,24 @@ class GenerationParams:
     ignore_eos: bool = False
 
 
-def _next_step(it: Iterator[list[int]]) -> list[int] | None:
-    # inference_mode around every step: interleaved generators enter and leave their own inference_mode
-    # in any order on this thread, so each step must not depend on the mode another one left behind.
-    with torch.inference_mode():
-        return next(it, None)
+class JobStream:
+    """What the HTTP layer reads of a job's generation: its session, and the result once it has ended."""
+
+    def __init__(self, session: Session):
+        self.session = session
+        self.result: GenerationResult | None = None
 
 
 class Job:
     """One admitted generation; see the module docstring."""
 
-    def __init__(self, engine: Engine, stream, prompt_tokens: int):
+    def __init__(self, engine: Engine, session: Session, prompt_tokens: int, loop: asyncio.AbstractEventLoop):
         self.engine = engine
-        self.stream = stream
+        self.stream = JobStream(session)
         self.prompt_tokens = prompt_tokens
-        self._it = iter(stream)
+        self.seq: Sequence | None = None  # set by the worker when the job joins the decoder
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
         self._finished = False
         self.cancelled = False  # stopped because the client went away
         self.failed = False  # stopped by an error in generation
@@ -79,17 +84,22 @@ class Job:
     def new_tokens(self) -> list[int]:
         return self.stream.session.new_tokens
 
+    def deliver(self, item) -> None:
+        """From the worker thread: tokens (a list), an exception, or the end."""
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
     async def steps(self) -> AsyncIterator[list[int]]:
-        """The tokens emitted at each decode step; the stream's `result` is set once this is exhausted."""
-        loop = asyncio.get_running_loop()
+        """The tokens emitted at each round; the stream's `result` is set once this is exhausted."""
         try:
             while True:
-                toks = await loop.run_in_executor(self.engine.worker, _next_step, self._it)
-                if toks is None:
+                item = await self.queue.get()
+                if item is _END:
                     return
+                if isinstance(item, BaseException):
+                    raise item
                 if self.t_first is None:
                     self.t_first = time.perf_counter()
-                yield toks
+                yield item
         except (asyncio.CancelledError, GeneratorExit):
             self.cancelled = True  # the client went away (Starlette cancels the response task)
             raise
@@ -100,18 +110,14 @@ class Job:
             self.finish()
 
     def finish(self) -> None:
-        """Stop the generation (on the worker, after any step in flight) and free the admission slot."""
+        """Stop the generation (the worker drops it before its next round) and free the admission slot."""
         if self._finished:
             return
         self._finished = True
         if self.stream.result is None:
             self.cancelled = not self.failed
-            self.engine.worker.submit(self._close)
+            self.engine.cancel(self)
         self.engine.release()
-
-    def _close(self) -> None:
-        self._it.close()
-        self.stream.close()
 
     def timing(self) -> dict:
         now = time.perf_counter()
@@ -120,9 +126,10 @@ class Job:
 
 
 class Engine:
-    """The model, its worker thread and the admission counter."""
+    """The model, the batched decoder on its worker thread, and the admission counter."""
 
-    def __init__(self, model, draft_tokens: int | str | None, max_concurrency: int, draft_vocab: int | None = None):
+    def __init__(self, model, draft_tokens: int | str | None, max_concurrency: int, draft_vocab: int | None = None,
+                 max_batch: int | None = None, metrics=None):
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         self.model = model
@@ -131,12 +138,25 @@ class Engine:
         # built once (it reads the model folder's token counts): every request drafts over the same tokens
         self.draft_vocab = DraftVocab.for_model(model, draft_vocab) if draft_vocab and self.draft_tokens else None
         self.max_concurrency = max_concurrency
+        self.max_batch = max(1, min(max_batch or max_concurrency, max_concurrency))
         self.context = model.context_length
-        self.eos_token_ids = set(model.eos_token_ids)  # the same stop rule as `model.generate`
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtp-generate")
+        self.eos_token_ids = set(model.eos_token_ids)  # the same stop rule as `mtp.generate`
+        self.metrics = metrics  # a serve.metrics.Metrics (set by create_app) or None
         self.active = 0
         self.served = 0
+        self._decoder = self._new_decoder()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._incoming: list[Job] = []
+        self._jobs: list[Job] = []  # in the decoder (worker thread only)
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="mtp-generate", daemon=True)
+        self._thread.start()
 
+    def _new_decoder(self) -> BatchDecoder:
+        return BatchDecoder(self.model, self.max_batch, self.context, self.draft_tokens, self.draft_vocab)
+
+    # ------------------------------------------------------------------ the event loop's side
     def try_admit(self) -> bool:
         """Take a slot if one is free (called on the event loop thread only, so no lock is needed)."""
         if self.active >= self.max_concurrency:
@@ -149,16 +169,22 @@ class Engine:
         self.served += 1
 
     def start(self, prompt_ids: list[int], params: GenerationParams) -> Job:
-        """Open a generation for an admitted request. Raises ValueError (naming the parameter) on bad input;
-        the caller must then release the slot itself."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the no-MTP fallback was already reported at startup
-            stream = decode_stream(
-                self.model, prompt_ids, max_new_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-                top_k=params.top_k, repetition_penalty=params.repetition_penalty, seed=params.seed,
-                stop=params.stop, draft_tokens=self.draft_tokens, eos_token_ids=[] if params.ignore_eos else None,
-                draft_vocab=self.draft_vocab)
-        return Job(self, stream, len(prompt_ids))
+        """Open a generation for an admitted request (on the event loop). Raises ValueError (naming the parameter)
+        on bad input; the caller must then release the slot itself."""
+        sampling = SamplingParams(params.temperature, params.top_k, params.top_p, params.repetition_penalty, params.seed)
+        session = Session(self.model, list(prompt_ids), params.max_tokens, sampling, [] if params.ignore_eos else None,
+                          params.stop, self.tokenizer)
+        job = Job(self, session, len(prompt_ids), asyncio.get_running_loop())
+        with self._lock:
+            self._incoming.append(job)
+        self._wake.set()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """Drop a job (its client went away): the worker frees its row before the next round."""
+        if job.seq is not None:
+            job.seq.cancelled = True
+        self._wake.set()
 
     def speculative_stats(self, stats) -> dict:
         """The `usage.speculative` extension: how well MTP drafting went for one request."""
@@ -169,4 +195,58 @@ class Engine:
                 "backbone_forwards": d["backbone_forwards"], "tokens_per_second": d["tokens_per_second"]}
 
     def shutdown(self) -> None:
-        self.worker.shutdown(wait=False, cancel_futures=True)
+        self._stop = True
+        self._wake.set()
+
+    # ------------------------------------------------------------------ the worker thread
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._stop:
+            with self._lock:
+                incoming, self._incoming = self._incoming, []
+            for job in incoming:
+                if not job.cancelled:
+                    job.seq = self._decoder.add(job.stream.session)
+                    job.seq.cancelled = job.cancelled
+                    self._jobs.append(job)
+            if not self._jobs:
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                continue
+            try:
+                with torch.inference_mode():
+                    emitted = self._decoder.step()
+            except Exception as e:  # noqa: BLE001 - every request in the batch fails with it; the server keeps serving
+                log.exception("generation failed")
+                failed, self._jobs = self._jobs, []
+                self._decoder = self._new_decoder()
+                if self.metrics is not None:  # before the clients hear of it, so a scrape after their answer agrees
+                    self.metrics.set_running(0)
+                    self.metrics.set_waiting(0)
+                for job in failed:
+                    job.failed = True
+                    job.deliver(e)
+                continue
+            self._report(emitted)
+
+    def _report(self, emitted: list[tuple[Sequence, list[int]]]) -> None:
+        """Metrics first (so a scrape after a client's answer agrees), then each job's tokens and ends."""
+        dec = self._decoder
+        if self.metrics is not None:
+            if dec.last_round:
+                self.metrics.step(len(dec.last_round))
+            for _, k, n in dec.last_round:
+                self.metrics.speculative_round(k, n)
+            self.metrics.set_running(sum(not s.finished for s in dec.rows))
+            self.metrics.set_waiting(sum(not s.cancelled for s in dec.waiting))
+        by_seq = {id(job.seq): job for job in self._jobs}
+        for seq, toks in emitted:
+            by_seq[id(seq)].deliver(toks)
+        still = []
+        for job in self._jobs:
+            if job.seq.session.done:
+                job.stream.result = job.seq.session.result()
+                job.deliver(_END)
+            elif not job.seq.cancelled:
+                still.append(job)
+        self._jobs = still

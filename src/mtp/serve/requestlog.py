@@ -2,7 +2,8 @@
 stream: when the stream ended or the client went away), with timing and, for generations, acceptance.
 
 Handlers add their fields to `request.state.log` (a dict); this ASGI middleware adds method, path,
-status, request id and duration. Each response carries the id in an `x-request-id` header.
+status, request id and duration. Each response carries the id in an `x-request-id` header. Given a
+`Metrics`, it also counts every response by route and status (`mtp:http_requests_total`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import sys
 import time
 import uuid
 from datetime import UTC, datetime
+
+from .metrics import Metrics
 
 log = logging.getLogger("mtp.serve.requests")
 
@@ -29,8 +32,9 @@ def setup_request_log(stream=None) -> None:
 
 
 class RequestLogMiddleware:
-    def __init__(self, app):
+    def __init__(self, app, metrics: Metrics | None = None):
         self.app = app
+        self.metrics = metrics
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -59,3 +63,7 @@ class RequestLogMiddleware:
                     "request_id": request_id, "method": scope.get("method"), "path": scope.get("path"),
                     "status": status or 500, "duration_s": round(time.perf_counter() - t0, 5), **fields}
             log.info(json.dumps(line, ensure_ascii=False, default=str))
+            if self.metrics is not None:
+                # the matched route's template ("/v1/models/{model_id:path}"), so that label values stay bounded
+                route = getattr(scope.get("route"), "path", None)
+                self.metrics.http_request(route or "unmatched", line["status"])

@@ -1,0 +1,23 @@
+"""Prefill: the backbone reads a prompt in chunks of PREFILL_CHUNK tokens.
+
+Every decoding path (plain, speculative, the batched server) reads prompts with the same chunks, so a request's
+prefill computes exactly the same numbers whether it is served alone or interleaved with other requests' decoding;
+chunks also bound the memory a long prompt needs."""
+
+from __future__ import annotations
+
+import torch
+
+PREFILL_CHUNK = 128
+
+
+def prefill_chunk(model, ids: list[int], cache, lo: int) -> torch.Tensor:
+    """Read ids[lo : lo + PREFILL_CHUNK] into `cache` (a single sequence at position lo): hidden [1, n, H]."""
+    x = torch.tensor([ids[lo : lo + PREFILL_CHUNK]], device=model.device)
+    return model.hidden(x, cache)
+
+
+def prefill(model, ids: list[int], cache) -> torch.Tensor:
+    """Read a whole prompt into an empty single-sequence cache: hidden [1, P, H]."""
+    parts = [prefill_chunk(model, ids, cache, lo) for lo in range(0, len(ids), PREFILL_CHUNK)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

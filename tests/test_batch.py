@@ -1,0 +1,137 @@
+"""Continuous batching with batched speculative decoding: every sequence's output is what it gets alone (greedy),
+the sampled law is the target's (chi-square), rows join and leave between rounds, and k adapts to the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mtp
+import test_sampling_stats as stats
+from conftest import pattern_batch, tiny_model, trained_tiny_model
+from mtp.decode.batch import BatchDecoder
+from mtp.decode.policy import BatchDraftPolicy
+from mtp.decode.sampling import SamplingParams
+from mtp.decode.session import Session
+
+
+def run_batched(model, requests, draft_tokens, max_batch=4, arrive_every=3, cancel=()):
+    """requests: (prompt, max_new, SamplingParams, stop). Arrivals are staggered; returns the sessions in order."""
+    dec = BatchDecoder(model, max_batch=max_batch, max_len=model.context_length - 16, draft_tokens=draft_tokens)
+    seqs, step = [], 0
+    todo = list(requests)
+    while todo or any(not s.finished for s in seqs) or dec.rows:
+        if todo and step % arrive_every == 0:
+            prompt, max_new, params, stop = todo.pop(0)
+            seqs.append(dec.add(Session(model, prompt, max_new, params, None, stop, model.tokenizer)))
+        for i in cancel:
+            if i < len(seqs) and len(seqs[i].session.new_tokens) >= 3:
+                seqs[i].cancelled = True
+        dec.step()
+        step += 1
+        assert step < 5000, "the batch does not finish"
+        assert len(dec.rows) <= max_batch and all(r.decoding for r in dec.rows[:dec.decoding])
+    return [s.session for s in seqs]
+
+
+def greedy_requests(vocab, n, seed, max_prompt=150):
+    g = torch.Generator().manual_seed(seed)
+    return [(pattern_batch(vocab, 1, int(torch.randint(1, max_prompt, (1,), generator=g)), g)[0].tolist(),
+             int(torch.randint(1, 40, (1,), generator=g)), SamplingParams(), None) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def models():
+    fp32 = trained_tiny_model(steps=80, depth=2, max_position_embeddings=512)
+    bf16 = trained_tiny_model(steps=80, depth=2, max_position_embeddings=512, seed=1).to(torch.bfloat16)
+    bf16.prepare_for_inference()
+    parallel = trained_tiny_model(steps=60, mtp_style="parallel", mtp_num_hidden_layers=3, seed=2,
+                                  max_position_embeddings=512)
+    return {"fp32": fp32, "bf16": bf16, "parallel": parallel}
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16", "parallel"])
+@pytest.mark.parametrize("draft_tokens", [None, 2, "auto"])
+def test_batched_greedy_equals_solo_greedy(models, name, draft_tokens):
+    model = models[name]
+    requests = greedy_requests(8, 9, seed=3)
+    sessions = run_batched(model, requests, draft_tokens)
+    for (prompt, max_new, _, _), s in zip(requests, sessions):
+        solo = mtp.generate(model, prompt, max_new_tokens=max_new, draft_tokens=draft_tokens)
+        assert s.new_tokens == solo.tokens and s.finish_reason == solo.finish_reason
+        if draft_tokens is not None:
+            assert s.stats.backbone_forwards == len(s.stats.k_history)
+
+
+def test_rows_are_reused_after_cancellations_and_long_prompts(models):
+    """A newcomer takes a freed row (its old state must not leak) and a prompt longer than a prefill chunk is read
+    over several steps between rounds."""
+    model = models["bf16"]
+    requests = greedy_requests(8, 7, seed=4, max_prompt=400)
+    sessions = run_batched(model, requests, 3, max_batch=2, arrive_every=1, cancel=(1, 3))
+    for i, ((prompt, max_new, _, _), s) in enumerate(zip(requests, sessions)):
+        solo = mtp.generate(model, prompt, max_new_tokens=max_new, draft_tokens=3).tokens
+        if i in (1, 3):
+            assert solo[: len(s.new_tokens)] == s.new_tokens  # stopped early, correct so far
+        else:
+            assert s.new_tokens == solo
+
+
+def test_greedy_and_sampled_requests_mix_in_one_batch(models):
+    model = models["fp32"]
+    greedy = greedy_requests(8, 4, seed=5)
+    sampled = [(p, n, SamplingParams(temperature=0.9, top_k=5, seed=i), None) for i, (p, n, _, _) in enumerate(greedy)]
+    mixed = [r for pair in zip(greedy, sampled) for r in pair]
+    sessions = run_batched(model, mixed, "auto", max_batch=8, arrive_every=1)
+    for (prompt, max_new, params, _), s in zip(mixed, sessions):
+        # greedy: the solo output; seeded sampling: the solo sample too (Gumbel-max noise fixed per position)
+        solo = mtp.generate(model, prompt, max_new_tokens=max_new, draft_tokens="auto", temperature=params.temperature,
+                            top_k=params.top_k, seed=params.seed)
+        assert s.new_tokens == solo.tokens
+
+
+@pytest.mark.parametrize("seeded", [True, False])
+def test_batched_sampling_keeps_the_target_distribution(seeded):
+    """Chi-square of the first three sampled tokens against the exact joint law, sampled through batches of 12
+    concurrent requests with k = 2 (seeded: Gumbel-max per request; unseeded: Leviathan's rule)."""
+    model = tiny_model(vocab_size=4, seed=11, std=0.15)
+    params = SamplingParams(temperature=1.0)
+    counts: dict[tuple, int] = {}
+    torch.manual_seed(7)
+    for start in range(0, stats.N, 12):
+        reqs = [(stats.PROMPT, 4, SamplingParams(temperature=1.0, seed=20_000 + start + i if seeded else None), None)
+                for i in range(12)]
+        for s in run_batched(model, reqs, 2, max_batch=12, arrive_every=1):
+            key = tuple(s.new_tokens[:3])
+            counts[key] = counts.get(key, 0) + 1
+    exact = stats.exact_joint(model, params)
+    assert sum(counts.get(c, 0) for c, p in exact.items() if p == 0) == 0
+    cells = sorted((p, counts.get(c, 0)) for c, p in exact.items() if p > 0)
+    obs, exp, acc_p, acc_o = [], [], 0.0, 0
+    for p, o in cells:
+        acc_p, acc_o = acc_p + p, acc_o + o
+        if acc_p * stats.N >= 5:
+            exp.append(acc_p * stats.N)
+            obs.append(acc_o)
+            acc_p, acc_o = 0.0, 0
+    exp[-1] += acc_p * stats.N
+    obs[-1] += acc_o
+    total = sum(obs)
+    assert stats.chisquare(obs, [e * total / sum(exp) for e in exp]).pvalue > 1e-3
+
+
+def test_batch_policy_drafts_less_as_the_batch_grows():
+    """Verify cost per token rising with the batch (as on a CPU once the batch is compute-bound) drives k down,
+    to 0 where extra verified tokens stop paying; a flat cost keeps it up."""
+    def settle(cost, batch):
+        pol = BatchDraftPolicy.from_arg("auto", 8)
+        for r in range(200):
+            k = pol.next_k(batch)
+            pol.update(batch, k, [(k, k if r % 4 else 0)] * batch, cost(batch, k))
+        return pol.k_last
+
+    steep = lambda b, k: 0.005 + 0.004 * b * (k + 1)  # noqa: E731 - compute-bound: every verified token costs
+    flat = lambda b, k: 0.02 + 0.0001 * b * (k + 1)  # noqa: E731 - memory-bound: extra rows nearly free
+    assert settle(flat, 8) >= 3
+    assert settle(steep, 16) == 0 < settle(steep, 1)
+    assert BatchDraftPolicy.from_arg(None, 8).next_k(4) == 0 and BatchDraftPolicy.from_arg(3, 8).next_k(4) == 3
