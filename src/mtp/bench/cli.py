@@ -12,6 +12,7 @@ shape built in code: what the technique buys at real size on this machine.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import os
@@ -117,6 +118,8 @@ def cmd_shape(args) -> int:
         print("\n" + format_costs(full, f"the same extrapolated to the real model's {FULL_LAYERS[args.shape]} layers "
                                           f"(time outside the output head x {factor:g})"))
         print_speedups(full)
+    if args.variants:
+        tables["variants"] = compare_variants(args.shape, args.variants, iters)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"costs_{args.shape}.json"
     path.write_text(json.dumps({"shape": args.shape, "dtype": str(model.dtype), "parameters": n_params, "machine": machine_info(),
@@ -124,6 +127,26 @@ def cmd_shape(args) -> int:
                                indent=2))
     print(f"\nwrote {path}", file=sys.stderr)
     return 0
+
+
+def compare_variants(shape: str, variants: list[Variant], iters: int) -> dict:
+    """The plain decode step of the same random weights in each variant's dtype / quantization, timed in turn
+    (A B C A B C ...) so the machine's noise hits them alike. Returns {variant: seconds}."""
+    from .costmodel import _step_fns, _time_interleaved
+
+    base = build_shape_model(shape, torch.float32)
+    fns = {}
+    for v in variants:
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": torch.float32}[v.dtype]
+        m = base if dtype == torch.float32 and v.quantize is None else copy.deepcopy(base).to(dtype)
+        m.prepare_for_inference(v.quantize)
+        fns[v.name] = _step_fns(m, 1, 128, None)["plain"]
+    with torch.inference_mode():
+        med = _time_interleaved(fns, iters, 1)
+    ref = med[variants[0].name]
+    print("\nplain decode step by variant (same weights, interleaved): " + ", ".join(
+        f"{n} {t * 1e3:.1f} ms ({ref / t:.2f}x {variants[0].name})" for n, t in med.items()))
+    return {"plain_step_s": med}
 
 
 def print_speedups(costs: dict) -> None:

@@ -6,11 +6,14 @@ from torch import nn
 
 from ..config import Qwen35Config
 from .cache import KVCache, Positions
+from .linear import project
 from .norm import RMSNorm
 from .rope import apply_rope
 
 
 class GatedAttention(nn.Module):
+    fused_projections = ("q_proj", "k_proj", "v_proj")  # one matmul at inference (`linear.project`)
+
     def __init__(self, config: Qwen35Config):
         super().__init__()
         c = config
@@ -29,11 +32,12 @@ class GatedAttention(nn.Module):
         B, T, _ = x.shape
         D = self.head_dim
         # Per head the projection holds [query (D), gate (D)].
-        q, gate = self.q_proj(x).view(B, T, self.num_heads, 2 * D).chunk(2, dim=-1)
+        q, k, v = project(self, x, "q_proj", "k_proj", "v_proj")
+        q, gate = q.reshape(B, T, self.num_heads, 2 * D).chunk(2, dim=-1)
         gate = gate.reshape(B, T, self.num_heads * D)
         q = self.q_norm(q).transpose(1, 2)  # [B, A, T, D]
-        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, D)).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, D).transpose(1, 2)
+        k = self.k_norm(k.reshape(B, T, self.num_kv_heads, D)).transpose(1, 2)
+        v = v.reshape(B, T, self.num_kv_heads, D).transpose(1, 2)
         q, k = apply_rope(q, pos.cos, pos.sin), apply_rope(k, pos.cos, pos.sin)
         out = attend(q, k, v, cache, pos, D**-0.5)
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * D) * torch.sigmoid(gate)

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..config import Qwen35Config
 from .cache import DeltaSnapshot, DeltaState, Positions
+from .linear import project
 from .norm import RMSNormGated
 
 
@@ -92,6 +93,8 @@ def recurrent_gated_delta_rule(
 
 
 class GatedDeltaNet(nn.Module):
+    fused_projections = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")  # one matmul at inference
+
     def __init__(self, config: Qwen35Config):
         super().__init__()
         c = config
@@ -117,7 +120,8 @@ class GatedDeltaNet(nn.Module):
         """x [B, T, H] -> ([B, T, H], snapshot). With a cache, continue from its state and update it in place;
         `keep_states` (a verify forward) also returns every position's state, for `Cache.keep`."""
         B, T, _ = x.shape
-        qkv = self.in_proj_qkv(x).transpose(1, 2)  # [B, C, T]
+        qkv, z, b, a = project(self, x, "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+        qkv = qkv.transpose(1, 2)  # [B, C, T]
         weight = self.conv1d.weight  # [C, 1, kernel]
         window = None
         if cache is None:
@@ -148,8 +152,8 @@ class GatedDeltaNet(nn.Module):
         q, k, v = (t.transpose(1, 2).float() for t in (q, k, v))  # [B, Hv, T, d] fp32
         q = l2norm(q) * (self.head_k_dim**-0.5)
         k = l2norm(k)
-        beta = torch.sigmoid(self.in_proj_b(x).float()).transpose(1, 2)  # [B, Hv, T]
-        g = (-self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())).transpose(1, 2)
+        beta = torch.sigmoid(b.float()).transpose(1, 2)  # [B, Hv, T]
+        g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())).transpose(1, 2)
 
         snap = None
         if cache is not None and (T == 1 or keep_states):
@@ -162,7 +166,7 @@ class GatedDeltaNet(nn.Module):
             if cache is not None:
                 cache.ssm.copy_(S)
         o = o.transpose(1, 2).to(x.dtype)  # [B, T, Hv, Vd]
-        z = self.in_proj_z(x).view(B, T, self.num_v_heads, self.head_v_dim)
+        z = z.reshape(B, T, self.num_v_heads, self.head_v_dim)
         o = self.norm(o, z).reshape(B, T, self.value_dim)
         return self.out_proj(o), snap
 

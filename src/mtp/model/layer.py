@@ -13,10 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import Positions
+from .linear import project
 
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)); [..., H] -> [..., H]."""
+
+    fused_projections = ("gate_proj", "up_proj")  # one matmul at inference (`linear.project`)
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
@@ -25,7 +28,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(self, x, "gate_proj", "up_proj")
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -69,6 +69,42 @@ class FastLinear(nn.Linear):
         return None if self.bias is None else self.bias.to(torch.bfloat16)
 
 
+class FusedProjections:
+    """Several prepared linear layers that read the same input, run as ONE prepared matmul over their concatenated
+    weights (fewer, larger kernel calls per decoding step: q|k|v, gate|up, the Gated DeltaNet's four input
+    projections). Held as a plain attribute of the module that owns the layers, never a submodule, so parameter
+    names and the state dict do not change. Used only while every part is prepared, unchanged and grad is off."""
+
+    def __init__(self, parts: list[FastLinear]):
+        self.parts = parts
+        self.sizes = [p.out_features for p in parts]
+        weight = torch.cat([p.weight.detach() for p in parts], dim=0)
+        bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
+        self.fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+        self.fused.weight = nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            self.fused.bias = nn.Parameter(bias, requires_grad=False)
+        FastLinear.wrap(self.fused, parts[0].kernel)
+        self.versions = [p.weight._version for p in parts]
+
+    def usable(self) -> bool:
+        return (not torch.is_grad_enabled() and all(p.kernel == self.fused.kernel for p in self.parts)
+                and [p.weight._version for p in self.parts] == self.versions)
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x [..., in] -> one output per part, [..., out_i]."""
+        return list(self.fused(x).split(self.sizes, dim=-1))
+
+
+def project(module: nn.Module, x: torch.Tensor, *names: str) -> list[torch.Tensor]:
+    """The outputs of `module`'s linear layers `names` on the same input x: through their fused form when
+    `prepare_for_inference` built one (`module._fused`), else one by one."""
+    fused = module.__dict__.get("_fused")
+    if fused is not None and fused.usable():
+        return fused(x)
+    return [getattr(module, n)(x) for n in names]
+
+
 def prepare_for_inference(model: nn.Module, kernel: str, skip: tuple[str, ...] = ()) -> int:
     """Swap every nn.Linear of `model` (but those whose name ends with one of `skip`) for a FastLinear prepared for
     `kernel`. Returns how many layers were prepared. Parameters, names and the state dict do not change."""
@@ -82,4 +118,8 @@ def prepare_for_inference(model: nn.Module, kernel: str, skip: tuple[str, ...] =
             else:
                 FastLinear.wrap(m, kernel)
             n += 1
+    for m in model.modules():
+        names = getattr(m, "fused_projections", None)
+        if names and all(isinstance(getattr(m, x), FastLinear) and getattr(m, x).kernel == kernel for x in names):
+            m.__dict__["_fused"] = FusedProjections([getattr(m, x) for x in names])
     return n

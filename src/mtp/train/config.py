@@ -13,6 +13,7 @@ from .loss import SCHEDULES
 MODES = ("pretrain", "heads", "finetune")
 HEADS_TARGETS = ("tokens", "self")
 DEVICES = ("auto", "cpu", "cuda", "mps")
+STRATEGIES = ("ddp", "fsdp")
 
 
 @dataclass
@@ -48,6 +49,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"                # auto (cuda when available, else cpu) | cpu | cuda | mps
     threads: int | None = None
+    strategy: str = "ddp"               # under torchrun: ddp (replicate) | fsdp (FSDP2: shard weights, grads, optimizer)
     eval_every: int = 50
     eval_seqs: int = 64                 # validation windows per evaluation
     eval_batch: int = 8
@@ -86,6 +88,8 @@ class TrainConfig:
             raise ConfigError(f"train config key 'mtp_depth' must be >= 0, got {self.mtp_depth}")
         if self.device not in DEVICES:
             raise ConfigError(f"train config key 'device' is {self.device!r}; expected one of {DEVICES}")
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"train config key 'strategy' is {self.strategy!r}; expected one of {STRATEGIES}")
         if not self.data:
             raise ConfigError("train config key 'data' (a folder built by `mtp data`) is required")
         if not self.out:

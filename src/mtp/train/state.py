@@ -39,9 +39,12 @@ def copy_tokenizer(src: str | Path | None, dst: Path) -> None:
             shutil.copyfile(Path(src) / name, dst / name)
 
 
-def save_checkpoint(out: Path, step: int, model, optimizer, extra: dict, tokenizer_dir: str | Path | None,
-                    keep: int = 2) -> Path:
-    """Write out/checkpoints/step-XXXXXX atomically, point out/latest at it, prune to `keep` checkpoints."""
+def save_checkpoint(out: Path, step: int, model, optimizer: torch.optim.Optimizer | dict, extra: dict,
+                    tokenizer_dir: str | Path | None, keep: int = 2) -> Path:
+    """Write out/checkpoints/step-XXXXXX atomically, point out/latest at it, prune to `keep` checkpoints.
+
+    `model`: an unsharded model (`save_model` writes it); `optimizer`: the optimizer, or the state dict the caller
+    already gathered into `optimizer.state_dict()`'s layout (FSDP: the full state, collected on rank 0)."""
     root = out / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
@@ -50,7 +53,8 @@ def save_checkpoint(out: Path, step: int, model, optimizer, extra: dict, tokeniz
     tmp.mkdir()
     save_model(model, tmp)
     copy_tokenizer(tokenizer_dir, tmp)
-    torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": rng_state(), **extra}, tmp / STATE)
+    opt_state = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
+    torch.save({"step": step, "optimizer": opt_state, "rng": rng_state(), **extra}, tmp / STATE)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
