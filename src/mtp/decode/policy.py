@@ -82,8 +82,9 @@ class DraftPolicy:
             return best_k + 1
         return best_k
 
-    def update(self, k: int, n: int, t_draft: float, t_verify: float) -> None:
-        """After a round that drafted k, accepted n, and took these times (seconds)."""
+    def update(self, k: int, n: int, t_draft: float | None, t_verify: float) -> None:
+        """After a round that drafted k, accepted n, and took these times (seconds). t_draft None: the round's draft
+        time says nothing about drafting (the first round's includes the MTP reading the whole prompt)."""
         while len(self.offered) < k:
             self.offered.append(0.0)
             self.accepted.append(0.0)
@@ -95,7 +96,7 @@ class DraftPolicy:
         for j in range(n):
             self.accepted[j] += 1
         ema = lambda old, new: new if old is None else 0.8 * old + 0.2 * new  # noqa: E731
-        if k >= 1:
+        if k >= 1 and t_draft is not None:
             if k == 1:
                 self.t_first = ema(self.t_first, t_draft)
             elif self.t_first is not None:

@@ -100,7 +100,8 @@ def speculative_decode(session: Session, draft_tokens: int | str, vocab: DraftVo
         cache.keep(verified, n + 1)
         drafter.commit(verified.hidden[:, : n + 1], drafts[:n] + [nxt])
         stats.record_step(k, n)
-        policy.update(k, n, t_draft, t_verify)
+        # the first round's draft time includes the MTP reading the whole prompt: not a draft cost
+        policy.update(k, n, t_draft if stats.backbone_forwards > 1 else None, t_verify)
         out = session.emit(drafts[:n] + [nxt], ["draft"] * n + ["plain" if k == 0 else "bonus" if n == k else "correction"])
         stats.time_other += time.perf_counter() - t
         if out:

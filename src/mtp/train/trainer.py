@@ -1,4 +1,4 @@
-"""The trainer: pretrain / heads / finetune with the MTP objective, single process or `torchrun` (DDP).
+"""The trainer: pretrain / heads / finetune with the MTP objective, single process or `torchrun` (DDP or FSDP).
 
 One optimizer step = `grad_accum` micro-batches per process; the global batch is
 micro_batch x grad_accum x world_size sequences of `seq_len` tokens. AdamW, linear warm-up then cosine,
@@ -8,6 +8,12 @@ are restored from the newest checkpoint.
 
 Devices: `device` auto = cuda when available, else cpu (mps when asked). Under torchrun each process takes
 `cuda:LOCAL_RANK` and nccl on CUDA, gloo on CPU.
+
+Strategy under torchrun (`strategy`): ddp replicates the model in every process; fsdp (FSDP2 `fully_shard`, CUDA
+or CPU/gloo) shards weights, gradients and optimizer state over the processes: each backbone decoder layer, each
+MTP layer, then the objective wrapper as the root (embeddings, the tied head, norms). Checkpoints are the same
+under both: rank 0 gathers the full weights (HF layout) and the full optimizer state in `optimizer.state_dict()`'s
+layout, so a run may resume under either strategy or in one process.
 """
 
 from __future__ import annotations
@@ -139,6 +145,7 @@ class Run:
     tokens: int = 0
     rows: list[dict] = field(default_factory=list)
     last_val: dict = field(default_factory=dict)
+    fsdp_root: nn.Module | None = None  # the FSDP2 root (the objective) under strategy fsdp with > 1 process
 
     @property
     def main_proc(self) -> bool:
@@ -147,6 +154,10 @@ class Run:
     @property
     def distributed(self) -> bool:
         return self.world > 1
+
+    @property
+    def sharded(self) -> bool:
+        return self.fsdp_root is not None
 
     @property
     def tokens_per_step(self) -> int:
@@ -177,31 +188,125 @@ def setup(cfg: TrainConfig) -> Run:
     train_data = TokenShards(cfg.data, "train")
     batches = Batches(train_data, cfg.seq_len, cfg.seed)
     val_batches = Batches(TokenShards(cfg.data, "val"), cfg.seq_len, cfg.seed).fixed(cfg.eval_seqs, cfg.eval_batch)
-    model = build_model(cfg, train_data.vocab_size, train_data.eos_token_id).to(device)
+    sharded = cfg.strategy == "fsdp" and world > 1  # one process: nothing to shard, the plain path
+    model = build_model(cfg, train_data.vocab_size, train_data.eos_token_id)
+    if not sharded:  # fully_shard moves each shard to the device itself: the whole model never sits on one GPU
+        model = model.to(device)
     depth = 0 if model.mtp is None else (model.mtp.num_layers if cfg.mtp_depth is None else cfg.mtp_depth)
     train_backbone = cfg.mode != "heads"
     if not train_backbone:
         for n, p in model.named_parameters():
             p.requires_grad_(n.startswith("mtp."))
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(_param_groups(params, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas)
 
     model.train()
     model.gradient_checkpointing = cfg.gradient_checkpointing
     runner: nn.Module = Objective(model, train_backbone, cfg.heads_target == "self", cfg.checkpoint_logits,
                                   torch.bfloat16 if cfg.bf16 else None)
-    if world > 1:
+    fsdp_root = None
+    if sharded:
+        fsdp_root = runner = shard_fsdp(runner, device, world)
+        if rank == 0:
+            local = sum(p.to_local().numel() for p in model.parameters())
+            total = sum(p.numel() for p in model.parameters())
+            print(f"mtp train: fsdp over {world} processes ({dist.get_backend()}, {device.type}): "
+                  f"{local:,} of {total:,} parameters held by rank 0", flush=True)
+    elif world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         runner = DDP(runner, device_ids=[device.index] if device.type == "cuda" else None,
                      find_unused_parameters=depth < model.mtp.num_layers if model.mtp is not None else False)
+    # after fully_shard, which replaces every parameter by its sharded DTensor (DDP keeps them)
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(_param_groups(params, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas)
     if cfg.compile:
         runner = torch.compile(runner)
     tokenizer_dir = cfg.data if (Path(cfg.data) / "tokenizer.json").exists() else cfg.init
     run = Run(cfg, Path(cfg.out), rank, world, device, model, runner, optimizer, params, batches, val_batches,
-              depth, tokenizer_dir)
+              depth, tokenizer_dir, fsdp_root=fsdp_root)
     resume(run)
     return run
+
+
+def shard_fsdp(objective: Objective, device: torch.device, world: int) -> nn.Module:
+    """FSDP2 over the `world` processes: each backbone decoder layer (`model.model.layers[i]`), each MTP layer
+    (`model.mtp.layers[i]`), then the objective as the root, which holds the rest: the embedding and the head tied
+    to it (one parameter, one shard), norms, the MTP fc. Returns the objective, now an FSDPModule; its parameters
+    are DTensors on `device`.
+
+    The root is the wrapper, not the CausalLM: the objective calls model.hidden / head / mtp_hidden_states, never
+    model.forward, and FSDP gathers a module's own parameters in that module's forward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world,))
+    model = objective.model
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    if model.mtp is not None:
+        for layer in model.mtp.layers:
+            fully_shard(layer, mesh=mesh)
+    fully_shard(objective, mesh=mesh)
+    return objective
+
+
+def _param_order(run: Run) -> list[str]:
+    """Names of the optimizer's parameters in the order `optimizer.state_dict()` numbers them (group by group)."""
+    names = {id(p): n for n, p in run.params}
+    return [names[id(p)] for g in run.optimizer.param_groups for p in g["params"]]
+
+
+def _optimizer_by_index(state: dict, order: list[str]) -> dict:
+    """A full optimizer state keyed by parameter name (torch.distributed.checkpoint) -> `optimizer.state_dict()`'s
+    layout (keyed 0..n-1 in `order`), the layout every checkpoint keeps."""
+    index = {n: i for i, n in enumerate(order)}
+    return {"state": {index[n]: v for n, v in state["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]}
+
+
+def _optimizer_by_name(state: dict, order: list[str]) -> dict:
+    """The inverse of `_optimizer_by_index`."""
+    return {"state": {order[i]: v for i, v in state["state"].items()},
+            "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]}
+
+
+def _full_model(run: Run) -> CausalLM | None:
+    """FSDP: gather the full weights to rank 0 (a collective: every rank calls it) -> on rank 0 an unsharded CPU
+    model holding them (for `save_model`), None elsewhere."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(run.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not run.main_proc:
+        return None
+    m = run.model
+    with torch.device("meta"):
+        plain = type(m)(m.config, with_mtp=m.mtp is not None)
+    plain.load_state_dict(state, assign=True)
+    if getattr(m.config, "tie_word_embeddings", False):  # assign=True replaces parameters one by one: tie again
+        plain.lm_head.weight = plain.model.embed_tokens.weight
+    plain.source_path, plain.checkpoint_layout, plain.tokenizer = m.source_path, m.checkpoint_layout, m.tokenizer
+    return plain
+
+
+def _full_optimizer_state(run: Run) -> dict | None:
+    """FSDP: gather the full optimizer state to rank 0 (a collective) -> `optimizer.state_dict()`'s layout on rank 0,
+    None elsewhere."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(run.model, run.optimizer,
+                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return _optimizer_by_index(state, _param_order(run)) if run.main_proc else None
+
+
+def _load_sharded(run: Run, ckpt: Path, optimizer_state: dict) -> None:
+    """FSDP resume: rank 0 reads the full weights (HF folder) and takes the full optimizer state; both are broadcast
+    and each rank keeps its shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    weights = load_model(ckpt, dtype="float32").state_dict() if run.main_proc else {}
+    set_model_state_dict(run.model, weights, options=opts)
+    optim = _optimizer_by_name(optimizer_state, _param_order(run)) if run.main_proc else {}
+    set_optimizer_state_dict(run.model, run.optimizer, optim, options=opts)
 
 
 def resume(run: Run) -> None:
@@ -210,7 +315,11 @@ def resume(run: Run) -> None:
     if run.main_proc:
         out.mkdir(parents=True, exist_ok=True)
     ckpt = latest_checkpoint(out) if out.exists() else None
-    if ckpt is not None:
+    if ckpt is not None and run.sharded:
+        # mmap: only rank 0 reads the optimizer tensors (then broadcasts them); the others need step and RNG
+        st = torch.load(ckpt / STATE, weights_only=False, map_location="cpu", mmap=True)
+        _load_sharded(run, ckpt, st["optimizer"])
+    elif ckpt is not None:
         loaded = load_model(ckpt, dtype="float32")
         with torch.no_grad():
             own = dict(run.model.named_parameters())
@@ -218,6 +327,7 @@ def resume(run: Run) -> None:
                 own[n].copy_(p)
         st = torch.load(ckpt / STATE, weights_only=False, map_location=run.device)
         run.optimizer.load_state_dict(st["optimizer"])
+    if ckpt is not None:
         set_rng_state(st["rng"])
         run.step, run.tokens = st["step"], st["tokens"]
     metrics_path = out / "metrics.jsonl"
@@ -243,13 +353,19 @@ def train_step(run: Run) -> tuple[float, list[float], float, list[float], float,
         ids = run.batches.micro_batch(run.step, micro, cfg.micro_batch, cfg.grad_accum, run.rank, run.world)
         ids = ids.to(run.device, non_blocking=True)
         last = micro == cfg.grad_accum - 1
-        sync = nullcontext() if not run.distributed or last else run.runner.no_sync()
+        if run.sharded:  # FSDP2's no_sync: keep the unsharded gradients until the last micro-batch reduce-scatters
+            run.fsdp_root.set_requires_gradient_sync(last)
+            sync = nullcontext()
+        else:
+            sync = nullcontext() if not run.distributed or last else run.runner.no_sync()
         with sync:
             res = run.runner(ids, w)
             (res[0] / cfg.grad_accum).backward()
         sums += res[1:].detach().double() / cfg.grad_accum
     clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_([p for _, p in run.params], clip)
+    if hasattr(grad_norm, "full_tensor"):  # FSDP: a replicated DTensor
+        grad_norm = grad_norm.full_tensor()
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.step += 1
@@ -262,10 +378,17 @@ def train_step(run: Run) -> tuple[float, list[float], float, list[float], float,
 
 
 def validate(run: Run, bar) -> None:
-    """Evaluate on the fixed validation windows (main process) and log the metrics."""
+    """Evaluate on the fixed validation windows (main process; under FSDP every process, as the layers' weights are
+    gathered in their forward) and log the metrics (main process)."""
+    metrics = None
+    if run.sharded:
+        run.fsdp_root.unshard()  # the root's own weights (embeddings, head, norms): evaluate never calls its forward
+        metrics = evaluate(run.model, run.val_batches, run.depth)
+        run.fsdp_root.reshard()
+    elif run.main_proc:
+        metrics = evaluate(run.model, run.val_batches, run.depth)
     if run.main_proc:
-        run.last_val = {"split": "val", "step": run.step, "tokens": run.tokens,
-                        **evaluate(run.model, run.val_batches, run.depth)}
+        run.last_val = {"split": "val", "step": run.step, "tokens": run.tokens, **metrics}
         run.log(run.last_val)
         v = run.last_val
         bar.write(f"step {run.step}: val loss {v['loss']:.4f}"
@@ -276,9 +399,10 @@ def validate(run: Run, bar) -> None:
 
 
 def save(run: Run) -> None:
-    """Checkpoint (main process, atomically) and redraw the plot."""
+    """Checkpoint (main process, atomically; under FSDP gathered to it first) and redraw the plot."""
+    model, optimizer = (_full_model(run), _full_optimizer_state(run)) if run.sharded else (run.model, run.optimizer)
     if run.main_proc:
-        save_checkpoint(run.out, run.step, run.model, run.optimizer, {"tokens": run.tokens, "config": run.cfg.to_dict()},
+        save_checkpoint(run.out, run.step, model, optimizer, {"tokens": run.tokens, "config": run.cfg.to_dict()},
                         run.tokenizer_dir, run.cfg.keep_checkpoints)
         plot_metrics(run.out, run.rows)
     if run.distributed:
@@ -295,10 +419,11 @@ def _out_of_time(run: Run, t_start: float) -> bool:
 
 
 def finish(run: Run, stopped_early: bool) -> None:
-    """Write the final HF-layout model (main process) and the plot."""
+    """Write the final HF-layout model (main process; under FSDP gathered to it first) and the plot."""
+    model = _full_model(run) if run.sharded else run.model
     if run.main_proc:
         final = run.out / "model"
-        save_model(run.model, final, dtype=run.cfg.save_dtype)
+        save_model(model, final, dtype=run.cfg.save_dtype)
         copy_tokenizer(run.tokenizer_dir, final)
         plot_metrics(run.out, run.rows)
         if stopped_early:
