@@ -41,10 +41,14 @@ def percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q / 100 * len(s) + 0.5) - 1))]
 
 
+# greedy without the model's default repetition penalty (generation_config.json), so every mode decodes the same text
+PURE_GREEDY = {"repetition_penalty": 1.0}
+
+
 def one_request(client: openai.OpenAI, model: str, i: int, prompt: str, max_tokens: int) -> int:
     """Request number i (kind = i mod 4); returns the completion tokens."""
     kind = i % 4
-    common = dict(model=model, max_tokens=max_tokens, temperature=0)
+    common = dict(model=model, max_tokens=max_tokens, temperature=0, extra_body=PURE_GREEDY)
     if kind == 0:
         return client.completions.create(prompt=prompt, **common).usage.completion_tokens
     if kind == 1:
@@ -162,7 +166,8 @@ class Server:
 
 def completion(client: openai.OpenAI, model: str, prompt: str, max_tokens: int) -> int:
     """One greedy completion; returns its completion tokens."""
-    return client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0).usage.completion_tokens
+    return client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                     extra_body=PURE_GREEDY).usage.completion_tokens
 
 
 def level(base_url: str, api_key: str, model: str, prompts: list[str], clients: int, per_client: int, max_tokens: int,

@@ -73,3 +73,28 @@ def test_a_missing_extra_is_one_line_naming_it():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode != 0
     assert proc.stderr == "mtp: this command needs the 'serve' extra (fastapi not installed): pip install \"mtp[serve]\"\n"
+
+
+def test_generation_config_supplies_the_defaults_a_command_leaves_out(model_dir, tmp_path):
+    import shutil
+
+    folder = tmp_path / "with-defaults"
+    shutil.copytree(model_dir, folder)
+    # do_sample false: greedy, temperature ignored (as transformers), the penalty applies
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"do_sample": False, "temperature": 0.7, "repetition_penalty": 0.3, "eos_token_id": 0}))
+    model = mtp.load_model(folder)
+    ids = model.tokenizer.encode("def add(a, b):")
+    penalised = mtp.generate(model, ids, max_new_tokens=24, repetition_penalty=0.3)
+    plain = mtp.generate(model, ids, max_new_tokens=24)
+    assert penalised.tokens != plain.tokens                  # the default is visible in the output
+    for extra, want in (([], penalised), (["--repetition-penalty", "1"], plain)):
+        proc = run_cli("generate", "--model", str(folder), "--prompt", "def add(a, b):", "--max-new-tokens", "24",
+                       "--json", "--threads", "1", *extra)
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["tokens"] == want.tokens
+    mtp.save_model(model, tmp_path / "saved")                # the file travels with the weights
+    assert json.loads((tmp_path / "saved" / "generation_config.json").read_text())["repetition_penalty"] == 0.3
+    (folder / "generation_config.json").write_text(json.dumps({"repetition_penalty": "high"}))
+    proc = run_cli("generate", "--model", str(folder), "--prompt", "x", "--threads", "1")
+    assert proc.returncode != 0 and "repetition_penalty='high' is not a valid repetition_penalty" in proc.stderr

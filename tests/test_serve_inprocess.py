@@ -66,3 +66,23 @@ def test_a_generation_that_fails_midway_is_reported_and_frees_its_slot(engine, m
     assert engine.active == 0
     monkeypatch.undo()
     assert post(app, "/v1/completions", body).json()["usage"]["completion_tokens"] == 5
+
+
+def test_fields_a_request_leaves_out_come_from_generation_config(tmp_path):
+    folder = build_model_dir(tmp_path / "defaults", chat_template=False)
+    (folder / "generation_config.json").write_text('{"do_sample": false, "repetition_penalty": 0.3}')
+    model = mtp.load_model(folder)
+    eng = Engine(model, draft_tokens=None, max_concurrency=2)
+    try:
+        app = create_app(eng, "defaults")
+        ids = model.tokenizer.encode("def add(a, b):")
+        for body, rp in (({}, 0.3), ({"repetition_penalty": 1.0}, 1.0)):
+            r = post(app, "/v1/completions", {"model": "defaults", "prompt": "def add(a, b):", "max_tokens": 16,
+                                              "temperature": 0, **body})
+            assert r.status_code == 200, r.text
+            want = mtp.generate(model, ids, max_new_tokens=16, repetition_penalty=rp)
+            assert r.json()["choices"][0]["text"] == want.text.removesuffix("<|endoftext|>")
+        assert mtp.generate(model, ids, max_new_tokens=16, repetition_penalty=0.3).tokens != \
+            mtp.generate(model, ids, max_new_tokens=16).tokens
+    finally:
+        eng.shutdown()

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TextIO
 
 from .bench.cli import register as register_bench
-from .cli_common import add_model_args, add_sampling_args, load_from_args
+from .cli_common import add_model_args, add_sampling_args, load_from_args, sampling_kwargs
 from .data.cli import register as register_data
 from .serve.cli import register as register_serve
 from .train.cli import register as register_train
@@ -98,8 +98,7 @@ def cmd_generate(args) -> int:
     if args.chat:
         prompt = tok.apply_chat_template([{"role": "user", "content": prompt}])
     ids = tok.encode(prompt)
-    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-              top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+    kw = dict(max_new_tokens=args.max_new_tokens, **sampling_kwargs(args, model), seed=args.seed,
               stop=args.stop, draft_tokens=args.draft_tokens, draft_vocab=args.draft_vocab)
     t0 = time.perf_counter()
     s = stream(model, ids, **kw)

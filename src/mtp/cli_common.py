@@ -102,10 +102,13 @@ def auto_threads() -> int:
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    # None = the model's generation_config.json, else greedy without a penalty (io/generation_config.py)
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default, unless the model's "
+                   "generation_config.json samples)")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="1 = none (default: the model's generation_config.json, else 1)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--draft-tokens", type=parse_draft_tokens, default="auto",
                    help="MTP drafts per step: 0 = plain decoding, 1..8, or 'auto' (default)")
@@ -117,3 +120,16 @@ def add_draft_vocab_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="draft over the N most frequent tokens (token_frequencies.json beside the model); "
                         "output is unchanged, the draft head is V/N times cheaper")
+
+
+def sampling_kwargs(args, model) -> dict:
+    """temperature / top_k / top_p / repetition_penalty: the flags given, else the model folder's
+    generation_config.json, else greedy without a penalty."""
+    from .io.generation_config import sampling_defaults
+
+    out = {"temperature": 0.0, "top_k": None, "top_p": None, "repetition_penalty": 1.0}
+    out.update(sampling_defaults(model.source_path))
+    for key in out:
+        if getattr(args, key) is not None:
+            out[key] = getattr(args, key)
+    return out

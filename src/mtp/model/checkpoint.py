@@ -25,10 +25,10 @@ from .families import config_from_json, model_class_for
 from .moe import Stack
 
 log = logging.getLogger("mtp")
-# Files that travel with the weights: the tokenizer, the chat template, and the token counts that reduced-vocabulary
-# drafting reads.
+# Files that travel with the weights: the tokenizer, the chat template, the default sampling parameters, and the
+# token counts that reduced-vocabulary drafting reads.
 COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-                   "token_frequencies.json")
+                   "generation_config.json", "token_frequencies.json")
 DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                "float16": torch.float16, "fp16": torch.float16}
 

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from .. import __version__
+from ..io.generation_config import sampling_defaults
 from . import protocol as P
 from .engine import Engine, GenerationParams, Job
 from .errors import APIError, install_error_handlers
@@ -46,6 +47,8 @@ class Server:
         self.metrics = metrics
         self._counted: weakref.WeakSet[Job] = weakref.WeakSet()  # jobs already in the metrics (finish runs twice for streams)
         self.tok = engine.tokenizer
+        # what a request leaves out comes from the model's generation_config.json, as in vLLM
+        self.sampling_defaults = sampling_defaults(getattr(engine.model, "source_path", None))
         self.model_card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "mtp",
                            "max_model_len": engine.context, "draft_tokens": engine.draft_tokens}
 
@@ -96,9 +99,13 @@ class Server:
         elif max_tokens > room:
             raise APIError(400, f"max_tokens={max_tokens} plus the prompt's {n_prompt} tokens exceeds the context of "
                                 f"{self.engine.context} tokens (at most {room} new tokens fit)", param="max_tokens")
-        return GenerationParams(max_tokens=max_tokens, temperature=body.temperature,
-                                top_p=None if body.top_p >= 1.0 else body.top_p, top_k=body.top_k,
-                                repetition_penalty=body.repetition_penalty, seed=body.seed, stop=body.stop,
+        given = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "repetition_penalty")
+                 if k in body.model_fields_set}
+        s = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
+             "repetition_penalty": body.repetition_penalty} | self.sampling_defaults | given
+        return GenerationParams(max_tokens=max_tokens, temperature=s["temperature"],
+                                top_p=None if s["top_p"] >= 1.0 else s["top_p"], top_k=s["top_k"],
+                                repetition_penalty=s["repetition_penalty"], seed=body.seed, stop=body.stop,
                                 ignore_eos=body.ignore_eos)
 
     # ---- admission and the job's life --------------------------------------------------------------------
