@@ -21,13 +21,13 @@ CODE = '''def read_config(path):
 def test_default_model_files_and_size():
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md"):
         assert (MODEL / name).exists(), name
-    assert (MODEL / "model.safetensors").stat().st_size <= 40 * 2**20
+    assert sum(f.stat().st_size for f in MODEL.iterdir()) <= 80 * 2**20       # the folder, plot included
 
 
 @torch.no_grad()
 def test_default_model_matches_transformers():
     transformers = pytest.importorskip("transformers")
-    model = mtp.load_model(MODEL)
+    model = mtp.load_model(MODEL, dtype="float32")                     # the weights are bf16: compare in fp32
     assert model.has_mtp and model.tokenizer is not None and model.config.mtp_num_hidden_layers == 1
     ids = torch.tensor([model.tokenizer.encode(CODE)])
     hf = transformers.Qwen3_5ForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()

@@ -117,9 +117,10 @@ _SMALL_MODEL = dict(
 
 PRESETS: dict[str, dict] = {
     # The shipped default model (models/code-small): trained on the stdlib corpus on 2 CPU cores.
-    # 20.2M parameters, bf16 autocast + compiled objective, 2 threads; ~1.2 epochs of the stdlib in ~2.3 h.
+    # 20.2M parameters, bf16 autocast + compiled objective, 2 threads; 6.1M tokens (0.74 epoch), about 1.4 h
+    # on this machine alone (models/code-small/README.md has the exact run).
     "code-small": dict(mode="pretrain", model=_SMALL_MODEL, seq_len=512, micro_batch=4, grad_accum=1,
-                       max_steps=4800, lr=1.5e-3, warmup_steps=100, min_lr_ratio=0.1, weight_decay=0.1,
+                       max_steps=3000, lr=1.5e-3, warmup_steps=100, min_lr_ratio=0.1, weight_decay=0.1,
                        mtp_schedule="deepseek", mtp_lambda=0.3, eval_every=400, eval_seqs=128, save_every=200,
                        bf16=True, compile=True, threads=2),
     # A few-second run for smoke tests and the experiments' shape.
