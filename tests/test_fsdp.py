@@ -1,11 +1,13 @@
 """strategy=fsdp (FSDP2 `fully_shard`) under torchrun, on CPU with gloo: 2 processes == 1 process (losses, weights,
-optimizer state), the HF model folder loads with the embedding still tied, and a kill + resume is bit-exact."""
+optimizer state), the HF model folder loads with the embedding still tied, a kill + resume is bit-exact, and a
+one-process checkpoint continues under FSDP."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -124,6 +126,25 @@ def test_fsdp_exact_resume_after_kill(runs, data, tmp_path):
     assert sa.keys() == sb.keys()
     for k in sa:
         assert torch.equal(sa[k], sb[k]), k                                      # bit-exact
+
+
+@pytest.mark.slow
+def test_one_process_checkpoint_resumes_under_fsdp(runs, data, tmp_path):
+    one, _, _ = runs
+    moved = tmp_path / "moved"                  # the one-process run, rolled back to its step-4 checkpoint
+    (moved / "checkpoints").mkdir(parents=True)
+    shutil.copytree(one / "checkpoints" / "step-000004", moved / "checkpoints" / "step-000004")
+    shutil.copyfile(one / "metrics.jsonl", moved / "metrics.jsonl")
+    (moved / "latest").write_text("step-000004\n")
+    r = torchrun(CLI, [*common(data), f"out={moved}", *FSDP_2X2])
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    a, b = rows(one), rows(moved)
+    assert [r["step"] for r in b] == list(range(1, 7))
+    for x, y in zip(a[4:], b[4:]):                                       # steps 5, 6: continued under FSDP
+        assert x["main"] == pytest.approx(y["main"], rel=1e-5) and x["mtp"] == pytest.approx(y["mtp"], rel=1e-5)
+    sa, sb = tensors(one / "model"), tensors(moved / "model")
+    for k in sa:
+        torch.testing.assert_close(sb[k], sa[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
 def test_strategy_is_validated(data, tmp_path):
