@@ -135,3 +135,47 @@ def test_batch_policy_drafts_less_as_the_batch_grows():
     assert settle(flat, 8) >= 3
     assert settle(steep, 16) == 0 < settle(steep, 1)
     assert BatchDraftPolicy.from_arg(None, 8).next_k(4) == 0 and BatchDraftPolicy.from_arg(3, 8).next_k(4) == 3
+
+
+def test_rounds_without_drafts_skip_the_mtp_and_it_catches_up_later(models, monkeypatch):
+    """A round with k = 0 runs no MTP forward (auto turns drafting off at large batches to save that cost); the MTP
+    reads the positions it skipped in the next drafting round, so its drafts are as good as when it reads every round
+    and the outputs stay the solo outputs."""
+    model = models["fp32"]
+    requests = greedy_requests(8, 6, seed=5)
+    calls = {"n": 0}
+    real_step = type(model).mtp_step
+
+    def counting(self, *a, **kw):
+        calls["n"] += 1
+        return real_step(self, *a, **kw)
+
+    monkeypatch.setattr(type(model), "mtp_step", counting)
+    rates = {}
+    for pattern in ([3], [0, 0, 0, 3]):
+        it = iter(pattern * 10_000)
+        monkeypatch.setattr(BatchDraftPolicy, "next_k", lambda self, batch, it=it: next(it))
+        calls["n"] = 0
+        sessions = run_batched(model, requests, "auto")
+        for (prompt, max_new, _, _), s in zip(requests, sessions):
+            assert s.new_tokens == mtp.generate(model, prompt, max_new_tokens=max_new, draft_tokens=None).tokens
+        drafted = sum(s.stats.drafted[0] for s in sessions if s.stats.drafted)       # first draft position
+        accepted = sum(s.stats.accepted[0] for s in sessions if s.stats.drafted)
+        rates[tuple(pattern)] = (accepted / drafted, calls["n"])
+    (rate_every, calls_every), (rate_skip, calls_skip) = rates[(3,)], rates[(0, 0, 0, 3)]
+    assert calls_skip < calls_every / 2                   # the k = 0 rounds ran no MTP step
+    assert rate_skip > rate_every - 0.1, rates              # drafts after a skipped stretch are no worse
+
+
+def test_batch_policy_carries_costs_over_to_unseen_batch_sizes():
+    """Costs measured at small batches predict a batch size never seen (a linear fit in B and B*k): with a
+    compute-bound cost, a large batch starts at k = 0 instead of drafting until it has measured itself."""
+    pol = BatchDraftPolicy.from_arg("auto", 8)
+    steep = lambda b, k: 0.005 + 0.004 * b * (k + 1)  # noqa: E731
+    for b in (1, 2):
+        for k in (0, 1, 2):
+            pol.update(b, k, [(k, k)] * b, steep(b, k))          # every draft accepted so far
+    assert pol.next_k(1) >= 1                                    # one sequence: drafting pays
+    assert pol.next_k(16) == 0                                   # 16: the fit says verifying extra tokens does not
+    fit = pol.fit()
+    assert fit is not None and pol.round_time(16, 2, fit) == pytest.approx(steep(16, 2), rel=1e-6)

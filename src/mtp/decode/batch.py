@@ -169,7 +169,10 @@ class BatchDecoder:
         k = self.policy.next_k(D)
         ks = [max(0, min(k, s.session.max_new - len(s.session.new_tokens) - 1)) for s in seqs]
         K = max(ks)
-        drafts, q_rows = self._draft(seqs, ks, K) if self.mtp_cache is not None else ([[] for _ in seqs], [[] for _ in seqs])
+        if self.mtp_cache is not None and K > 0:
+            drafts, q_rows = self._draft(seqs, ks, K)
+        else:  # no drafts this round: the MTP reads the kept positions when drafting resumes, not now
+            drafts, q_rows = [[] for _ in seqs], [[] for _ in seqs]
         t_draft = time.perf_counter() - t0
 
         # 2. verify: one forward over [D, K + 1]
@@ -194,8 +197,12 @@ class BatchDecoder:
         out = []
         for b, (s, (n, nxt)) in enumerate(zip(seqs, result)):
             if self.mtp_cache is not None:
-                s.pending = verified.hidden[b, : n + 1]
-                s.pending_next = drafts[b][:n] + [nxt]
+                if K == 0:  # nothing was drafted, so the MTP has not read the pending positions: keep them
+                    s.pending = torch.cat([s.pending, verified.hidden[b, :1]])
+                    s.pending_next = s.pending_next + [nxt]
+                else:
+                    s.pending = verified.hidden[b, : n + 1]
+                    s.pending_next = drafts[b][:n] + [nxt]
             st = s.session.stats
             st.backbone_forwards += 1
             st.record_step(ks[b], n)

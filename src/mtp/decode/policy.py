@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class DraftPolicy:
@@ -139,10 +141,24 @@ class BatchDraftPolicy:
             return (self.accepted[j - 1] + 1.4) / (self.offered[j - 1] + 2.0)  # a prior of 0.7 worth 2 rounds
         return self.acceptance(j - 1) if j > 1 else 0.7
 
-    def round_time(self, batch: int, k: int) -> float | None:
-        """Estimated seconds of a round of `batch` sequences drafting k."""
+    def fit(self) -> tuple[float, float, float] | None:
+        """Least squares t = a + b*B + c*B*k over every (B, k) measured so far (a round verifies B(k+1) tokens and
+        drafts B*k), so a batch size seen rarely borrows what the others measured; None until the points pin it down."""
+        pts = list(self.times.items())
+        if len({b for (b, _), _ in pts}) < 2 or len({k for (_, k), _ in pts}) < 2:
+            return None
+        x = torch.tensor([[1.0, b, b * k] for (b, k), _ in pts], dtype=torch.float64)
+        y = torch.tensor([[t] for _, t in pts], dtype=torch.float64)
+        coef = torch.linalg.lstsq(x, y).solution[:, 0].tolist()
+        return (coef[0], coef[1], coef[2]) if min(coef[1:]) >= 0 else None
+
+    def round_time(self, batch: int, k: int, fit: tuple[float, float, float] | None = None) -> float | None:
+        """Estimated seconds of a round of `batch` sequences drafting k: measured at (batch, k), else the linear fit
+        over all measurements, else interpolated at this batch size or scaled from the nearest one."""
         if (batch, k) in self.times:
             return self.times[(batch, k)]
+        if fit is not None:
+            return max(1e-9, fit[0] + fit[1] * batch + fit[2] * batch * k)
         seen = sorted((kk, t) for (b, kk), t in self.times.items() if b == batch)
         if len(seen) >= 2:  # linear in k through the seen points (least squares)
             n = len(seen)
@@ -165,8 +181,9 @@ class BatchDraftPolicy:
             return self.k_fixed
         self.n += 1
         best_k, best = self.k_last, -1.0
+        fit = self.fit()
         for k in range(0, self.k_max + 1):
-            t = self.round_time(batch, k)
+            t = self.round_time(batch, k, fit)
             if t is None:
                 break
             expected, run = 1.0, 1.0
