@@ -25,7 +25,7 @@ import torch
 from ..cli_common import add_draft_vocab_arg, add_model_args, auto_threads, load_from_args, model_name, parse_draft_tokens
 from ..model import load_model
 from .costmodel import FULL_LAYERS, SHAPES, build_shape_model, extrapolate_depth, format_costs, measure_costs, speedup_table
-from .measure import Variant, check_identical, configs_for, load_transformers, run_interleaved
+from .measure import HF, Variant, check_identical, configs_for, load_transformers, plain_name, run_interleaved
 from .prompts import DEFAULT_PROMPTS, Prompt, load_prompts
 from .report import ACCEPTED_LENGTH_NOTE, best_fixed_k, markdown_report, plot, summarize
 
@@ -223,8 +223,15 @@ def cmd_bench(args) -> int:
         if v.model_key not in models:
             models[v.model_key] = load_model(model.source_path, dtype=v.dtype, device=model.device, quantize=v.quantize)
     prompts, prompt_ids, notes = bench_prompts(args, model, args.max_prompts or (1 if args.quick else None), max_new)
+    # transformers runs in fp32 (its exact path on a CPU); its greedy output is checked against an fp32 mtp run, since
+    # two bf16 implementations round differently and part ways after a few dozen tokens
     hf_model, hf_note = (None, "left out (--no-transformers)") if args.no_transformers else load_transformers(
-        model.source_path, model.dtype, model.device)
+        model.source_path, torch.float32, model.device)
+    fp32_runs = [v for v in variants if v.quantize is None and v.draft_vocab is None
+                 and (v.dtype == "float32" or (v.dtype == "auto" and model.dtype == torch.float32))]
+    hf_reference = plain_name(fp32_runs[0]) if fp32_runs else None
+    if hf_model is not None and hf_reference is None:
+        notes["transformers"] = "runs in fp32; its output is not compared here (add --variants fp32 to compare it)"
     if hf_note:
         notes["transformers"] = hf_note
     tok = model.tokenizer
@@ -243,6 +250,7 @@ def cmd_bench(args) -> int:
     with tqdm(total=repeats * len(prompts) * len(configs), unit="run", file=sys.stderr, dynamic_ncols=True) as bar:
         runs, failed = run_interleaved(models, hf_model, configs, prompts, prompt_ids, max_new, repeats, pad, bar)
     references = {c.name: c.reference for c in configs if c.engine == "mtp"}
+    references[HF] = hf_reference or "(not compared)"
     problems = check_identical(runs, references) + [f"{name}: FAILED: {why}" for name, why in failed.items()]
     summary = summarize(runs, prompts, configs, costs)
     meta = bench_meta(args, model, prompts, prompt_ids, drafts, max_new, repeats, notes)

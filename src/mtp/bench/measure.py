@@ -166,8 +166,9 @@ def make_generate_fn(models: dict, hf_model, cfg: BenchConfig, max_new_tokens: i
     gen_config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
                                   pad_token_id=pad_token_id, bos_token_id=None, repetition_penalty=1.0)
     # transformers fills the fields a passed config leaves at their defaults from the model folder's
-    # generation_config.json (the shipped model's sets repetition_penalty 1.2): the bench is pure greedy on both sides
+    # generation_config.json (the shipped model's sets repetition_penalty 1.2 and EOS): pure greedy to the length cap
     hf_model.generation_config.repetition_penalty = 1.0
+    hf_model.generation_config.eos_token_id = None
 
     def run_hf(ids: list[int]):
         x = torch.tensor([ids], device=hf_model.device)
