@@ -38,7 +38,7 @@ class Sequence:
     read: int = 0  # prompt tokens read so far
     hidden: list[torch.Tensor] = field(default_factory=list)  # prefill hidden chunks, until the first token
     mtp_pos: int = 0  # MTP slots 0..mtp_pos-1 hold accepted (h_j, t_{j+1})
-    pending: torch.Tensor | None = None  # [m, H]: kept positions the MTP has not read yet
+    pending: list[torch.Tensor] = field(default_factory=list)  # [m_i, H] chunks: kept positions the MTP has not read
     pending_next: list[int] = field(default_factory=list)
     cancelled: bool = False
 
@@ -152,7 +152,7 @@ class BatchDecoder:
             for d in self._catch_up_depths():
                 model.mtp_step(d, hidden[None, :-1], torch.tensor([nxt[:-1]], device=model.device), 0, views)
             seq.mtp_pos = len(seq.prompt) - 1
-        seq.pending, seq.pending_next = hidden[-1:], nxt[-1:]
+        seq.pending, seq.pending_next = [hidden[-1:]], nxt[-1:]
         stats.time_prefill += time.perf_counter() - t0
         return seq.session.emit([first], ["prefill"])
 
@@ -198,10 +198,10 @@ class BatchDecoder:
         for b, (s, (n, nxt)) in enumerate(zip(seqs, result)):
             if self.mtp_cache is not None:
                 if K == 0:  # nothing was drafted, so the MTP has not read the pending positions: keep them
-                    s.pending = torch.cat([s.pending, verified.hidden[b, :1]])
-                    s.pending_next = s.pending_next + [nxt]
+                    s.pending.append(verified.hidden[b, :1])
+                    s.pending_next.append(nxt)
                 else:
-                    s.pending = verified.hidden[b, : n + 1]
+                    s.pending = [verified.hidden[b, : n + 1]]
                     s.pending_next = drafts[b][:n] + [nxt]
             st = s.session.stats
             st.backbone_forwards += 1
@@ -223,17 +223,17 @@ class BatchDecoder:
         """Catch every row up on its kept positions, then draft K tokens for all rows (row b keeps ks[b])."""
         model, mtp = self.model, self.model.mtp
         D = len(seqs)
-        M = max(s.pending.shape[0] for s in seqs)
-        H = seqs[0].pending.shape[-1]
-        hidden = seqs[0].pending.new_zeros(D, M, H)
+        pending = [s.pending[0] if len(s.pending) == 1 else torch.cat(s.pending) for s in seqs]
+        M = max(p.shape[0] for p in pending)
+        hidden = pending[0].new_zeros(D, M, pending[0].shape[-1])
         nxt = torch.zeros(D, M, dtype=torch.long, device=model.device)
         for b, s in enumerate(seqs):
-            m = s.pending.shape[0]
-            hidden[b, :m] = s.pending
+            m = pending[b].shape[0]
+            hidden[b, :m] = pending[b]
             nxt[b, :m] = torch.tensor(s.pending_next)
         starts = [s.mtp_pos for s in seqs]
         views = [c.rows(0, D) for c in self.mtp_cache]
-        lasts = torch.tensor([s.pending.shape[0] - 1 for s in seqs], device=model.device)
+        lasts = torch.tensor([p.shape[0] - 1 for p in pending], device=model.device)
         rows = torch.arange(D, device=model.device)
         if mtp.style == "sequential":
             out = model.mtp_step(1, hidden, nxt, starts, views)
@@ -242,7 +242,7 @@ class BatchDecoder:
         else:
             heads = [model.mtp_step(d, hidden, None, starts, views)[rows, lasts][:, None]
                      for d in range(1, mtp.num_layers + 1)]
-        ends = [s.mtp_pos + s.pending.shape[0] for s in seqs]
+        ends = [s.mtp_pos + p.shape[0] for s, p in zip(seqs, pending)]
         for s, end in zip(seqs, ends):
             s.mtp_pos = end
         drafts: list[list[int]] = [[] for _ in seqs]

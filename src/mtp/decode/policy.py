@@ -20,15 +20,51 @@ import torch
 
 
 @dataclass
-class DraftPolicy:
-    k_fixed: int | None  # None: auto
-    k_min: int = 0  # auto may turn drafting off where verifying extra tokens costs more than it returns (MoE on CPU)
-    k_max: int = 6
-    forget: float = 0.97  # per-round decay of the acceptance counts
+class AcceptanceCounts:
+    """Drafts offered and accepted per draft position, decayed every round so the estimate follows the text."""
+
+    forget: float = 0.97  # per-round decay of the counts
     prior: float = 2.0  # pseudo-counts of the starting guess
     start_acceptance: float = 0.7
     offered: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
+
+    def record(self, rows: list[tuple[int, int]]) -> None:
+        """One round: (drafts offered, drafts accepted) per sequence."""
+        depth = max((k for k, _ in rows), default=0)
+        while len(self.offered) < depth:
+            self.offered.append(0.0)
+            self.accepted.append(0.0)
+        for j in range(len(self.offered)):
+            self.offered[j] *= self.forget
+            self.accepted[j] *= self.forget
+        for k, n in rows:
+            for j in range(min(k, n + 1)):  # position j is offered only when the drafts before it were accepted
+                self.offered[j] += 1
+            for j in range(n):
+                self.accepted[j] += 1
+
+    def acceptance(self, j: int) -> float:
+        """Estimated P(draft j accepted | drafts before it accepted), j >= 1."""
+        if j <= len(self.offered) and self.offered[j - 1] > 0:
+            return (self.accepted[j - 1] + self.prior * self.start_acceptance) / (self.offered[j - 1] + self.prior)
+        return self.acceptance(j - 1) if j > 1 else self.start_acceptance
+
+    def expected_tokens(self, k: int) -> float:
+        """Expected tokens per verify with k drafts, the backbone's own token included."""
+        expected, run = 1.0, 1.0
+        for j in range(1, k + 1):
+            run *= self.acceptance(j)
+            expected += run
+        return expected
+
+
+@dataclass
+class DraftPolicy:
+    k_fixed: int | None  # None: auto
+    k_min: int = 0  # auto may turn drafting off where verifying extra tokens costs more than it returns (MoE on CPU)
+    k_max: int = 6
+    counts: AcceptanceCounts = field(default_factory=AcceptanceCounts)
     t_first: float | None = None  # catch-up + first draft step (EMA, seconds)
     t_chain: float | None = None  # one more chained draft step
     t_verify: dict[int, float] = field(default_factory=dict)  # verify length -> EMA seconds
@@ -43,12 +79,6 @@ class DraftPolicy:
         if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or not 1 <= draft_tokens <= limit:
             raise ValueError(f"draft_tokens must be None, 0, an integer in 1..{limit} or 'auto', got {draft_tokens!r}")
         return cls(draft_tokens, k_max=draft_tokens)
-
-    def acceptance(self, j: int) -> float:
-        """Estimated P(draft j accepted | drafts before it accepted), j >= 1."""
-        if j <= len(self.offered) and self.offered[j - 1] > 0:
-            return (self.accepted[j - 1] + self.prior * self.start_acceptance) / (self.offered[j - 1] + self.prior)
-        return self.acceptance(j - 1) if j > 1 else self.start_acceptance
 
     def verify_time(self, q: int) -> float | None:
         seen = sorted(self.t_verify.items())
@@ -70,10 +100,7 @@ class DraftPolicy:
             return self.k_last
         best_k, best = self.k_last, -1.0
         for k in range(self.k_min, self.k_max + 1):
-            expected, run = 1.0, 1.0
-            for j in range(1, k + 1):
-                run *= self.acceptance(j)
-                expected += run
+            expected = self.counts.expected_tokens(k)
             draft = 0.0 if k == 0 else self.t_first + (k - 1) * (self.t_chain if self.t_chain is not None else self.t_first)
             cost = draft + self.verify_time(k + 1)
             if expected / cost > best:
@@ -87,16 +114,7 @@ class DraftPolicy:
     def update(self, k: int, n: int, t_draft: float | None, t_verify: float) -> None:
         """After a round that drafted k, accepted n, and took these times (seconds). t_draft None: the round's draft
         time says nothing about drafting (the first round's includes the MTP reading the whole prompt)."""
-        while len(self.offered) < k:
-            self.offered.append(0.0)
-            self.accepted.append(0.0)
-        for j in range(len(self.offered)):
-            self.offered[j] *= self.forget
-            self.accepted[j] *= self.forget
-        for j in range(min(k, n + 1)):
-            self.offered[j] += 1
-        for j in range(n):
-            self.accepted[j] += 1
+        self.counts.record([(k, n)])
         ema = lambda old, new: new if old is None else 0.8 * old + 0.2 * new  # noqa: E731
         if k >= 1 and t_draft is not None:
             if k == 1:
@@ -120,9 +138,7 @@ class BatchDraftPolicy:
 
     k_fixed: int | None  # None: auto; 0: MTP off
     k_max: int = 6
-    forget: float = 0.97
-    offered: list[float] = field(default_factory=list)
-    accepted: list[float] = field(default_factory=list)
+    counts: AcceptanceCounts = field(default_factory=AcceptanceCounts)  # pooled over the batch
     times: dict[tuple[int, int], float] = field(default_factory=dict)  # (B, k) -> EMA seconds per round
     k_last: int = 2
     probe_every: int = 8
@@ -135,11 +151,6 @@ class BatchDraftPolicy:
         if draft_tokens == "auto":
             return cls(None, k_max=min(6, limit))
         return cls(DraftPolicy.from_arg(draft_tokens, limit).k_fixed, k_max=draft_tokens)
-
-    def acceptance(self, j: int) -> float:
-        if j <= len(self.offered) and self.offered[j - 1] > 0:
-            return (self.accepted[j - 1] + 1.4) / (self.offered[j - 1] + 2.0)  # a prior of 0.7 worth 2 rounds
-        return self.acceptance(j - 1) if j > 1 else 0.7
 
     def fit(self) -> tuple[float, float, float] | None:
         """Least squares t = a + b*B + c*B*k over every (B, k) measured so far (a round verifies B(k+1) tokens and
@@ -186,10 +197,7 @@ class BatchDraftPolicy:
             t = self.round_time(batch, k, fit)
             if t is None:
                 break
-            expected, run = 1.0, 1.0
-            for j in range(1, k + 1):
-                run *= self.acceptance(j)
-                expected += run
+            expected = self.counts.expected_tokens(k)
             if batch * expected / t > best:
                 best_k, best = k, batch * expected / t
         self.k_last = best_k
@@ -201,17 +209,6 @@ class BatchDraftPolicy:
 
     def update(self, batch: int, k: int, rows: list[tuple[int, int]], seconds: float) -> None:
         """After a round of `batch` sequences with draft length k: rows = (drafts made, accepted) per sequence."""
-        depth = max((kk for kk, _ in rows), default=0)
-        while len(self.offered) < depth:
-            self.offered.append(0.0)
-            self.accepted.append(0.0)
-        for j in range(len(self.offered)):
-            self.offered[j] *= self.forget
-            self.accepted[j] *= self.forget
-        for kk, n in rows:
-            for j in range(min(kk, n + 1)):
-                self.offered[j] += 1
-            for j in range(n):
-                self.accepted[j] += 1
+        self.counts.record(rows)
         old = self.times.get((batch, k))
         self.times[(batch, k)] = seconds if old is None else 0.8 * old + 0.2 * seconds
