@@ -62,43 +62,62 @@ def one_request(client: openai.OpenAI, model: str, i: int, prompt: str, max_toke
     return chunks[-1].usage.completion_tokens
 
 
-def run(base_url: str, api_key: str, clients: int, requests: int, max_tokens: int, prompt: str) -> dict:
-    probe = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-    model = probe.models.list().data[0].id
-    latencies: list[float] = []
-    failures: list[str] = []
-    tokens = [0]
-    lock = threading.Lock()
+class Tally:
+    """Latency, failure and completion-token counts of requests sent from several threads."""
 
-    def client_loop(c: int) -> None:
-        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
-        for r in range(requests):
-            t = time.perf_counter()
-            try:
-                n = one_request(client, model, c + r, prompt, max_tokens)
-            except Exception as e:  # a failed request is the measurement, not a crash of the load test
-                with lock:
-                    failures.append(f"{type(e).__name__}: {e}")
-                continue
-            with lock:
-                latencies.append(time.perf_counter() - t)
-                tokens[0] += n
+    def __init__(self) -> None:
+        self.latencies: list[float] = []
+        self.failures: list[str] = []
+        self.tokens = 0
+        self.lock = threading.Lock()
 
+    def send(self, request) -> None:
+        """Time `request()` (which returns its completion tokens) and count it."""
+        t = time.perf_counter()
+        try:
+            n = request()
+        except Exception as e:  # a failed request is the measurement, not a crash of the load test
+            with self.lock:
+                self.failures.append(f"{type(e).__name__}: {e}")
+            return
+        with self.lock:
+            self.latencies.append(time.perf_counter() - t)
+            self.tokens += n
+
+    def latency(self, q: float) -> float | None:
+        return round(percentile(self.latencies, q), 4) if self.latencies else None
+
+
+def in_threads(clients: int, loop) -> float:
+    """Run loop(c) for c in range(clients), one thread each; returns the wall time."""
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=client_loop, args=(c,)) for c in range(clients)]
+    threads = [threading.Thread(target=loop, args=(c,)) for c in range(clients)]
     for th in threads:
         th.start()
     for th in threads:
         th.join()
-    wall = time.perf_counter() - t0
+    return time.perf_counter() - t0
+
+
+def run(base_url: str, api_key: str, clients: int, requests: int, max_tokens: int, prompt: str) -> dict:
+    probe = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    model = probe.models.list().data[0].id
+    tally = Tally()
+
+    def client_loop(c: int) -> None:
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
+        for r in range(requests):
+            tally.send(lambda: one_request(client, model, c + r, prompt, max_tokens))  # noqa: B023 - called at once
+
+    wall = in_threads(clients, client_loop)
     health = httpx.get(base_url.removesuffix("/v1") + "/health", timeout=10).json()
+    ok = len(tally.latencies)
     return {"model": model, "clients": clients, "requests_per_client": requests, "max_tokens": max_tokens,
-            "requests": clients * requests, "ok": len(latencies), "failed": len(failures), "failures": failures[:5],
-            "wall_s": round(wall, 3), "requests_per_s": round(len(latencies) / wall, 2),
-            "completion_tokens_per_s": round(tokens[0] / wall, 1),
-            "latency_p50_s": round(percentile(latencies, 50), 4) if latencies else None,
-            "latency_p95_s": round(percentile(latencies, 95), 4) if latencies else None,
-            "latency_max_s": round(max(latencies), 4) if latencies else None,
+            "requests": clients * requests, "ok": ok, "failed": len(tally.failures), "failures": tally.failures[:5],
+            "wall_s": round(wall, 3), "requests_per_s": round(ok / wall, 2),
+            "completion_tokens_per_s": round(tally.tokens / wall, 1),
+            "latency_p50_s": tally.latency(50), "latency_p95_s": tally.latency(95),
+            "latency_max_s": round(max(tally.latencies), 4) if tally.latencies else None,
             "health_after": health}
 
 
@@ -174,48 +193,31 @@ def level(base_url: str, api_key: str, model: str, prompts: list[str], clients: 
           sequential: bool = False) -> dict:
     """`clients` clients x `per_client` requests (request i = r * clients + c sends prompt i mod len(prompts)), all at
     once, or with `sequential` one after another in request order. Returns the row of figures."""
-    latencies: list[float] = []
-    failures: list[str] = []
-    tokens = [0]
-    lock = threading.Lock()
+    tally = Tally()
 
     def send(client: openai.OpenAI, i: int) -> None:
-        t = time.perf_counter()
-        try:
-            n = completion(client, model, prompts[i % len(prompts)], max_tokens)
-        except Exception as e:  # a failed request is the measurement, not a crash of the load test
-            with lock:
-                failures.append(f"{type(e).__name__}: {e}")
-            return
-        with lock:
-            latencies.append(time.perf_counter() - t)
-            tokens[0] += n
+        tally.send(lambda: completion(client, model, prompts[i % len(prompts)], max_tokens))
 
     def client_loop(c: int) -> None:
         client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
         for r in range(per_client):
             send(client, r * clients + c)
 
-    t0 = time.perf_counter()
     if sequential:
+        t0 = time.perf_counter()
         client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
         for i in range(clients * per_client):
             send(client, i)
+        wall = time.perf_counter() - t0
     else:
-        threads = [threading.Thread(target=client_loop, args=(c,)) for c in range(clients)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-    wall = time.perf_counter() - t0
+        wall = in_threads(clients, client_loop)
     health = httpx.get(base_url.removesuffix("/v1") + "/health", timeout=10).json()
     if health.get("status") != "ok" or health.get("active") != 0:
-        failures.append(f"server not healthy and idle after the level: {health}")
+        tally.failures.append(f"server not healthy and idle after the level: {health}")
     return {"concurrency": 1 if sequential else clients, "sequential": sequential, "requests": clients * per_client,
-            "ok": len(latencies), "failed": len(failures), "failures": failures[:5], "new_tokens": tokens[0],
-            "wall_s": round(wall, 3), "tokens_per_s": round(tokens[0] / wall, 2),
-            "latency_p50_s": round(percentile(latencies, 50), 4) if latencies else None,
-            "latency_p95_s": round(percentile(latencies, 95), 4) if latencies else None}
+            "ok": len(tally.latencies), "failed": len(tally.failures), "failures": tally.failures[:5],
+            "new_tokens": tally.tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tally.tokens / wall, 2),
+            "latency_p50_s": tally.latency(50), "latency_p95_s": tally.latency(95)}
 
 
 def sweep(base_url: str, api_key: str, mode: str, prompts: list[str], levels: list[int], per_client: int,

@@ -444,6 +444,17 @@ class RopeConfig(HFConfig):
     rope_parameters: dict[str, Any] | None = None
     partial_rotary_factor: float | None = None
 
+    def __post_init__(self) -> None:
+        if getattr(self, "head_dim", 0) is None:  # the families with a `head_dim` key: absent = hidden / heads
+            self.head_dim = self.derived_defaults()["head_dim"]
+        super().__post_init__()
+
+    def derived_defaults(self) -> dict[str, Any]:
+        if not hasattr(self, "head_dim"):
+            return {}
+        heads = self.num_attention_heads
+        return {"head_dim": self.hidden_size // heads if heads else None}
+
     def rope(self) -> dict[str, Any]:
         """The effective RoPE parameters (`rope_type`, `rope_theta`, `partial_rotary_factor`, YaRN's keys), read as
         transformers does: `rope_scaling` wins over `rope_parameters`, whose values win over the flat keys."""
@@ -620,14 +631,6 @@ class Glm4MoeConfig(NextNMoeConfig):
     use_qk_norm: bool = False
     partial_rotary_factor: float | None = 0.5
 
-    def __post_init__(self) -> None:
-        if self.head_dim is None:
-            self.head_dim = self.derived_defaults()["head_dim"]
-        super().__post_init__()
-
-    def derived_defaults(self) -> dict[str, Any]:
-        return {"head_dim": self.hidden_size // self.num_attention_heads if self.num_attention_heads else None}
-
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.rope()["partial_rotary_factor"])
@@ -673,12 +676,7 @@ class MiMoConfig(RopeConfig):
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        if self.head_dim is None:
-            self.head_dim = self.derived_defaults()["head_dim"]
         super().__post_init__()
-
-    def derived_defaults(self) -> dict[str, Any]:
-        return {"head_dim": self.hidden_size // self.num_attention_heads if self.num_attention_heads else None}
 
     @property
     def mtp_num_hidden_layers(self) -> int:

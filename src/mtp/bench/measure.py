@@ -143,6 +143,11 @@ def load_transformers(path: str | Path, dtype: torch.dtype, device: torch.device
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device)
     except Exception as e:  # noqa: BLE001 - a family transformers cannot load becomes a note in the report
         return None, f"transformers could not load {path}: {type(e).__name__}: {e}"
+    # transformers fills the fields a passed GenerationConfig leaves at their defaults from the folder's
+    # generation_config.json (the shipped model's sets repetition_penalty 1.2 and EOS): the bench is pure greedy
+    # to the length cap, like the mtp runs
+    model.generation_config.repetition_penalty = 1.0
+    model.generation_config.eos_token_id = None
     return model.eval(), None
 
 
@@ -165,10 +170,6 @@ def make_generate_fn(models: dict, hf_model, cfg: BenchConfig, max_new_tokens: i
     # explicitly: otherwise transformers infers a padding mask from pad_token_id occurrences in the prompt.
     gen_config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
                                   pad_token_id=pad_token_id, bos_token_id=None, repetition_penalty=1.0)
-    # transformers fills the fields a passed config leaves at their defaults from the model folder's
-    # generation_config.json (the shipped model's sets repetition_penalty 1.2 and EOS): pure greedy to the length cap
-    hf_model.generation_config.repetition_penalty = 1.0
-    hf_model.generation_config.eos_token_id = None
 
     def run_hf(ids: list[int]):
         x = torch.tensor([ids], device=hf_model.device)

@@ -56,6 +56,15 @@ class CausalLM(nn.Module):
         self.source_path: str | None = None
         self.checkpoint_layout: dict = {}  # how the checkpoint stored what the model holds in another form
 
+    def output_head(self, tie: bool) -> nn.Linear:
+        """The output head [H -> V] for a family's __init__, once `self.model.embed_tokens` exists; tied: the
+        embedding's weight (one parameter, as transformers ties it)."""
+        emb = self.model.embed_tokens
+        head = nn.Linear(emb.embedding_dim, emb.num_embeddings, bias=False)
+        if tie:
+            head.weight = emb.weight
+        return head
+
     # ------------------------------------------------------------------ what a family may override
     def positions(self, start: int | list[int], length: int) -> Positions:
         """Positions start..start+length-1 (or from a start per batch row) with the family's rotary tables

@@ -133,12 +133,8 @@ class NextNMoeForCausalLM(CausalLM):
         layers = [DecoderLayer("self_attn", self.attention(c), self.feed_forward(i), self.norm_factory())
                   for i in range(c.num_hidden_layers)]
         self.model = Backbone(nn.Embedding(c.vocab_size, c.hidden_size), layers, PlainRMSNorm(c.hidden_size, c.rms_norm_eps))
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        if c.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        if with_mtp is None:
-            with_mtp = c.num_nextn_predict_layers > 0
-        self.mtp = self.new_mtp_module() if with_mtp and c.num_nextn_predict_layers > 0 else None
+        self.lm_head = self.output_head(c.tie_word_embeddings)
+        self.mtp = self.new_mtp_module() if with_mtp is not False and c.num_nextn_predict_layers > 0 else None
         self.rotary: RotaryTable = rotary_table(c.rope(), self.rotary_head_dim(c), c.max_position_embeddings)
 
     def norm_factory(self):

@@ -146,12 +146,8 @@ class Qwen35ForCausalLM(CausalLM):
         super().__init__()
         self.config = config
         self.model = Qwen35TextModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        if with_mtp is None:
-            with_mtp = config.mtp_num_hidden_layers > 0
-        self.mtp = Qwen35MTP(config) if with_mtp and config.mtp_num_hidden_layers > 0 else None
+        self.lm_head = self.output_head(config.tie_word_embeddings)
+        self.mtp = Qwen35MTP(config) if with_mtp is not False and config.mtp_num_hidden_layers > 0 else None
         self.rotary = RotaryTable(rope_inv_freq(config.rotary_dim, config.rope_theta))
 
     def new_mtp_module(self) -> Qwen35MTP:
