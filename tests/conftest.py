@@ -85,3 +85,33 @@ def trained_tiny_model(steps: int = 100, seed: int = 0, depth: int | None = None
         loss.backward()
         opt.step()
     return model.eval()
+
+
+def scripted_drafts_patterns(model, prompt: list[int], monkeypatch, pattern: str = "mixed", max_new: int = 30,
+                             ks=(1, 3, 5)) -> set[str]:
+    """Decode greedily with drafts scripted from the plain output - always right ("all"), always wrong ("none"), right
+    only first ("some"), or alternating in runs of three ("mixed") - and assert the output equals plain decoding for
+    each k. Returns the acceptance patterns of the rounds that drafted 2 or more tokens. This forces every pattern
+    whatever the machine (which patterns a quickly trained head produces depends on the CPU that trained it)."""
+    import mtp
+    from mtp.decode.session import Session
+
+    want = mtp.generate(model, prompt, max_new_tokens=max_new).tokens
+    real = Session.propose
+
+    def scripted(self, logits, drafts):
+        at = len(self.tokens) + len(drafts) - self.prompt_len  # index in the new tokens of the token drafted
+        right = want[at] if at < len(want) else 0
+        good = {"none": False, "all": True, "some": not drafts, "mixed": (at // 3) % 2 == 0}[pattern]
+        _, q = real(self, logits, drafts)
+        return (right if good else (right + 1) % model.config.vocab_size), q
+
+    seen: set[str] = set()
+    with monkeypatch.context() as m:
+        m.setattr(Session, "propose", scripted)
+        for k in ks:
+            r = mtp.generate(model, prompt, max_new_tokens=max_new, draft_tokens=k)
+            assert r.tokens == want, (pattern, k)
+            seen |= {"none" if n == 0 else "all" if n == kk else "some"
+                     for kk, n in zip(r.stats.k_history, r.stats.n_history) if kk > 1}
+    return seen

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import mtp
-from conftest import pattern_batch
+from conftest import pattern_batch, scripted_drafts_patterns
 from mtp.config import ConfigError, DeepseekV3Config, Glm4MoeConfig, MiMoConfig
 from mtp.io import read_tensors
 from mtp.model import config_from_dict
@@ -323,19 +323,17 @@ def trained(name: str, steps: int = 80, seed: int = 0, **over):
 
 @pytest.mark.parametrize("name, over", [("deepseek_v3", {"num_nextn_predict_layers": 2}), ("glm4_moe-shared-head", {}),
                                         ("mimo", {})])
-def test_greedy_speculative_equals_plain(name, over):
+def test_greedy_speculative_equals_plain(name, over, monkeypatch):
     model = trained(name, **over)
     g = torch.Generator().manual_seed(0)
-    patterns = set()
     for _ in range(4):
         prompt = pattern_batch(8, 1, int(torch.randint(2, 16, (1,), generator=g)), g)[0].tolist()
         want = mtp.generate(model, prompt, max_new_tokens=24).tokens
         for k in (1, 2, 3, 4, 5, 6, "auto"):
             r = mtp.generate(model, prompt, max_new_tokens=24, draft_tokens=k)
             assert r.tokens == want, k
-            patterns |= {"none" if n == 0 else "all" if n == kk else "some"
-                         for kk, n in zip(r.stats.k_history, r.stats.n_history)}
-    assert {"none", "some", "all"} <= patterns
+    # every acceptance pattern, forced by scripted drafts (what a trained head produces depends on the CPU)
+    assert scripted_drafts_patterns(model, prompt, monkeypatch) == {"none", "some", "all"}
 
 
 # ---------------------------------------------------------------------- training

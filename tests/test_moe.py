@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import mtp
-from conftest import MOE, pattern_batch, tiny_model
+from conftest import MOE, pattern_batch, scripted_drafts_patterns, tiny_model
 from mtp.io import read_tensors
 from test_mtp_module import norm
 
@@ -186,17 +186,16 @@ def trained():
     return trained_moe()
 
 
-def test_greedy_speculative_equals_plain(trained):
+def test_greedy_speculative_equals_plain(trained, monkeypatch):
     g = torch.Generator().manual_seed(0)
-    patterns = set()
     for _ in range(4):
         prompt = pattern_batch(8, 1, int(torch.randint(2, 16, (1,), generator=g)), g)[0].tolist()
         want = mtp.generate(trained, prompt, max_new_tokens=24).tokens
         for k in (1, 2, 3, 4, 5, 6, "auto"):
             r = mtp.generate(trained, prompt, max_new_tokens=24, draft_tokens=k)
             assert r.tokens == want, k
-            patterns |= {"none" if n == 0 else "all" if n == kk else "some" for kk, n in zip(r.stats.k_history, r.stats.n_history)}
-    assert {"none", "some", "all"} <= patterns
+    # every acceptance pattern, forced by scripted drafts (what a trained head produces depends on the CPU)
+    assert scripted_drafts_patterns(trained, prompt, monkeypatch) == {"none", "some", "all"}
 
 
 def test_speculative_sampling_matches_the_target_distribution_on_moe():
