@@ -9,15 +9,15 @@ import torch
 import mtp
 import test_sampling_stats as stats
 from conftest import pattern_batch, tiny_model, trained_tiny_model
-from mtp.decode.batch import BatchDecoder
-from mtp.decode.policy import BatchDraftPolicy
+from mtp.decode.decoder import Decoder
+from mtp.decode.policy import DraftPolicy
 from mtp.decode.sampling import SamplingParams
 from mtp.decode.session import Session
 
 
 def run_batched(model, requests, draft_tokens, max_batch=4, arrive_every=3, cancel=()):
     """requests: (prompt, max_new, SamplingParams, stop). Arrivals are staggered; returns the sessions in order."""
-    dec = BatchDecoder(model, max_batch=max_batch, max_len=model.context_length - 16, draft_tokens=draft_tokens)
+    dec = Decoder(model, max_batch=max_batch, max_len=model.context_length - 16, draft_tokens=draft_tokens)
     seqs, step = [], 0
     todo = list(requests)
     while todo or any(not s.finished for s in seqs) or dec.rows:
@@ -124,7 +124,7 @@ def test_batch_policy_drafts_less_as_the_batch_grows():
     """Verify cost per token rising with the batch (as on a CPU once the batch is compute-bound) drives k down,
     to 0 where extra verified tokens stop paying; a flat cost keeps it up."""
     def settle(cost, batch):
-        pol = BatchDraftPolicy.from_arg("auto", 8)
+        pol = DraftPolicy.from_arg("auto", 8)
         for r in range(200):
             k = pol.next_k(batch)
             pol.update(batch, k, [(k, k if r % 4 else 0)] * batch, cost(batch, k))
@@ -134,7 +134,7 @@ def test_batch_policy_drafts_less_as_the_batch_grows():
     flat = lambda b, k: 0.02 + 0.0001 * b * (k + 1)  # noqa: E731 - memory-bound: extra rows nearly free
     assert settle(flat, 8) >= 3
     assert settle(steep, 16) == 0 < settle(steep, 1)
-    assert BatchDraftPolicy.from_arg(None, 8).next_k(4) == 0 and BatchDraftPolicy.from_arg(3, 8).next_k(4) == 3
+    assert DraftPolicy.from_arg(None, 8).next_k(4) == 0 and DraftPolicy.from_arg(3, 8).next_k(4) == 3
 
 
 def test_rounds_without_drafts_skip_the_mtp_and_it_catches_up_later(models, monkeypatch):
@@ -143,25 +143,33 @@ def test_rounds_without_drafts_skip_the_mtp_and_it_catches_up_later(models, monk
     over the whole sequence at once (teacher forced), and the outputs stay the solo outputs."""
     model = models["fp32"]
     requests = greedy_requests(8, 6, seed=5)
-    calls, first_drafts = {"n": 0}, []
-    real_step, real_propose = type(model).mtp_step, Session.propose
+    calls, first_drafts, decoding = {"n": 0}, [], []
+    real_step, real_round, real_head = type(model).mtp_step, Decoder._round, type(model).mtp_head
 
     def counting(self, *a, **kw):
         calls["n"] += 1
         return real_step(self, *a, **kw)
 
-    def recording(self, logits, drafts):
-        token, q = real_propose(self, logits, drafts)
-        if not drafts:
-            first_drafts.append((list(self.tokens), logits.detach().clone()))
-        return token, q
+    def round_(self, D):  # remember whose rows the round drafts for
+        decoding[:] = [list(s.session.tokens) for s in self.rows[:D]]
+        try:
+            return real_round(self, D)
+        finally:
+            decoding.clear()
+
+    def head(self, h, d):  # the first draft of every decoding row
+        logits = real_head(self, h, d)
+        if d == 1 and h.dim() == 2:  # in a round (not the teacher-forced reference below)
+            first_drafts.extend((tokens, logits[b].detach().clone()) for b, tokens in enumerate(decoding))
+        return logits
 
     monkeypatch.setattr(type(model), "mtp_step", counting)
-    monkeypatch.setattr(Session, "propose", recording)
+    monkeypatch.setattr(Decoder, "_round", round_)
+    monkeypatch.setattr(type(model), "mtp_head", head)
     n_calls = {}
     for pattern in ([2], [0, 0, 0, 2]):
         it = iter(pattern * 10_000)
-        monkeypatch.setattr(BatchDraftPolicy, "next_k", lambda self, batch, it=it: next(it))
+        monkeypatch.setattr(DraftPolicy, "next_k", lambda self, batch, it=it: next(it))
         calls["n"], first_drafts[:] = 0, []
         sessions = run_batched(model, requests, "auto")
         for (prompt, max_new, _, _), s in zip(requests, sessions):
@@ -178,7 +186,7 @@ def test_rounds_without_drafts_skip_the_mtp_and_it_catches_up_later(models, monk
 def test_batch_policy_carries_costs_over_to_unseen_batch_sizes():
     """Costs measured at small batches predict a batch size never seen (a linear fit in B and B*k): with a
     compute-bound cost, a large batch starts at k = 0 instead of drafting until it has measured itself."""
-    pol = BatchDraftPolicy.from_arg("auto", 8)
+    pol = DraftPolicy.from_arg("auto", 8)
     steep = lambda b, k: 0.005 + 0.004 * b * (k + 1)  # noqa: E731
     for b in (1, 2):
         for k in (0, 1, 2):

@@ -80,8 +80,8 @@ def test_draft_vocab_restricts_the_head_and_maps_back_to_full_ids():
     h = torch.randn(model.config.hidden_size)
     full = model.mtp_head(h, 1)
     torch.testing.assert_close(vocab.logits(model, h, 1), full[ids])
-    spread = vocab.full_logits(vocab.logits(model, h, 1))
-    assert int(spread.argmax()) == ids[int(full[ids].argmax())]
+    spread = vocab.full_logits(model, h[None], 1)[0]
+    assert int(spread.argmax()) == ids[int(full[ids].argmax())] == int(vocab.argmax(model, h[None], 1)[0])
     assert torch.isinf(spread[[i for i in range(model.config.vocab_size) if i not in ids]]).all()
     counts = torch.zeros(model.config.vocab_size)
     counts[3], counts[9] = 5, 7

@@ -26,7 +26,7 @@ def modules() -> dict[str, Path]:
 
 
 def imports(name: str, path: Path, known: set[str]) -> set[str]:
-    """The mtp modules `name` imports (relative imports resolved; `from pkg import sub` counts sub)."""
+    """The mtp modules `name` imports (relative imports resolved; `from pkg import sub` counts sub, not pkg)."""
     is_pkg = path.name == "__init__.py"
     base = name.split(".") if is_pkg else name.split(".")[:-1]
     out = set()
@@ -38,7 +38,9 @@ def imports(name: str, path: Path, known: set[str]) -> set[str]:
                 root = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else []))
             else:
                 root = node.module or ""
-            targets = [root] + [f"{root}.{a.name}" for a in node.names]
+            subs = [f"{root}.{a.name}" for a in node.names if f"{root}.{a.name}" in known]
+            # `from pkg import sub` imports the submodule; the package itself only when a name is not a submodule
+            targets = subs + ([root] if len(subs) < len(node.names) else [])
         else:
             continue
         out |= {t for t in targets if t in known and t != name}
@@ -98,10 +100,11 @@ def test_the_test_sees_a_cycle(tmp_path, monkeypatch):
     (pkg / "__init__.py").write_text("")
     (pkg / "model" / "__init__.py").write_text("")
     (pkg / "model" / "a.py").write_text("from .b import x\n")
-    (pkg / "model" / "b.py").write_text("def f():\n    from . import a\n")
+    (pkg / "model" / "b.py").write_text("def f():\n    from . import a\n    from .. import model\n")
     monkeypatch.setattr(__import__(__name__), "SRC", tmp_path)
     monkeypatch.setattr(__import__(__name__), "PACKAGE", pkg)
     g = graph()
+    # `from . import a` imports the submodule only; `from .. import model` the package
     assert g["mtp.model.a"] == {"mtp.model.b"} and g["mtp.model.b"] == {"mtp.model", "mtp.model.a"}
     try:
         test_no_import_cycles()

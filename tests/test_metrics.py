@@ -101,7 +101,7 @@ def test_metrics_count_what_the_requests_did(engine):
 
 
 def test_a_failed_generation_counts_once_as_an_error(engine, monkeypatch):
-    from mtp.decode.batch import BatchDecoder
+    from mtp.decode.decoder import Decoder as BatchDecoder
 
     real_step = BatchDecoder.step
 

@@ -155,12 +155,14 @@ def test_decode_and_verify_touch_only_the_chosen_experts(monkeypatch):
     monkeypatch.setattr(Experts, "_expert", lambda self, e, x: used.append((e, x.shape[0])) or real(self, e, x))
     cache = model.new_cache(1, 32)
     model(torch.tensor([[1, 2, 3]]), cache)
+    model.prepare_decode(32)
     used.clear()
-    model(torch.tensor([[4]]), cache)  # one decode step: top-k experts per layer, one row each
+    model.decode(torch.tensor([[4]]), cache, model.decode_positions(torch.tensor([[3]]), [3]))  # one plain step
     k, layers = MOE["num_experts_per_tok"], model.config.num_hidden_layers
-    assert len(used) == k * layers and all(rows == 1 for _, rows in used)
+    assert len(used) == k * layers and all(rows == 1 for _, rows in used)  # top-k experts per layer, one row each
     used.clear()
-    model.verify(torch.tensor([[5, 6, 7, 8]]), cache)  # a verify of 4: each chosen expert once, with all its rows
+    # a verify of 4: each chosen expert once, with all its rows
+    model.decode(torch.tensor([[5, 6, 7, 8]]), cache, model.decode_positions(torch.arange(3, 7)[None], [3]))
     assert sum(rows for _, rows in used) == 4 * k * layers  # every (token, choice) computed once
     assert len(used) <= min(4 * k, MOE["num_experts"]) * layers and len({e for e, _ in used}) < len(used)
 

@@ -8,7 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 import mtp
-import mtp.decode.speculative as speculative
+import mtp.decode.accept as accept
 from conftest import tiny_model
 from mtp.decode.draft_vocab import DraftVocab
 from mtp.decode.sampling import SamplingParams, apply_repetition_penalty, probs_from_logits
@@ -94,13 +94,14 @@ def test_reduced_vocabulary_drafting_keeps_the_target_distribution(model):
 
 
 def test_the_test_detects_a_wrong_acceptance_rule(model, monkeypatch):
-    def accept_without_residual(drafts, p, q, generator=None):
-        # wrong: resample from p on rejection instead of norm(max(0, p - q))
-        for j, x in enumerate(drafts):
-            if float(torch.rand(1, generator=generator)) * float(q[j, x]) < float(p[j, x]):
-                continue
-            return j, int(torch.multinomial(p[j], 1, generator=generator))
-        return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=generator))
+    """Resampling from p on rejection, instead of from norm(max(0, p - q)), skews the law: the chi-square test sees it."""
+    real = accept.accept_rows
 
-    monkeypatch.setattr(speculative, "accept_sampling", accept_without_residual)
+    def without_residual(drafts, limit, target, draft, rs, noise, u):
+        n, nxt = real(drafts, limit, target, draft, rs, noise, u)
+        rows = torch.arange(n.shape[0])
+        resampled = (target[rows, n].log_softmax(-1) + noise[rows, n]).argmax(-1)  # wrong: from p itself
+        return n, torch.where(n < limit, resampled, nxt)
+
+    monkeypatch.setattr(accept, "accept_rows", without_residual)
     assert chi2_pvalue(model, SamplingParams(temperature=1.0), 2, seeded=False) < 1e-3

@@ -45,7 +45,7 @@ def test_chat_without_template_uses_the_plain_fallback(engine):
 
 
 def test_a_generation_that_fails_midway_is_reported_and_frees_its_slot(engine, monkeypatch):
-    from mtp.decode.batch import BatchDecoder
+    from mtp.decode.decoder import Decoder as BatchDecoder
 
     real_step = BatchDecoder.step
 

@@ -121,19 +121,20 @@ def _step_fns(model, q_max: int, context: int, extra_heads: dict | None) -> dict
     cache = model.new_cache(1, context + q_max + 4)
     hidden = model.hidden(prompt, cache)[:, -1:]  # [1, 1, H]
     p0 = cache.pos
+    model.prepare_decode(context + q_max + 4)
     toks = {q: torch.randint(0, c.vocab_size, (1, q), generator=g).to(dev) for q in range(1, q_max + 1)}
+    at = {q: model.decode_positions(torch.arange(p0, p0 + q, device=dev)[None], [p0]) for q in range(1, q_max + 1)}
+    keep = torch.tensor([1], device=dev)
 
-    def plain():
-        cache.pos = p0
-        int(model(toks[1], cache)[0, -1].argmax())
-
-    def verify(q: int):
+    def decode(q: int):  # a decode forward of q tokens (q = 1: a plain step), its argmax, and keeping one position
         def f():
-            cache.pos = p0
-            verified = model.verify(toks[q], cache)
-            model.head(verified.hidden).argmax(-1).tolist()
-            cache.keep(verified, q)
+            h, steps = model.decode(toks[q], cache, at[q])
+            model.head(h).argmax(-1).tolist()
+            cache.keep_at(steps, keep)
         return f
+
+    plain = decode(1)
+    verify = decode
 
     def prefill_path(q: int):
         def f():
@@ -152,8 +153,8 @@ def _step_fns(model, q_max: int, context: int, extra_heads: dict | None) -> dict
     if model.mtp is not None:
         mcache = model.new_mtp_cache(1, context + q_max + 4)
 
-        def mtp_layer():
-            return model.mtp_step(1, hidden, toks[1], p0, mcache)
+        def mtp_layer():  # one chained draft step, as the round runs it
+            return model.mtp_step(1, hidden, toks[1], at[1], mcache)
 
         h_mtp = mtp_layer()
         fns["draft"] = lambda: int(model.mtp_head(mtp_layer(), 1)[0, -1].argmax())

@@ -61,16 +61,29 @@ class DraftVocab:
         counts = counts + [0] * (model.config.vocab_size - len(counts))
         return cls.from_counts(torch.tensor(counts), size, always=list(model.eos_token_ids))
 
-    def logits(self, model, hidden: torch.Tensor, d: int) -> torch.Tensor:
-        """MTP depth-d hidden [H] -> logits over the reduced vocabulary [N]."""
+    def prepare(self, model, depths: int) -> None:
+        """Build the head rows of MTP depths 1..depths now (a compiled draft step cannot build them)."""
+        for d in range(1, depths + 1):
+            self._head_rows(model, d)
+
+    def _head_rows(self, model, d: int) -> torch.Tensor:
         head = model.mtp_head_module(d)
         rows = self._rows.get(id(head))
-        if rows is None or rows.device != hidden.device or rows.dtype != hidden.dtype:
-            rows = self._rows[id(head)] = head.weight.detach()[self.ids.to(head.weight.device)].to(hidden.dtype).contiguous()
-            self.ids = self.ids.to(hidden.device)
-        return rows @ hidden
+        if rows is None or rows.device != model.device or rows.dtype != model.dtype:
+            rows = self._rows[id(head)] = head.weight.detach()[self.ids.to(head.weight.device)].to(model.dtype).contiguous()
+            self.ids = self.ids.to(model.device)
+        return rows
 
-    def full_logits(self, reduced: torch.Tensor) -> torch.Tensor:
-        """Reduced logits [N] -> full-vocabulary logits [V], -inf outside the reduced vocabulary."""
-        full = reduced.new_full((self.vocab_size,), float("-inf"))
-        return full.index_copy_(0, self.ids, reduced)
+    def logits(self, model, hidden: torch.Tensor, d: int) -> torch.Tensor:
+        """MTP depth-d hidden [..., H] -> logits over the reduced vocabulary [..., N]."""
+        return hidden @ self._head_rows(model, d).t()
+
+    def argmax(self, model, hidden: torch.Tensor, d: int) -> torch.Tensor:
+        """MTP depth-d hidden [B, H] -> the greedy draft [B] (a token id of the full vocabulary)."""
+        return self.ids[self.logits(model, hidden, d).argmax(-1)]
+
+    def full_logits(self, model, hidden: torch.Tensor, d: int) -> torch.Tensor:
+        """MTP depth-d hidden [B, H] -> full-vocabulary logits [B, V], -inf outside the reduced vocabulary."""
+        reduced = self.logits(model, hidden, d)
+        full = reduced.new_full((*reduced.shape[:-1], self.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.ids, reduced)

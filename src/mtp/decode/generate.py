@@ -1,5 +1,6 @@
-"""Generation entry points (`generate`, `stream`) and the plain decoding loop (one token per backbone
-forward): the reference that speculative decoding (`speculative.py`) is held against."""
+"""Generation entry points (`generate`, `stream`): one sequence, decoded by the same rounds as a batch
+(`decoder.Decoder` with one row). Plain decoding is the round with no drafts (k = 0): one backbone forward per
+token, the reference that speculative decoding is held against."""
 
 from __future__ import annotations
 
@@ -9,39 +10,22 @@ from collections.abc import Iterator
 
 import torch
 
+from .decoder import Decoder
 from .draft_vocab import DraftVocab
-from .prefill import prefill
 from .sampling import SamplingParams
 from .session import GenerationResult, Session
-from .speculative import speculative_decode
 
 
-def plain_decode(session: Session) -> Iterator[list[int]]:
-    """Prefill, then one backbone forward per token. Yields the tokens emitted at each step."""
-    model, stats = session.model, session.stats
-    dev = model.device
-    t0 = time.perf_counter()
-    cache = model.new_cache(1, len(session.tokens) + session.max_new + 1)
-    logits = model.head(prefill(model, session.tokens, cache)[0, -1])
-    stats.prefill_forwards += 1
-    stats.time_prefill = time.perf_counter() - t0
-    step = torch.empty(1, 1, dtype=torch.long, device=dev)
-    kind = "prefill"
-    while True:
-        t = time.perf_counter()
-        tok = session.choose(logits)
-        out = session.emit([tok], [kind])
-        kind = "plain"
-        stats.time_other += time.perf_counter() - t
-        if out:
-            yield out
-        if session.done:
-            return
-        t = time.perf_counter()
-        step[0, 0] = tok
-        logits = model(step, cache)[0, -1]
-        stats.backbone_forwards += 1
-        stats.time_verify += time.perf_counter() - t  # the plain step's forward counts as its "verify" time
+def decode(session: Session, draft_tokens: int | str | None, vocab: DraftVocab | None = None,
+           compile: bool = False) -> Iterator[list[int]]:
+    """Decode one session to its end, yielding the tokens emitted per round (the prefill's first token first)."""
+    model = session.model
+    decoder = Decoder(model, 1, len(session.tokens) + session.max_new, draft_tokens, vocab, compile=compile)
+    session.stats.draft_tokens_max = decoder.policy.k_max
+    seq = decoder.add(session)
+    while not seq.finished:
+        for _, toks in decoder.step():
+            yield toks
 
 
 class GenerationStream:
@@ -68,13 +52,15 @@ def stream(model, input_ids, max_new_tokens: int = 128, temperature: float = 0.0
            top_p: float | None = None, repetition_penalty: float = 1.0, seed: int | None = None,
            eos_token_ids: list[int] | None = None, stop: list[str] | str | None = None,
            draft_tokens: int | str | None = None, tokenizer=None,
-           draft_vocab: int | DraftVocab | None = None) -> GenerationStream:
+           draft_vocab: int | DraftVocab | None = None, compile: bool = False) -> GenerationStream:
     """Streaming generation for one sequence. input_ids: list[int] or [1, T] tensor.
 
     draft_tokens: None or 0 = plain decoding; 1..8 = MTP speculative decoding with k drafts; "auto" =
     adaptive k. A model with no usable MTP falls back to plain decoding with a warning.
     draft_vocab: draft over the N most frequent tokens (an int N, read from the model folder's
     token_frequencies.json) or a given DraftVocab; None = the full vocabulary.
+    compile: run the rounds through compiled graphs (`decode/compiled.py`; the first use of each graph on a machine
+    compiles it, later ones read inductor's disk cache).
     """
     if isinstance(input_ids, torch.Tensor):
         if input_ids.dim() == 2:
@@ -87,14 +73,14 @@ def stream(model, input_ids, max_new_tokens: int = 128, temperature: float = 0.0
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     params = SamplingParams(temperature, top_k, top_p, repetition_penalty, seed)
     session = Session(model, list(input_ids), max_new_tokens, params, eos_token_ids, stop, tokenizer)
-    if draft_tokens in (None, 0):
-        return GenerationStream(session, plain_decode(session))
-    if not model.has_mtp:
+    if draft_tokens not in (None, 0) and not model.has_mtp:
         warnings.warn("model has no usable MTP module; falling back to plain decoding", stacklevel=2)
-        return GenerationStream(session, plain_decode(session))
-    if isinstance(draft_vocab, int):
+        draft_tokens = None
+    if draft_tokens in (None, 0):
+        draft_vocab = None
+    elif isinstance(draft_vocab, int):
         draft_vocab = DraftVocab.for_model(model, draft_vocab)
-    return GenerationStream(session, speculative_decode(session, draft_tokens, draft_vocab))
+    return GenerationStream(session, decode(session, draft_tokens, draft_vocab, compile))
 
 
 def generate(model, input_ids, **kwargs) -> GenerationResult:

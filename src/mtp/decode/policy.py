@@ -1,15 +1,13 @@
-"""How many tokens to draft per round: fixed k, or `auto`.
+"""How many tokens to draft per round: fixed k, or `auto` - one policy for one sequence and for a batch.
 
-`auto` picks, before every round, the k in [k_min, k_max] that maximises the expected tokens per second
-          E(k) / (t_draft(k) + t_verify(k + 1)),   E(k) = 1 + sum_{j=1..k} prod_{i<=j} a_i
-from what this generation has measured so far: a_i = acceptance at draft position i (counts with
-exponential forgetting, so it follows the text: code accepts more than prose), t_draft = catch-up +
-(k-1) chain steps, and t_verify(q) fitted as alpha + beta*q over the verify lengths seen. Unseen deeper
-positions get an optimistic estimate (the last seen acceptance), and every 8th round drafts one token
-more than the estimate says, so the policy keeps learning the deeper positions. The seeds suggest k in
-2..5; the bounds are 0..6: k = 0 (plain decoding) wins where verifying more tokens costs more than the drafts
-return, as for MoE models on memory-bound CPUs, where each extra verified token reads up to top-k more experts
-(docs/decisions.md, "Qwen3.5-MoE").
+`auto` picks, before every round of B sequences, the k in [0, k_max] that maximises the tokens per second of the
+batch,  B * E(k) / t_round(B, k),  E(k) = 1 + sum_{j=1..k} prod_{i<=j} a_i,  from what this decoder has measured:
+a_i = acceptance at draft position i (counts pooled over the rows, with exponential forgetting, so it follows the
+text: code accepts more than prose), t_round the measured time of a round at that batch size and k. A generation is
+a batch of one. Unseen deeper positions get an optimistic estimate (the last seen acceptance), and every 8th round
+probes one draft more (and, offset, one fewer), so the policy keeps learning. k = 0 (no drafts) wins where verifying
+more tokens costs more than the drafts return, as for MoE models on memory-bound CPUs, where each extra verified
+token reads up to top-k more experts (docs/decisions.md, "Qwen3.5-MoE").
 """
 
 from __future__ import annotations
@@ -61,73 +59,6 @@ class AcceptanceCounts:
 
 @dataclass
 class DraftPolicy:
-    k_fixed: int | None  # None: auto
-    k_min: int = 0  # auto may turn drafting off where verifying extra tokens costs more than it returns (MoE on CPU)
-    k_max: int = 6
-    counts: AcceptanceCounts = field(default_factory=AcceptanceCounts)
-    t_first: float | None = None  # catch-up + first draft step (EMA, seconds)
-    t_chain: float | None = None  # one more chained draft step
-    t_verify: dict[int, float] = field(default_factory=dict)  # verify length -> EMA seconds
-    k_last: int = 3
-    probe_every: int = 8  # every n-th round try one more draft than the estimate says, to keep learning
-    rounds: int = 0
-
-    @classmethod
-    def from_arg(cls, draft_tokens: int | str, limit: int) -> DraftPolicy:
-        if draft_tokens == "auto":
-            return cls(None, k_max=min(6, limit))
-        if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or not 1 <= draft_tokens <= limit:
-            raise ValueError(f"draft_tokens must be None, 0, an integer in 1..{limit} or 'auto', got {draft_tokens!r}")
-        return cls(draft_tokens, k_max=draft_tokens)
-
-    def verify_time(self, q: int) -> float | None:
-        seen = sorted(self.t_verify.items())
-        if not seen:
-            return None
-        if len(seen) == 1:
-            return seen[0][1] * (1 + 0.1 * (q - seen[0][0]))  # assume +10%/token until a second length is seen
-        n = len(seen)
-        mx = sum(x for x, _ in seen) / n
-        my = sum(y for _, y in seen) / n
-        var = sum((x - mx) ** 2 for x, _ in seen)
-        beta = max(0.0, sum((x - mx) * (y - my) for x, y in seen) / var)
-        return max(1e-9, my + beta * (q - mx))
-
-    def next_k(self) -> int:
-        if self.k_fixed is not None:
-            return self.k_fixed
-        if self.t_first is None or not self.t_verify:
-            return self.k_last
-        best_k, best = self.k_last, -1.0
-        for k in range(self.k_min, self.k_max + 1):
-            expected = self.counts.expected_tokens(k)
-            draft = 0.0 if k == 0 else self.t_first + (k - 1) * (self.t_chain if self.t_chain is not None else self.t_first)
-            cost = draft + self.verify_time(k + 1)
-            if expected / cost > best:
-                best_k, best = k, expected / cost
-        self.k_last = best_k
-        self.rounds += 1
-        if self.rounds % self.probe_every == 0 and best_k < self.k_max:
-            return best_k + 1
-        return best_k
-
-    def update(self, k: int, n: int, t_draft: float | None, t_verify: float) -> None:
-        """After a round that drafted k, accepted n, and took these times (seconds). t_draft None: the round's draft
-        time says nothing about drafting (the first round's includes the MTP reading the whole prompt)."""
-        self.counts.record([(k, n)])
-        ema = lambda old, new: new if old is None else 0.8 * old + 0.2 * new  # noqa: E731
-        if k >= 1 and t_draft is not None:
-            if k == 1:
-                self.t_first = ema(self.t_first, t_draft)
-            elif self.t_first is not None:
-                self.t_chain = ema(self.t_chain, max(0.0, (t_draft - self.t_first) / (k - 1)))
-            else:
-                self.t_first = ema(self.t_first, t_draft / k)
-        self.t_verify[k + 1] = ema(self.t_verify.get(k + 1), t_verify)
-
-
-@dataclass
-class BatchDraftPolicy:
     """The draft length for a batch of B sequences decoded together (continuous batching): one k per round (each
     sequence drafts min(k, what it has left)), chosen to maximise tokens per second of the whole batch,
         B * E(k) / t_round(B, k)
@@ -145,12 +76,14 @@ class BatchDraftPolicy:
     n: int = 0
 
     @classmethod
-    def from_arg(cls, draft_tokens: int | str | None, limit: int) -> BatchDraftPolicy:
+    def from_arg(cls, draft_tokens: int | str | None, limit: int) -> DraftPolicy:
         if draft_tokens in (None, 0):
             return cls(0, k_max=0)
         if draft_tokens == "auto":
             return cls(None, k_max=min(6, limit))
-        return cls(DraftPolicy.from_arg(draft_tokens, limit).k_fixed, k_max=draft_tokens)
+        if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or not 1 <= draft_tokens <= limit:
+            raise ValueError(f"draft_tokens must be None, 0, an integer in 1..{limit} or 'auto', got {draft_tokens!r}")
+        return cls(draft_tokens, k_max=draft_tokens)
 
     def fit(self) -> tuple[float, float, float] | None:
         """Least squares t = a + b*B + c*B*k over every (B, k) measured so far (a round verifies B(k+1) tokens and

@@ -1,5 +1,9 @@
 """Turning logits into a distribution: repetition penalty, temperature, top-k, top-p (one place, so that
-the target p and the draft q of speculative sampling are shaped exactly alike)."""
+the target p and the draft q of speculative sampling are shaped exactly alike).
+
+`SamplingParams` are one request's; `RowSampling` holds a batch's as tensors for the decode round, which shapes
+logits on the device (`shape_logits`) for every row at once, greedy and sampled rows mixed. `probs_from_logits`
+is the same rule for one distribution, the reference the tests hold the round to."""
 
 from __future__ import annotations
 
@@ -60,6 +64,75 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     return logits.softmax(-1)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token id from probabilities [V]."""
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+@dataclass
+class RowSampling:
+    """The sampling parameters of a batch's rows as tensors [B] on the device, built on the host when the rows change.
+    The flags say what the decode round computes at all (a graph is compiled per combination)."""
+
+    greedy: torch.Tensor  # bool: argmax (after the repetition penalty)
+    seeded: torch.Tensor  # bool: a sampled row with a seed (Gumbel-max with noise fixed per position)
+    temperature: torch.Tensor  # fp32, 1 for greedy rows
+    top_k: torch.Tensor  # long, V where a row has none
+    top_p: torch.Tensor  # fp32, 1 where a row has none
+    penalty: torch.Tensor  # fp32, 1 where a row has none
+    use_penalty: bool = False
+    use_top_k: bool = False
+    use_top_p: bool = False
+    any_sampled: bool = False
+    any_unseeded: bool = False
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], vocab: int, device: torch.device | str) -> RowSampling:
+        greedy = [p.greedy for p in params]
+        seeded = [not p.greedy and p.seed is not None for p in params]
+        top_k = [vocab if p.greedy or p.top_k is None else min(p.top_k, vocab) for p in params]
+        top_p = [1.0 if p.greedy or p.top_p is None else p.top_p for p in params]
+        penalty = [p.repetition_penalty for p in params]
+
+        def t(x, dtype):
+            return torch.tensor(x, dtype=dtype, device=device)
+
+        return cls(t(greedy, torch.bool), t(seeded, torch.bool),
+                   t([1.0 if p.greedy else p.temperature for p in params], torch.float32), t(top_k, torch.long),
+                   t(top_p, torch.float32), t(penalty, torch.float32), use_penalty=any(r != 1.0 for r in penalty),
+                   use_top_k=any(k < vocab for k in top_k), use_top_p=any(p < 1.0 for p in top_p),
+                   any_sampled=not all(greedy), any_unseeded=any(not g and not s for g, s in zip(greedy, seeded)))
+
+    @property
+    def key(self) -> tuple[bool, ...]:
+        """What the shaping computes (one compiled graph per key)."""
+        return self.use_penalty, self.use_top_k, self.use_top_p, self.any_sampled, self.any_unseeded
+
+
+def shape_logits(logits: torch.Tensor, rs: RowSampling, seen: torch.Tensor | None) -> torch.Tensor:
+    """Logits [B, T, V] -> shaped logits [B, T, V] fp32: the repetition penalty over `seen` [B, T, V] (bool: the
+    tokens before each position), then for sampled rows temperature, top-k and top-p (-inf outside). The argmax of a
+    greedy row's result is its greedy token; softmax of a sampled row's result is its distribution, and its argmax
+    after adding Gumbel noise is an exact sample (no softmax needed). Ties and cut-offs follow `probs_from_logits`."""
+    x = logits.float()
+    if rs.use_penalty and seen is not None:
+        r = rs.penalty[:, None, None]
+        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+    if not rs.any_sampled:
+        return x
+    sampled = ~rs.greedy[:, None, None]
+    y = x / rs.temperature[:, None, None]
+    if rs.use_top_k or rs.use_top_p:
+        ranked, order = torch.sort(y, dim=-1, descending=True)
+        drop = torch.zeros_like(y, dtype=torch.bool)
+        if rs.use_top_k:
+            kth = ranked.gather(-1, (rs.top_k - 1)[:, None, None].expand(*y.shape[:2], 1))
+            drop = y < kth
+            ranked = ranked.masked_fill(ranked < kth, float("-inf"))  # top-p then sees what top-k kept
+        if rs.use_top_p:
+            probs = ranked.softmax(-1)
+            # drop a token when the mass before it already reaches top_p (the first token always stays)
+            cut = (probs.cumsum(-1) - probs) >= rs.top_p[:, None, None]
+            drop = drop | cut.scatter(-1, order, cut)
+        y = y.masked_fill(drop, float("-inf"))
+    return torch.where(sampled, y, x)
+
+
+def gumbel(uniform: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise from uniforms in (0, 1]: argmax(log p + noise) is an exact sample from p."""
+    return -(-uniform.clamp_min(1e-30).log()).log()

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import SamplingParams, apply_repetition_penalty, probs_from_logits, sample
+from .sampling import SamplingParams
 from .stats import GenerationStats
 
 
@@ -52,31 +52,18 @@ class Session:
         self.finish_reason = "length"
         self.text: str | None = None
         self.stats = GenerationStats(prompt_tokens=len(prompt))
-        # Unseeded sampling draws from this generator (None: torch's global one) with the Leviathan acceptance rule.
-        # A seeded request samples by the Gumbel-max trick with noise fixed per (seed, position) instead: the token
-        # at each position is then a function of the seed alone, identical for plain decoding, any k and any batch
-        # (see `gumbel`).
-        self.generator = None
-        self._seen = torch.tensor([self.tokens], dtype=torch.long, device=model.device) if params.repetition_penalty != 1.0 else None
+        # Unseeded sampling draws from torch's global generator with the Leviathan acceptance rule. A seeded request
+        # samples by the Gumbel-max trick with noise fixed per (seed, position) instead: the token at each position
+        # is then a function of the seed alone, identical for plain decoding, any k and any batch (see `gumbel`).
 
     @property
     def new_tokens(self) -> list[int]:
         return self.tokens[self.prompt_len:]
 
-    def probs(self, logits: torch.Tensor, extra: list[int] | None = None) -> torch.Tensor:
-        """Target distribution [V] for the next token given logits [V]; `extra` tokens (drafts before this
-        position) count as seen for the repetition penalty."""
-        if self._seen is not None:
-            seen = self._seen
-            if extra:
-                seen = torch.cat([seen, torch.tensor([extra], device=seen.device)], dim=1)
-            logits = apply_repetition_penalty(logits[None], seen, self.params.repetition_penalty)[0]
-        return probs_from_logits(logits, self.params)
-
     @property
     def plain_argmax(self) -> bool:
         """Greedy with no repetition penalty: the next token is the raw logits' argmax (the fast path)."""
-        return self.params.greedy and self._seen is None
+        return self.params.greedy and self.params.repetition_penalty == 1.0
 
     @property
     def seeded(self) -> bool:
@@ -89,32 +76,6 @@ class Session:
         g = torch.Generator().manual_seed((self.params.seed * 1_000_003 + position) % 2**63)
         u = torch.rand(size, generator=g, dtype=torch.float64).clamp_(1e-300, 1.0)
         return (-(-u.log()).log()).float().to(self.model.device)
-
-    def gumbel_pick(self, probs: torch.Tensor, position: int) -> int:
-        """argmax(log probs + the position's Gumbel noise): a sample from probs [V], fixed by the seed."""
-        return int((probs.log() + self.gumbel(position, probs.shape[-1])).argmax())
-
-    def choose(self, logits: torch.Tensor) -> int:
-        """The next token (at position len(tokens)) from logits [V]: argmax (greedy) or a sample."""
-        if self.plain_argmax:
-            return int(logits.argmax())
-        probs = self.probs(logits)
-        if self.params.greedy:
-            return int(probs.argmax())
-        return self.gumbel_pick(probs, len(self.tokens)) if self.seeded else sample(probs, self.generator)
-
-    def propose(self, logits: torch.Tensor, drafts: list[int]) -> tuple[int, torch.Tensor | None]:
-        """A draft token from the MTP's logits [V], given the drafts before it this round, with the draft
-        distribution q [V] that the acceptance rule needs (None on the greedy fast path and for seeded sampling,
-        where acceptance is an equality test)."""
-        if self.plain_argmax:
-            return int(logits.argmax()), None
-        q = self.probs(logits, extra=drafts)
-        if self.params.greedy:
-            return int(q.argmax()), q
-        if self.seeded:
-            return self.gumbel_pick(q, len(self.tokens) + len(drafts)), None
-        return int(torch.multinomial(q, 1, generator=self.generator)), q
 
     def emit(self, toks: list[int], kinds: list[str] | None = None) -> list[int]:
         """Append tokens, honouring EOS, stop strings and the length limit; returns those emitted. `kinds`: one
@@ -134,8 +95,6 @@ class Session:
                 self.done, self.finish_reason = True, "eos"
             elif len(self.tokens) - self.prompt_len >= self.max_new:
                 self.done, self.finish_reason = True, "length"
-        if self._seen is not None and out:
-            self._seen = torch.cat([self._seen, torch.tensor([out], device=self._seen.device)], dim=1)
         if self.stop and out:
             out = self._apply_stop_strings(out)
         self.stats.new_tokens = len(self.tokens) - self.prompt_len

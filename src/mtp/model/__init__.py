@@ -1,5 +1,5 @@
 from .base import CausalLM
-from .cache import Cache, Verified
+from .cache import Cache
 from .checkpoint import MissingMTPWarning, load_model, save_model
 from .deepseek_v3 import DeepseekV3ForCausalLM
 from .families import FAMILIES, config_from_dict, config_from_json
@@ -8,5 +8,5 @@ from .mimo import MiMoForCausalLM
 from .qwen3_5 import Qwen35ForCausalLM, init_weights_
 
 __all__ = ["FAMILIES", "Cache", "CausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "MiMoForCausalLM",
-           "MissingMTPWarning", "Qwen35ForCausalLM", "Verified", "config_from_dict", "config_from_json", "init_weights_",
+           "MissingMTPWarning", "Qwen35ForCausalLM", "config_from_dict", "config_from_json", "init_weights_",
            "load_model", "save_model"]

@@ -9,6 +9,7 @@ from .cache import KVCache, Positions
 from .linear import project
 from .norm import RMSNorm
 from .rope import apply_rope
+from .rowwise import rowwise
 
 
 class GatedAttention(nn.Module):
@@ -25,8 +26,7 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, pos: Positions, cache: KVCache | None = None,
-                keep_states: bool = False) -> tuple[torch.Tensor, None]:
+    def forward(self, x: torch.Tensor, pos: Positions, cache: KVCache | None = None) -> tuple[torch.Tensor, None]:
         """x [B, T, H] at positions pos.start.. -> ([B, T, H], None); writes K/V into `cache` at those positions.
         (Nothing to snapshot for a verify: entries are addressed by position.)"""
         B, T, _ = x.shape
@@ -40,7 +40,7 @@ class GatedAttention(nn.Module):
         v = v.reshape(B, T, self.num_kv_heads, D).transpose(1, 2)
         q, k = apply_rope(q, pos.cos, pos.sin), apply_rope(k, pos.cos, pos.sin)
         out = attend(q, k, v, cache, pos, D**-0.5)
-        out = out.transpose(1, 2).reshape(B, T, self.num_heads * D) * torch.sigmoid(gate)
+        out = out.transpose(1, 2).reshape(B, T, self.num_heads * D) * rowwise(torch.sigmoid, gate)
         return self.o_proj(out), None
 
     def new_state(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:
@@ -49,34 +49,57 @@ class GatedAttention(nn.Module):
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None, pos: Positions,
            scale: float) -> torch.Tensor:
-    """Causal (grouped-query) attention of q [B, A, T, D] over k/v [B, Hk, T, D] at positions pos.start.. (or per
-    row, pos.starts); with a cache, k/v are stored there first and q attends to every earlier position too.
-    Returns [B, A, T, Dv].
-
-    A block of a few new tokens after cached ones (a verify) runs one query row at a time over exactly the keys a
-    plain decoding step at that position sees: SDPA with a mask over more keys sums differently in the last bits
-    (seen in bf16), and each verified position must be computed exactly as a plain step (docs/decisions.md)."""
+    """Causal (grouped-query) attention of q [B, A, T, D] over k/v [B, Hk, T, D] at positions pos.start.. (a decode
+    forward: `attend_decode`); with a cache, k/v are stored there first and q attends to every earlier position too.
+    Returns [B, A, T, Dv]."""
+    if pos.decoding:
+        return attend_decode(q, k, v, cache, pos, scale)
     gqa = q.shape[1] != k.shape[1]
-    if cache is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, scale=scale, enable_gqa=gqa)
     T = q.shape[2]
-    if pos.starts is not None:  # a batch of sequences at different positions: each row over its own keys
-        cache.write_rows(k, v, pos.starts)
-        return torch.cat([attend_rows(q[b : b + 1], cache.k[b : b + 1], cache.v[b : b + 1], s, scale, gqa)
-                          for b, s in enumerate(pos.starts)])
+    if cache is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=scale, enable_gqa=gqa)
     start = pos.start
     k, v = cache.write(k, v, start)
     if start == 0:  # a prefill
         return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=scale, enable_gqa=gqa)
-    if T <= VERIFY_ROWS:
-        return attend_rows(q, k, v, start, scale, gqa)
-    # a long chunk after cached tokens: query i sees keys 0..start+i (SDPA's is_causal aligns top-left, wrong here)
+    # a chunk after cached tokens: query i sees keys 0..start+i (SDPA's is_causal aligns top-left, wrong here)
     mask = torch.arange(start + T, device=q.device)[None, :] <= torch.arange(T, device=q.device)[:, None] + start
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
-# Blocks up to this many tokens after cached ones are verify blocks (k + 1 <= 9): attended row by row.
-VERIFY_ROWS = 16
+def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, pos: Positions,
+                  scale: float) -> torch.Tensor:
+    """A decode forward (static shapes): q [B, A, T, D], k/v [B, Hk, T, D] of tokens at positions pos.index [B, T];
+    k/v are written into the cache at those positions, and each query attends to the keys at positions <= its own.
+    Returns [B, A, T, Dv].
+
+    Every query row is computed the same way whatever the batch, the width T and the cache length S, so a position
+    gets the same numbers in a plain step, in any row of a verify and in any batch row (what lossless greedy
+    speculative decoding and batching rest on). Eagerly, with the rows' positions on the host (`pos.starts`), each
+    row runs SDPA over exactly the keys it sees; in a compiled graph, every row reduces over all S positions with
+    the later ones masked to exact zeros (their additions leave every partial sum unchanged)."""
+    cache.write_at(k, v, pos.index)
+    if pos.starts is not None and not torch.compiler.is_compiling():
+        gqa = q.shape[1] != k.shape[1]
+        return torch.cat([attend_rows(q[b : b + 1], cache.k[b : b + 1], cache.v[b : b + 1], s, scale, gqa)
+                          for b, s in enumerate(pos.starts)])
+    return attend_masked(q, cache.k, cache.v, pos.index, scale)
+
+
+def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, A, T, D] at positions index [B, T] over all keys k/v [B, Hk, S, D] of positions 0..S-1, those after a
+    query's position masked; fp32 reductions written as sums (no matmul, whose blocking may depend on the sizes).
+    Returns [B, A, T, Dv] in q's dtype."""
+    B, A, T, D = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    G = A // Hk  # query head a reads kv head a // G
+    qf = q.float().reshape(B, Hk, G * T, D)
+    scores = (qf[:, :, :, None, :] * k.float()[:, :, None, :, :]).sum(-1) * scale  # [B, Hk, G*T, S]
+    allowed = torch.arange(S, device=q.device) <= index[:, None, :, None]  # [B, 1, T, S]
+    scores = scores.reshape(B, Hk, G, T, S).masked_fill(~allowed[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).reshape(B, Hk, G * T, S)
+    out = (probs[..., None] * v.float()[:, :, None, :, :]).sum(-2)  # [B, Hk, G*T, Dv]
+    return out.reshape(B, A, T, -1).to(q.dtype)
 
 
 def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float, gqa: bool) -> torch.Tensor:

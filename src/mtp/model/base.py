@@ -1,7 +1,7 @@
 """The family seam: what decoding, training, bench, heal and the server use, whatever family they run.
 
 A family (one file: `qwen3_5.py`, ...) subclasses `CausalLM` and supplies
-- `self.model` with `embed_tokens`, `layers` (decoder layers, each `forward(x, pos, cache, keep_states)` and
+- `self.model` with `embed_tokens`, `layers` (decoder layers, each `forward(x, pos, cache)` and
   `new_state(...)`) and `norm`; `self.lm_head`;
 - `positions(start, length)`: the rotary tables of those positions (`cache.Positions`);
 - `self.mtp`: its MTP module (or None), speaking the `MTPModule` protocol below;
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .cache import Cache, KVCache, Positions, Verified
+from .cache import Cache, KVCache, Positions
 from .linear import prepare_for_inference as prepare_linears
 
 
@@ -55,6 +55,7 @@ class CausalLM(nn.Module):
         self.tokenizer = None  # a `mtp.io.Tokenizer`, set by the loader when the folder has one
         self.source_path: str | None = None
         self.checkpoint_layout: dict = {}  # how the checkpoint stored what the model holds in another form
+        self.prepared = False  # prepare_for_inference ran (the decoder prepares a model that was not)
 
     def output_head(self, tie: bool) -> nn.Linear:
         """The output head [H -> V] for a family's __init__, once `self.model.embed_tokens` exists; tied: the
@@ -66,14 +67,12 @@ class CausalLM(nn.Module):
         return head
 
     # ------------------------------------------------------------------ what a family may override
-    def positions(self, start: int | list[int], length: int) -> Positions:
-        """Positions start..start+length-1 (or from a start per batch row) with the family's rotary tables
-        (`self.rotary`, a `rope.RotaryTable`, when it has one)."""
+    def positions(self, start: int, length: int) -> Positions:
+        """Positions start..start+length-1 with the family's rotary tables (`self.rotary`, a `rope.RotaryTable`, when
+        it has one)."""
         rotary = getattr(self, "rotary", None)
         cos, sin = (None, None) if rotary is None else rotary(start, length, self.dtype, self.device)
-        if isinstance(start, int):
-            return Positions(start, length, cos, sin)
-        return Positions(0, length, cos, sin, starts=list(start))
+        return Positions(start, length, cos, sin)
 
     def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
         """The last layer's output -> the hidden state `hidden()` returns (and the MTP reads): the final norm."""
@@ -104,15 +103,16 @@ class CausalLM(nn.Module):
     keep_precision: tuple[str, ...] = ("mtp.fc",)
 
     def prepare_for_inference(self, quantize: str | None = None) -> None:
-        """Swap the linear layers for faster CPU inference kernels (`model/linear.py`): bf16 weights use oneDNN's
-        packed layout; `quantize` "int8" (weight-only, per-channel scales) quantizes every linear layer but
-        `keep_precision` (bf16). Parameters and the state dict stay as they are; a no-op off CPU
-        or for fp32 weights without `quantize`."""
+        """Swap the linear layers for row-invariant CPU inference kernels (`model/linear.py`): bf16 weights use
+        oneDNN's packed layout, fp32 weights a row-by-row product; `quantize` "int8" (weight-only, per-channel scales)
+        quantizes every linear layer but `keep_precision` (bf16). Parameters and the state dict stay as they are; a
+        no-op off CPU. The decoder calls it once on a model that was not prepared (`prepared`)."""
+        self.prepared = True
         if self.device.type != "cpu":
             return
         if quantize is None:
-            if self.dtype == torch.bfloat16:
-                prepare_linears(self, "bf16")
+            if self.dtype in (torch.bfloat16, torch.float32):
+                prepare_linears(self, "bf16" if self.dtype == torch.bfloat16 else "fp32")
             return
         if self.dtype != torch.bfloat16:
             raise ValueError(f"quantize={quantize!r} needs a bfloat16 model (load it with dtype='bfloat16'), got {self.dtype}")
@@ -162,45 +162,56 @@ class CausalLM(nn.Module):
         return self.config.eos_token_ids
 
     # ------------------------------------------------------------------ backbone
-    def _backbone(self, ids: torch.Tensor, cache: Cache | None, keep_states: bool,
-                  router_logits: list | None = None) -> tuple[torch.Tensor, list, int]:
+    def hidden(self, ids: torch.Tensor, cache: Cache | None = None, router_logits: list | None = None) -> torch.Tensor:
+        """Backbone hidden states: ids [B, T] -> [B, T, H]. With a single-sequence cache (a prefill), continue from
+        `cache.pos` and advance it by T. `router_logits` (a list): MoE layers append their router logits to it."""
         T = ids.shape[1]
-        start = 0 if cache is None else (cache.pos if cache.rows is None else list(cache.rows))
+        start = 0 if cache is None else cache.pos
         if cache is not None:
             cache.check_room(T)
         pos = self.positions(start, T)
         pos.router_logits = router_logits
         x = self.model.embed_tokens(ids)
-        snapshots = []
         for i, layer in enumerate(self.model.layers):
             if self.gradient_checkpointing and self.training and cache is None:
-                x, snap = checkpoint(layer, x, pos, None, False, use_reentrant=False)
+                x, _ = checkpoint(layer, x, pos, None, use_reentrant=False)
             else:
-                x, snap = layer(x, pos, None if cache is None else cache.layers[i], keep_states)
-            snapshots.append(snap)
+                x, _ = layer(x, pos, None if cache is None else cache.layers[i])
         if cache is not None:
-            if cache.rows is None:
-                cache.pos = start + T
-            else:
-                cache.rows = [s + T for s in start]
-        return self.final_hidden(x), snapshots, start
-
-    def hidden(self, ids: torch.Tensor, cache: Cache | None = None, router_logits: list | None = None) -> torch.Tensor:
-        """Backbone hidden states: ids [B, T] -> [B, T, H]. With a cache, continue from `cache.pos` and
-        advance it by T. `router_logits` (a list): MoE layers append their router logits to it."""
-        return self._backbone(ids, cache, False, router_logits)[0]
-
-    def verify(self, ids: torch.Tensor, cache: Cache) -> Verified:
-        """A verify forward of q tokens [B, q]: the hidden states [B, q, H] and what `cache.keep(verified, n)`
-        needs to keep only the first n of them (one forward; rollback then selects, never recomputes)."""
-        h, snapshots, start = self._backbone(ids, cache, True)
-        if isinstance(start, list):
-            return Verified(h, 0, snapshots, starts=start)
-        return Verified(h, start, snapshots)
+            cache.pos = start + T
+        return self.final_hidden(x)
 
     def forward(self, ids: torch.Tensor, cache: Cache | None = None) -> torch.Tensor:
         """Backbone logits: ids [B, T] -> [B, T, V]."""
         return self.head(self.hidden(ids, cache))
+
+    # ------------------------------------------------------------------ decode forwards (static shapes)
+    def decode_positions(self, index: torch.Tensor, starts: list[int] | None = None) -> Positions:
+        """Positions of a decode forward: index [B, T] (long, on the device) with the family's rotary tables gathered
+        for them; `starts` (each row's first position, on the host) lets eager attention read exactly each row's keys.
+        The rotary table must reach the positions already (`prepare_decode`)."""
+        rotary = getattr(self, "rotary", None)
+        cos, sin = (None, None) if rotary is None else rotary.gather(index, self.dtype)
+        return Positions(0, index.shape[1], cos, sin, starts=starts, index=index)
+
+    def prepare_decode(self, max_len: int) -> None:
+        """Build what decode forwards up to position max_len - 1 read but cannot grow themselves (rotary tables)."""
+        rotary = getattr(self, "rotary", None)
+        if rotary is not None:
+            rotary.ensure(max_len, self.dtype, self.device)
+
+    def decode(self, ids: torch.Tensor, cache: Cache, pos: Positions) -> tuple[torch.Tensor, list]:
+        """A decode forward (a plain step, a verify, many rows at their own positions): ids [B, T] at positions
+        pos.index (`decode_positions`) -> (hidden [B, T, H], one entry per layer: `DeltaSteps` or None). Attention
+        layers write their keys/values at those positions; recurrent states stay as they were until
+        `cache.keep_at(steps, n)` selects the state after each row's first n tokens. Static shapes and no host
+        synchronisation (with `pos.starts` None), so the forward can be compiled or captured as a graph."""
+        x = self.model.embed_tokens(ids)
+        steps = []
+        for i, layer in enumerate(self.model.layers):
+            x, st = layer(x, pos, cache.layers[i])
+            steps.append(st)
+        return self.final_hidden(x), steps
 
     def new_cache(self, batch: int, max_len: int, rows: bool = False) -> Cache:
         """Preallocated backbone decode state for `max_len` positions (capped at the context length); `rows`: a
@@ -216,15 +227,15 @@ class CausalLM(nn.Module):
             raise RuntimeError("this model has no MTP module")
         return self.mtp.new_state(batch, min(max_len, self.context_length), self.dtype, self.device)
 
-    def mtp_step(self, d: int, hidden: torch.Tensor, next_ids: torch.Tensor | None, start: int,
+    def mtp_step(self, d: int, hidden: torch.Tensor, next_ids: torch.Tensor | None, start: int | list[int] | Positions,
                  caches: list | None = None, router_logits: list | None = None) -> torch.Tensor:
-        """MTP depth d at positions start..start+T-1: h^{d-1} [B, T, H] and the tokens that follow each position
-        [B, T] (None for parallel heads) -> h^d [B, T, H]. With `caches` (from `new_mtp_cache`) the depth's
-        layer writes its keys/values there."""
+        """MTP depth d at positions start..start+T-1 (or the given decode `Positions`): h^{d-1} [B, T, H] and the
+        tokens that follow each position [B, T] (None for parallel heads) -> h^d [B, T, H]. With `caches` (from
+        `new_mtp_cache`) the depth's layer writes its keys/values there."""
         mtp = self.mtp
         emb = self.mtp_embed(next_ids, d) if mtp.style == "sequential" else None
         cache = None if caches is None else caches[mtp.layer_for_depth(d)]
-        pos = self.positions(start, hidden.shape[1])
+        pos = start if isinstance(start, Positions) else self.positions(start, hidden.shape[1])
         pos.router_logits = router_logits
         return mtp.step(d, hidden, emb, pos, cache)
 

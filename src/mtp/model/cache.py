@@ -1,11 +1,12 @@
-"""Decode state, and what one verify forward returns so that rollback never recomputes.
+"""Decode state, addressed so that rolling a speculative round back never recomputes anything.
 
-- `KVCache`: attention keys/values preallocated for `max_len` positions and addressed by position, so
-  rolling back is only moving `Cache.pos` (entries past it are overwritten later).
-- `DeltaState`: a Gated DeltaNet layer's conv inputs and recurrent state. A verify forward of q tokens
-  returns a `DeltaSnapshot` per such layer (the conv window and every position's state);
-  `Cache.keep(verified, n)` selects the state after the n-th position.
-- `Verified`: the hidden states of a verify forward and the snapshots; nothing is left on the cache.
+- `KVCache`: attention keys/values preallocated for `max_len` positions and addressed by position, so rolling back
+  is only not advancing the position (entries past it are overwritten before they are read).
+- `DeltaState`: a Gated DeltaNet layer's conv inputs and recurrent state. A decode forward of T tokens per row
+  (`CausalLM.decode`) leaves it as it was and returns `DeltaSteps` (the conv window and the state before and after
+  each token); `Cache.keep_at(steps, n)` then selects each row's state after its first n tokens.
+- `Cache`: the per-layer states of a batch of rows and each row's position on the host (`rows`); a single-row view
+  (`view`) is what a prefill reads a prompt into.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import torch
 
 @dataclass
 class Positions:
-    """Where the T tokens of one forward sit: positions start..start+T-1 of every batch row, or with `starts` (a
-    batch of sequences at different places: continuous batching) starts[b]..starts[b]+T-1 for row b; with the rotary
-    tables the family computed for them (cos/sin [T, R], or [B, 1, T, R] per row; None for a family without RoPE).
-    `router_logits`: when a list, every MoE layer of this forward appends its router logits [B*T, E] to it."""
+    """Where the T tokens of one forward sit, with the rotary tables the family computed for them (None for a family
+    without RoPE). A prefill or training forward: positions start..start+T-1 of every batch row (cos/sin [T, R]). A
+    decode forward (`decoding`): `index` [B, T] (long, on the device) holds every token's position (cos/sin
+    [B, 1, T, R]), and `starts` optionally each row's first position on the host (eager attention then reads exactly
+    each row's keys). `router_logits`: when a list, every MoE layer of this forward appends its router logits
+    [B*T, E] to it."""
 
     start: int
     length: int
@@ -28,6 +31,12 @@ class Positions:
     sin: torch.Tensor | None = None
     router_logits: list | None = None
     starts: list[int] | None = None
+    index: torch.Tensor | None = None
+
+    @property
+    def decoding(self) -> bool:
+        """A decode forward (static shapes, positions in `index`): mixers take their decode path."""
+        return self.index is not None
 
 
 @dataclass
@@ -49,12 +58,11 @@ class KVCache:
         self.v[:, :, start:end] = v
         return self.k[:, :, :end], self.v[:, :, :end]
 
-    def write_rows(self, k: torch.Tensor, v: torch.Tensor, starts: list[int]) -> None:
-        """Store row b of k, v [B, Hk, T, D] at positions starts[b]..starts[b]+T-1."""
-        T = k.shape[2]
-        for b, s in enumerate(starts):
-            self.k[b, :, s : s + T] = k[b]
-            self.v[b, :, s : s + T] = v[b]
+    def write_at(self, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> None:
+        """Store k, v [B, Hk, T, D] at positions index [B, T] (a tensor: no host synchronisation, static shapes)."""
+        rows = torch.arange(k.shape[0], device=k.device)[:, None].expand_as(index)
+        self.k[rows, :, index] = k.transpose(1, 2).to(self.k.dtype)  # advanced indices first: [B, T, Hk, D]
+        self.v[rows, :, index] = v.transpose(1, 2).to(self.v.dtype)
 
     def rows(self, lo: int, hi: int) -> KVCache:
         """Rows lo..hi-1 (views: writes go to this cache)."""
@@ -63,23 +71,14 @@ class KVCache:
     def reset_row(self, b: int) -> None:
         """Nothing to clear: entries are addressed by position and written before they are read."""
 
-    def copy_row(self, src: int, dst: int, length: int) -> None:
-        """Row dst := row src over positions 0..length-1."""
-        self.k[dst, :, :length] = self.k[src, :, :length]
-        self.v[dst, :, :length] = self.v[src, :, :length]
-
 
 @dataclass
-class DeltaSnapshot:
-    """What a verify forward of q tokens keeps for one Gated DeltaNet layer: the conv window and the recurrent state
-    after every verified position."""
+class DeltaSteps:
+    """What a decode forward of T tokens per row keeps for one Gated DeltaNet layer: the conv window and the recurrent
+    state before and after each position, so `DeltaState.keep_at` selects the state after any n in 0..T."""
 
-    window: torch.Tensor  # [B, C, kernel-1+q]: the conv inputs before and of the q tokens
-    states: torch.Tensor  # [B, H, q, Kd, Vd] fp32
-
-    def state(self, n: int) -> torch.Tensor:
-        """The recurrent state after the first n (>= 1) positions: [B, H, Kd, Vd]."""
-        return self.states[:, :, n - 1]
+    window: torch.Tensor  # [B, C, kernel-1+T]
+    states: torch.Tensor  # [B, H, T+1, Kd, Vd] fp32; states[:, :, 0] is the state before the first token
 
 
 @dataclass
@@ -87,20 +86,13 @@ class DeltaState:
     conv: torch.Tensor  # [B, C, kernel-1]: the last conv inputs
     ssm: torch.Tensor  # [B, Hv, Kd, Vd], fp32
 
-    def restore(self, snap: DeltaSnapshot, n: int) -> None:
-        """Make this the state after the first n (>= 1) of the snapshot's q positions (selected, not recomputed)."""
+    def keep_at(self, steps: DeltaSteps, n: torch.Tensor) -> None:
+        """Row b := its state after its first n[b] (0..T) positions of a decode forward; n [B] long, on the device."""
         width = self.conv.shape[-1]
-        self.conv.copy_(snap.window[:, :, n : n + width])
-        self.ssm.copy_(snap.state(n))
-
-    def restore_rows(self, snap: DeltaSnapshot, ns: list[int]) -> None:
-        """Row b := its state after its first ns[b] positions (batched verify with a length per row)."""
-        width = self.conv.shape[-1]
-        q = snap.states.shape[2]
-        for b, n in enumerate(ns):
-            if n < q:
-                self.conv[b].copy_(snap.window[b, :, n : n + width])
-                self.ssm[b].copy_(snap.states[b, :, n - 1])
+        rows = torch.arange(n.shape[0], device=n.device)
+        self.ssm.copy_(steps.states[rows, :, n])
+        idx = (n[:, None, None] + torch.arange(width, device=n.device)).expand(-1, self.conv.shape[1], -1)
+        self.conv.copy_(steps.window.gather(2, idx))
 
     def rows(self, lo: int, hi: int) -> DeltaState:
         return DeltaState(self.conv[lo:hi], self.ssm[lo:hi])
@@ -110,29 +102,10 @@ class DeltaState:
         self.conv[b].zero_()
         self.ssm[b].zero_()
 
-    def copy_row(self, src: int, dst: int, length: int) -> None:
-        self.conv[dst] = self.conv[src]
-        self.ssm[dst] = self.ssm[src]
-
-
-@dataclass
-class Verified:
-    """A verify forward of q tokens from position `start`: hidden [B, q, H] and, per layer, the snapshot that
-    rollback needs (None for layers whose state is addressed by position)."""
-
-    hidden: torch.Tensor
-    start: int
-    snapshots: list[DeltaSnapshot | None]
-    starts: list[int] | None = None  # per row, for a batch at different positions
-
-    @property
-    def length(self) -> int:
-        return self.hidden.shape[1]
-
 
 class Cache:
-    """Per-layer decode state of one batch of sequences; `pos` = tokens already consumed. For a batch of sequences
-    at different positions (continuous batching) `rows` holds each row's position instead (`pos` is unused)."""
+    """Per-layer decode state of a batch of rows. `pos`: tokens consumed by a single-sequence cache (a prefill);
+    `rows`: each row's position on the host, for a batch decoded by rounds (the decoder keeps it)."""
 
     def __init__(self, layers: list, max_len: int, rows: list[int] | None = None):
         self.layers = layers
@@ -141,20 +114,16 @@ class Cache:
         self.rows = rows
 
     def view(self, lo: int, hi: int) -> Cache:
-        """Rows lo..hi-1 as a cache of their own (views of the same memory); a single row (hi = lo + 1) continues at
-        its position as a plain cache, several rows keep per-row positions. Write positions back with `sync`."""
-        view = Cache([layer.rows(lo, hi) for layer in self.layers], self.max_len,
-                     None if hi - lo == 1 else list(self.rows[lo:hi]))
+        """Rows lo..hi-1 as a cache of their own (views of the same memory); a single row continues at its position as
+        a single-sequence cache (write it back with `sync`), several rows share this cache's `rows`."""
+        view = Cache([layer.rows(lo, hi) for layer in self.layers], self.max_len, None if hi - lo == 1 else self.rows)
         if hi - lo == 1:
             view.pos = self.rows[lo]
         return view
 
-    def sync(self, view: Cache, lo: int) -> None:
-        """Take a view's positions back into this cache's rows."""
-        if view.rows is None:
-            self.rows[lo] = view.pos
-        else:
-            self.rows[lo : lo + len(view.rows)] = view.rows
+    def sync(self, view: Cache, row: int) -> None:
+        """Take a single-row view's position back into this cache's rows."""
+        self.rows[row] = view.pos
 
     def reset_row(self, b: int) -> None:
         """Row b starts a new sequence at position 0."""
@@ -162,37 +131,14 @@ class Cache:
             layer.reset_row(b)
         self.rows[b] = 0
 
-    def copy_row(self, src: int, dst: int) -> None:
-        """Row dst := row src (moving a sequence to another row)."""
-        for layer in self.layers:
-            layer.copy_row(src, dst, self.rows[src])
-        self.rows[dst] = self.rows[src]
-
     def check_room(self, n: int) -> None:
-        last = self.pos if self.rows is None else max(self.rows)
-        if last + n > self.max_len:
-            raise ValueError(f"cache holds {self.max_len} positions; cannot add {n} at position {last}")
+        if self.pos + n > self.max_len:
+            raise ValueError(f"cache holds {self.max_len} positions; cannot add {n} at position {self.pos}")
 
-    def keep(self, verified: Verified, n: int) -> None:
-        """Keep the first n (1 <= n <= q) positions of a verify forward and roll the others back: DeltaNet
-        states are selected from the snapshots, attention entries past the new `pos` are overwritten later."""
-        q = verified.length
-        if not 1 <= n <= q:
-            raise ValueError(f"keep({n}) after a verify of {q} tokens")
-        if self.pos != verified.start + q:
-            raise ValueError(f"keep(): the cache is at position {self.pos}, the verify ended at {verified.start + q}")
-        if n < q:
-            for state, snap in zip(self.layers, verified.snapshots):
-                if snap is not None:
-                    state.restore(snap, n)
-        self.pos = verified.start + n
-
-    def keep_rows(self, verified: Verified, ns: list[int]) -> None:
-        """`keep` for a batch verified at per-row positions: row b keeps its first ns[b] positions."""
-        q = verified.length
-        if any(not 1 <= n <= q for n in ns):
-            raise ValueError(f"keep_rows({ns}) after a verify of {q} tokens")
-        for state, snap in zip(self.layers, verified.snapshots):
-            if snap is not None:
-                state.restore_rows(snap, ns)
-        self.rows = [s + n for s, n in zip(verified.starts, ns)]
+    def keep_at(self, steps: list, n: torch.Tensor) -> None:
+        """After a decode forward (`CausalLM.decode`): keep each row's first n[b] tokens (n [B] long on the device, 0
+        for a row that keeps nothing). Recurrent states are selected from the steps; attention entries are addressed by
+        position and need nothing. Positions are the caller's (`rows` on the host, the round's tensors)."""
+        for state, st in zip(self.layers, steps):
+            if st is not None:
+                state.keep_at(st, n)

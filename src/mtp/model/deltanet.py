@@ -2,8 +2,8 @@
 
 Per value head, with state S [Kd, Vd]:  S <- S * exp(g);  delta = beta * (v - k^T S);  S <- S + k delta^T;
 o = q^T S.  Two forms: a chunked (parallel within chunks) form for prefill and training, and a recurrent
-form for decoding and verification; a verify keeps the state after every verified position
-(`cache.DeltaSnapshot`) and rollback selects one.
+form for decoding and verification; a decode forward keeps the state after every position (`cache.DeltaSteps`)
+and `Cache.keep_at` selects one.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import Qwen35Config
-from .cache import DeltaSnapshot, DeltaState, Positions
+from .cache import DeltaState, DeltaSteps, Positions
 from .linear import project
 from .norm import RMSNormGated
+from .rowwise import rowwise
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -80,15 +81,19 @@ def recurrent_gated_delta_rule(
     identical to plain decoding in bf16 and int8 too (docs/decisions.md, 2026-11-30 speed)."""
     outs, states = [], []
     S = state
-    for t in range(q.shape[2]):
-        S = S * g[:, :, t].exp()[..., None, None]
-        kt = k[:, :, t]
+    # time-major contiguous copies: every step's operands then have the same layout whatever T is, so the per-step
+    # matmuls take the same kernel path and a verified position's state is bit-identical to a plain step's
+    q, k, v = (x.permute(2, 0, 1, 3).contiguous() for x in (q, k, v))  # [T, B, H, d]
+    decay, beta = (x.permute(2, 0, 1).contiguous() for x in (rowwise(torch.exp, g), beta))  # [T, B, H]
+    for t in range(q.shape[0]):
+        S = S * decay[t][..., None, None]
+        kt = k[t]
         kv = (kt.unsqueeze(-2) @ S).squeeze(-2)  # k^T S: [B, H, Vd]
-        delta = (v[:, :, t] - kv) * beta[:, :, t, None]
+        delta = (v[t] - kv) * beta[t][..., None]
         S = S + kt.unsqueeze(-1) * delta.unsqueeze(-2)
         if keep_states:
             states.append(S)
-        outs.append((q[:, :, t].unsqueeze(-2) @ S).squeeze(-2))
+        outs.append((q[t].unsqueeze(-2) @ S).squeeze(-2))
     return torch.stack(outs, dim=2), S, torch.stack(states, dim=2) if keep_states else None
 
 
@@ -115,33 +120,60 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNormGated(self.head_v_dim, c.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, c.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, pos: Positions, cache: DeltaState | None = None,
-                keep_states: bool = False) -> tuple[torch.Tensor, DeltaSnapshot | None]:
-        """x [B, T, H] -> ([B, T, H], snapshot). With a cache, continue from its state and update it in place;
-        `keep_states` (a verify forward) also returns every position's state, for `Cache.keep`."""
+    def forward(self, x: torch.Tensor, pos: Positions, cache: DeltaState | None = None
+                ) -> tuple[torch.Tensor, DeltaSteps | None]:
+        """x [B, T, H] -> ([B, T, H], None); with a cache (a prefill), continue from its state and update it in place.
+        A decode forward (`pos.decoding`) leaves the cache as it is and returns `DeltaSteps` for `DeltaState.keep_at`."""
+        if pos.decoding:
+            return self.decode(x, cache)
         B, T, _ = x.shape
         qkv, z, b, a = project(self, x, "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
         qkv = qkv.transpose(1, 2)  # [B, C, T]
         weight = self.conv1d.weight  # [C, 1, kernel]
-        window = None
         if cache is None:
             qkv = F.conv1d(qkv, weight, padding=self.kernel - 1, groups=self.conv_dim)[..., :T]
         else:
             window = torch.cat([cache.conv, qkv.to(cache.conv.dtype)], dim=-1)  # [B, C, kernel-1+T]
-            if T <= 16:
-                # decode/verify: the taps summed left to right. mkldnn's conv1d costs ~4-10x more on such
-                # short windows, and this order is the same for every T, so a plain step (T=1) and a verify
-                # block (T=k+1) give bit-identical conv outputs (docs/decisions.md, 2026-11-29 bench).
-                taps = weight[:, 0, :]  # [C, kernel]
-                qkv = window[..., 0:T] * taps[:, 0:1]
-                for j in range(1, self.kernel):
-                    qkv = qkv + window[..., j : j + T] * taps[:, j : j + 1]
-            else:
-                qkv = F.conv1d(window, weight, groups=self.conv_dim)
+            qkv = self._short_conv(window, T) if T <= 16 else F.conv1d(window, weight, groups=self.conv_dim)
             cache.conv.copy_(window[..., -(self.kernel - 1):])
+        q, k, v, g, beta = self._heads(qkv, b, a)
+
+        if cache is not None and T == 1:
+            o, S, _ = recurrent_gated_delta_rule(q, k, v, g, beta, cache.ssm)
+        else:
+            o, S = chunk_gated_delta_rule(q, k, v, g, beta, None if cache is None else cache.ssm)
+        if cache is not None:
+            cache.ssm.copy_(S)
+        return self._out(o, z, x.dtype), None
+
+    def decode(self, x: torch.Tensor, cache: DeltaState) -> tuple[torch.Tensor, DeltaSteps]:
+        """A decode forward of T tokens per row continuing from `cache` (static shapes): ([B, T, H], the conv window
+        and the state before and after every token). The cache is not changed: `DeltaState.keep_at` selects."""
+        T = x.shape[1]
+        qkv, z, b, a = project(self, x, "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+        window = torch.cat([cache.conv, qkv.transpose(1, 2).to(cache.conv.dtype)], dim=-1)  # [B, C, kernel-1+T]
+        q, k, v, g, beta = self._heads(self._short_conv(window, T), b, a)
+        o, _, states = recurrent_gated_delta_rule(q, k, v, g, beta, cache.ssm, keep_states=True)
+        return self._out(o, z, x.dtype), DeltaSteps(window, torch.cat([cache.ssm[:, :, None], states], dim=2))
+
+    def _short_conv(self, window: torch.Tensor, T: int) -> torch.Tensor:
+        """The causal depthwise conv of the last T inputs of window [B, C, kernel-1+T] -> [B, C, T]: the taps summed
+        left to right. mkldnn's conv1d costs ~4-10x more on such short windows, and this order is the same for every
+        T, so a plain step (T=1) and a verify block (T=k+1) give bit-identical conv outputs (docs/decisions.md,
+        2026-11-29 bench)."""
+        taps = self.conv1d.weight[:, 0, :]  # [C, kernel]
+        out = window[..., 0:T] * taps[:, 0:1]
+        for j in range(1, self.kernel):
+            out = out + window[..., j : j + T] * taps[:, j : j + 1]
+        return out
+
+    def _heads(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Conv outputs [B, C, T] and the b/a projections [B, T, Hv] -> q, k [B, Hv, T, Kd] (normalised, q scaled),
+        v [B, Hv, T, Vd], the log decay g and beta [B, Hv, T]; all fp32."""
+        B, _, T = qkv.shape
         # contiguous [B, T, C]: the l2norm reductions below then run over a contiguous last dim for every T, so a
         # verified position sums exactly as a plain step does (a stride-T dim sums in another order)
-        qkv = F.silu(qkv).transpose(1, 2).contiguous()
+        qkv = rowwise(F.silu, qkv.transpose(1, 2).contiguous())
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(B, T, self.num_k_heads, self.head_k_dim)
         k = k.reshape(B, T, self.num_k_heads, self.head_k_dim)
@@ -152,23 +184,17 @@ class GatedDeltaNet(nn.Module):
         q, k, v = (t.transpose(1, 2).float() for t in (q, k, v))  # [B, Hv, T, d] fp32
         q = l2norm(q) * (self.head_k_dim**-0.5)
         k = l2norm(k)
-        beta = torch.sigmoid(b.float()).transpose(1, 2)  # [B, Hv, T]
-        g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())).transpose(1, 2)
+        # per head: a few elements per position, so computed `rowwise` (the same bits for any number of positions)
+        beta = rowwise(torch.sigmoid, b.float()).transpose(1, 2)  # [B, Hv, T]
+        g = (-self.A_log.float().exp() * rowwise(F.softplus, a.float() + self.dt_bias.float())).transpose(1, 2)
+        return q, k, v, g, beta
 
-        snap = None
-        if cache is not None and (T == 1 or keep_states):
-            o, S, states = recurrent_gated_delta_rule(q, k, v, g, beta, cache.ssm, keep_states)
-            cache.ssm.copy_(S)
-            if keep_states:
-                snap = DeltaSnapshot(window, states)
-        else:
-            o, S = chunk_gated_delta_rule(q, k, v, g, beta, None if cache is None else cache.ssm)
-            if cache is not None:
-                cache.ssm.copy_(S)
-        o = o.transpose(1, 2).to(x.dtype)  # [B, T, Hv, Vd]
+    def _out(self, o: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """o [B, Hv, T, Vd] (fp32) and the gate z [B, T, value_dim] -> [B, T, H]."""
+        B, _, T, _ = o.shape
+        o = o.transpose(1, 2).to(dtype)  # [B, T, Hv, Vd]
         z = z.reshape(B, T, self.num_v_heads, self.head_v_dim)
-        o = self.norm(o, z).reshape(B, T, self.value_dim)
-        return self.out_proj(o), snap
+        return self.out_proj(self.norm(o, z).reshape(B, T, self.value_dim))
 
     def new_state(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> DeltaState:
         """Zero decode state: conv inputs [B, C, kernel-1] in the model dtype, recurrent state fp32."""

@@ -29,8 +29,7 @@ class GroupedQueryAttention(nn.Module):
             self.q_norm = PlainRMSNorm(head_dim, qk_norm_eps)
             self.k_norm = PlainRMSNorm(head_dim, qk_norm_eps)
 
-    def forward(self, x: torch.Tensor, pos: Positions, cache: KVCache | None = None,
-                keep_states: bool = False) -> tuple[torch.Tensor, None]:
+    def forward(self, x: torch.Tensor, pos: Positions, cache: KVCache | None = None) -> tuple[torch.Tensor, None]:
         """x [B, T, H] at positions pos.start.. -> ([B, T, H], None); writes K/V into `cache` at those positions
         (nothing to snapshot for a verify: entries are addressed by position)."""
         B, T, _ = x.shape

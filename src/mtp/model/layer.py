@@ -1,6 +1,6 @@
 """The pre-norm decoder layer (mixer + MLP, each with a residual) and the SwiGLU MLP, shared by every family.
 
-A mixer is any module with `forward(x, pos, cache, keep_states) -> (out, snapshot | None)` and
+A mixer is any module with `forward(x, pos, cache) -> (out, decode steps | None)` and
 `new_state(batch, max_len, dtype, device)`: gated attention, Gated DeltaNet, MLA, plain GQA attention.
 """
 
@@ -14,6 +14,7 @@ from torch import nn
 
 from .cache import Positions
 from .linear import project
+from .rowwise import rowwise
 
 
 class MLP(nn.Module):
@@ -29,7 +30,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project(self, x, "gate_proj", "up_proj")
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(rowwise(F.silu, gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -50,12 +51,12 @@ class DecoderLayer(nn.Module):
     def mixer(self) -> nn.Module:
         return getattr(self, self.mixer_name)
 
-    def forward(self, x: torch.Tensor, pos: Positions, cache=None, keep_states: bool = False):
+    def forward(self, x: torch.Tensor, pos: Positions, cache=None):
         """x [B, T, H] at positions pos.start.. -> ([B, T, H], the mixer's snapshot or None).
 
         An MoE mlp returns (out, router logits); the logits go to `pos.router_logits` when the forward collects
         them (training: the load-balancing loss)."""
-        h, snap = self.mixer(self.input_layernorm(x), pos, cache, keep_states)
+        h, snap = self.mixer(self.input_layernorm(x), pos, cache)
         x = x + h
         out = self.mlp(self.post_attention_layernorm(x))
         if isinstance(out, tuple):

@@ -1,33 +1,63 @@
-"""Faster linear layers for CPU inference, swapped in once after loading (`prepare_for_inference`).
+"""Linear layers for inference that are row-invariant (and fast on CPU), swapped in once after loading
+(`prepare_for_inference`).
 
-Every `nn.Linear` becomes a `FastLinear` that keeps the same `weight` parameter (state dict, saving and training
-are unchanged) and also holds a copy prepared for one of these kernels:
+Greedy speculative decoding is identical to plain decoding only if each row of a verify block is computed exactly
+as a 1-row plain step, and batching is lossless only if a row does not depend on the others. Every `nn.Linear`
+becomes a `FastLinear` that keeps the same `weight` parameter (state dict, saving and training are unchanged) and
+runs one of these kernels, each row-invariant (tests/test_precision.py checks every layer of a model on the machine
+that runs it):
 
 - "bf16": oneDNN's packed weight layout (`mkldnn._linear_pointwise`): about 2x `F.linear` in bf16 on a 1-row
-  decode step here, and verifying 4 rows costs about 1.5 rows (docs/decisions.md, 2026-11-30 speed).
+  decode step, and verifying 4 rows costs about 1.5 rows (docs/decisions.md, 2026-11-30 speed). oneDNN packs bf16
+  weights only on CPUs with AVX-512 (bw/vl/dq) or AVX-NE-CONVERT; on an AVX2-only CPU (AMD EPYC Zen 3, say) the
+  kernel is `F.linear` on the bf16 weight, which is row-invariant there.
 - "int8": weight-only int8 with per-output-channel scales (`_weight_int8pack_mm`, bf16 activations).
+- "fp32": `F.linear`, one row at a time in decode rounds (`linear_rows` within `row_invariant()`). MKL's fp32 GEMM
+  is not row-invariant (a 1-row product takes its GEMV path, several rows its blocked GEMM, and they round
+  differently), so a verify block multiplies row by row: each row reads the weights again (fp32 is not the fast
+  path) but is exactly its plain step.
+(fbgemm's int8 x int8 dynamic kernel was 1.7-4x faster than bf16 at Qwen3.5-0.8B widths but quantizes activations
+with one scale per call, so it is not row-invariant: not used, docs/decisions.md.)
 
-Greedy speculative decoding stays identical to plain decoding only if each row of a verify block is computed
-exactly as a 1-row plain step. Both kernels are row-invariant at the shapes we measured (tests/test_precision.py
-checks it on the layers of a model); fp32 `F.linear` is not (MKL blocks rows by three), which fp32 decoding has
-always lived with. (fbgemm's int8 x int8 dynamic kernel was 1.7-4x faster than bf16 at Qwen3.5-0.8B widths but
-quantizes activations with one scale per call, so it is not row-invariant: not used, docs/decisions.md.)
-
-The prepared copy is used only under no_grad/inference mode and only while the weight is unchanged (its version
+The prepared kernel is used only under no_grad/inference mode and only while the weight is unchanged (its version
 counter is checked), so a model that trains afterwards silently goes back to `F.linear`.
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-KERNELS = ("bf16", "int8")
+KERNELS = ("bf16", "int8", "fp32")
+
+_PACKED_BF16: bool | None = None
+
+
+def packed_bf16_supported() -> bool:
+    """Can oneDNN pack bf16 linear weights on this CPU (AVX-512 bw/vl/dq or AVX-NE-CONVERT)? Probed once."""
+    global _PACKED_BF16
+    if _PACKED_BF16 is None:
+        try:
+            torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+            _PACKED_BF16 = True
+        except RuntimeError:
+            _PACKED_BF16 = False
+    return _PACKED_BF16
 
 
 class FastLinear(nn.Linear):
-    """nn.Linear with a prepared inference copy of its weight: [..., in] -> [..., out]."""
+    """nn.Linear with a prepared inference copy of its weight: [..., in] -> [..., out].
+
+    Inside a compiled graph (`torch.compile`) the prepared kernel is called through the `mtp::prepared_linear`
+    custom op, so the compiler neither decomposes nor replaces it: a compiled decode step multiplies with exactly the
+    kernel the eager one uses (and so keeps its row invariance)."""
 
     kernel: str | None = None
 
@@ -45,28 +75,92 @@ class FastLinear(nn.Linear):
         w = self.weight.detach()
         self.kernel = kernel
         self._version = self.weight._version
-        if kernel == "bf16":
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16), 1)
+        if kernel == "fp32":
+            self._packed = None  # the parameter itself, row by row
+        elif kernel == "bf16":
+            w = w.to(torch.bfloat16)
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(w, 1) if packed_bf16_supported() else w.contiguous()
         else:
             scale = (w.float().abs().amax(dim=1) / 127).clamp_min(1e-12)
             self._packed = (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
             self._scale = scale.to(torch.bfloat16)
+        if not hasattr(self, "_slot"):
+            self._slot = _register(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            if self.kernel is None:
+                return F.linear(x, self.weight, self.bias)
+            return torch.ops.mtp.prepared_linear(x, self.weight, self._slot)
         if self.kernel is None or torch.is_grad_enabled() or self.weight._version != self._version:
             return F.linear(x, self.weight, self.bias)
+        return self.run(x)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """The prepared kernel: x [..., in] -> [..., out] in x's dtype."""
+        if self.kernel == "fp32":
+            return linear_rows(x, self.weight, self.bias)
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if self.kernel == "bf16":
-            y = torch.ops.mkldnn._linear_pointwise(x2.to(torch.bfloat16), self._packed, self._bias_bf16(), "none", [None], "")
+        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        bias = None if self.bias is None else self.bias.to(torch.bfloat16)
+        if self.kernel == "bf16" and self._packed.layout == torch.strided:  # no oneDNN bf16 packing on this CPU
+            y = F.linear(x2, self._packed, bias)
+        elif self.kernel == "bf16":
+            y = torch.ops.mkldnn._linear_pointwise(x2, self._packed, bias, "none", [None], "")
         else:
-            y = torch._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self._packed, self._scale)
-            if self.bias is not None:
-                y = y + self.bias.to(y.dtype)
+            y = torch._weight_int8pack_mm(x2.contiguous(), self._packed, self._scale)
+            if bias is not None:
+                y = y + bias
         return y.to(x.dtype).reshape(*shape[:-1], y.shape[-1])
 
-    def _bias_bf16(self) -> torch.Tensor | None:
-        return None if self.bias is None else self.bias.to(torch.bfloat16)
+
+_ROWS = threading.local()
+
+
+@contextmanager
+def row_invariant() -> Iterator[None]:
+    """Within: `linear_rows` multiplies row by row. The decoder runs its rounds in it (a plain step and every row of a
+    verify or of a batch then round alike); a prefill or training forward over many rows does not pay for it."""
+    before = getattr(_ROWS, "on", False)
+    _ROWS.on = True
+    try:
+        yield
+    finally:
+        _ROWS.on = before
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, computed one row at a time within `row_invariant()` when there are several rows and no gradient:
+    x [..., in] -> [..., out], each row then exactly what a 1-row product gives whatever the BLAS. Each row is made
+    contiguous: a GEMV may round differently for an input at another alignment."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.shape[0] == 1 or torch.is_grad_enabled() or not getattr(_ROWS, "on", False):
+        return F.linear(x, weight, bias)
+    y = torch.cat([F.linear(x2[i : i + 1].contiguous(), weight, bias) for i in range(x2.shape[0])])
+    return y.reshape(*shape[:-1], weight.shape[0])
+
+
+# Prepared layers by slot, for the custom op (a compiled graph holds the slot number, not the module).
+_SLOTS: weakref.WeakValueDictionary[int, FastLinear] = weakref.WeakValueDictionary()
+_NEXT_SLOT = itertools.count()
+
+
+def _register(layer: FastLinear) -> int:
+    slot = next(_NEXT_SLOT)
+    _SLOTS[slot] = layer
+    return slot
+
+
+@torch.library.custom_op("mtp::prepared_linear", mutates_args=())
+def prepared_linear(x: torch.Tensor, weight: torch.Tensor, slot: int) -> torch.Tensor:
+    """The prepared kernel of the FastLinear in `slot` (whose parameter is `weight`): [..., in] -> [..., out]."""
+    return _SLOTS[slot].run(x)
+
+
+@prepared_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, slot: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 class FusedProjections:

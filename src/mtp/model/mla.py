@@ -52,8 +52,7 @@ class MLAttention(nn.Module):
             factor = rope.get("factor") or c.max_position_embeddings / rope["original_max_position_embeddings"]
             self.scale *= yarn_mscale(factor, rope["mscale_all_dim"]) ** 2
 
-    def forward(self, x: torch.Tensor, pos: Positions, cache: KVCache | None = None,
-                keep_states: bool = False) -> tuple[torch.Tensor, None]:
+    def forward(self, x: torch.Tensor, pos: Positions, cache: KVCache | None = None) -> tuple[torch.Tensor, None]:
         """x [B, T, H] at positions pos.start.. -> ([B, T, H], None); writes K/V into `cache` at those positions."""
         B, T, _ = x.shape
         A = self.num_heads

@@ -20,6 +20,8 @@ from torch import nn
 
 from ..io.safetensors_mmap import CheckpointError
 from .layer import MLP
+from .linear import linear_rows
+from .rowwise import rowwise
 
 
 class Experts(nn.Module):
@@ -56,8 +58,8 @@ class Experts(nn.Module):
         return out
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj[e])
+        gate, up = linear_rows(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return linear_rows(rowwise(F.silu, gate) * up, self.down_proj[e])
 
 
 class SparseMoE(nn.Module):
@@ -76,7 +78,7 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, H] -> router logits [N, E], chosen experts [N, k], their weights [N, k] (x's dtype)."""
-        logits = F.linear(x, self.gate.weight)
+        logits = linear_rows(x, self.gate.weight)  # row-invariant: the choice of experts must not depend on the batch
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, idx = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -87,7 +89,7 @@ class SparseMoE(nn.Module):
         flat = x.reshape(-1, H)
         logits, idx, weights = self.route(flat)
         routed = self.experts(flat, idx, weights)
-        shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        shared = rowwise(torch.sigmoid, self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return (routed + shared).reshape(B, T, H), logits
 
 
@@ -110,7 +112,7 @@ class GroupedTopkRouter(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        scores = rowwise(torch.sigmoid, linear_rows(x.float(), self.weight.float()))
         choice = scores + self.e_score_correction_bias.float()
         if self.n_group > 1:
             groups = choice.view(-1, self.n_group, self.num_experts // self.n_group)

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .rowwise import rowwise
+
 
 class RMSNorm(nn.Module):
     """Zero-centred RMSNorm: weight starts at 0 and the output is `rmsnorm(x) * (1 + w)`, in fp32.
@@ -38,7 +40,7 @@ class RMSNormGated(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * xf.to(dtype)
-        return (out * F.silu(gate.float())).to(dtype)
+        return (out * rowwise(F.silu, gate.float())).to(dtype)
 
 
 class PlainRMSNorm(nn.Module):

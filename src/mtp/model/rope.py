@@ -40,16 +40,23 @@ class RotaryTable:
         self.scale = scale
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def __call__(self, start: int | list[int], length: int, dtype: torch.dtype,
+    def __call__(self, start: int, length: int, dtype: torch.dtype,
                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [length, R] of positions start..start+length-1; with a start per batch row, [B, 1, length, R]
-        (broadcasting over the heads of a [B, heads, T, D] tensor)."""
-        if not isinstance(start, int):
-            cos, sin = self(max(start), length, dtype, device)  # grows the table far enough
-            table = self._table
-            idx = torch.tensor(start, device=device)[:, None] + torch.arange(length, device=device)  # [B, T]
-            return table[0][idx].unsqueeze(1), table[1][idx].unsqueeze(1)
+        """cos, sin [length, R] of positions start..start+length-1 (`gather` for a decode forward's positions)."""
         end = start + length
+        table = self.ensure(end, dtype, device)
+        return table[0][start:end], table[1][start:end]
+
+    def gather(self, index: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, 1, T, R] of the positions index [B, T] (a tensor; the table must already reach them:
+        `ensure` first - a compiled decode step cannot grow it)."""
+        table = self._table
+        if table is None or table[0].dtype != dtype or table[0].device != index.device:
+            table = self.ensure(1, dtype, index.device)
+        return table[0][index].unsqueeze(1), table[1][index].unsqueeze(1)
+
+    def ensure(self, end: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The table for positions 0..end-1 at least, in this dtype and on this device (built or grown here)."""
         table = self._table
         if table is None or table[0].shape[0] < end or table[0].dtype != dtype or table[0].device != device:
             n = max(end, 2 * (0 if table is None else table[0].shape[0]), 1024)
@@ -61,7 +68,7 @@ class RotaryTable:
                 if self.scale != 1.0:
                     cos, sin = cos * self.scale, sin * self.scale
                 table = self._table = (cos.to(dtype=dtype, device=device), sin.to(dtype=dtype, device=device))
-        return table[0][start:end], table[1][start:end]
+        return table
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

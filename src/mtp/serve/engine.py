@@ -1,6 +1,6 @@
 """The generation engine behind the HTTP server: admission control and continuous batching on one worker thread.
 
-Admitted requests join a `decode.batch.BatchDecoder` between rounds: the worker thread loops over `step()` (one
+Admitted requests join a `decode.decoder.Decoder` between rounds: the worker thread loops over `step()` (one
 prompt chunk of a newcomer, then one batched speculative round for every decoding request) and hands each request's
 new tokens to its `Job` on the event loop. The event loop never runs a forward, and torch never sees two forwards
 at once. At most `max_concurrency` requests are admitted (beyond: 429); at most `max_batch` decode together, the
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decode.batch import BatchDecoder, Sequence
+from ..decode.decoder import Decoder, Sequence
 from ..decode.draft_vocab import DraftVocab
 from ..decode.sampling import SamplingParams
 from ..decode.session import GenerationResult, Session
@@ -153,8 +153,8 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="mtp-generate", daemon=True)
         self._thread.start()
 
-    def _new_decoder(self) -> BatchDecoder:
-        return BatchDecoder(self.model, self.max_batch, self.context, self.draft_tokens, self.draft_vocab)
+    def _new_decoder(self) -> Decoder:
+        return Decoder(self.model, self.max_batch, self.context, self.draft_tokens, self.draft_vocab)
 
     # ------------------------------------------------------------------ the event loop's side
     def try_admit(self) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ..decode.speculative import MAX_DRAFT
+from ..decode.round import MAX_DRAFT
 
 # How a request ended (the `finished_reason` label), and how the decoder's finish reasons map onto them.
 FINISHED_REASONS = ("stop", "length", "abort", "error")

@@ -1,0 +1,75 @@
+"""Running the round's steps (`round.draft`, `round.verify`, `round.catch_up`): eagerly, or as compiled graphs.
+
+The steps have static shapes and never synchronise with the host, so they compile whole:
+- CPU: `torch.compile` (inductor) generates one C++ function per step and static key (the draft length K, the
+  batch bucket, the sampling flags), which replaces the ~3,000 aten calls of an eager round with a few fused loops
+  around the linear layers' prepared kernels (`model/linear.py` keeps those as custom ops: the compiled step
+  multiplies with exactly the eager kernels). Inductor's caches live in `cache_dir()` (keyed by torch's version and
+  this CPU's instruction set), so only the first run on a machine pays the compilation.
+- CUDA: the same functions with `mode="reduce-overhead"` (CUDA graphs: one replay per step).
+Eager execution stays the default where compiling does not pay (a short command on a fresh machine).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from . import round as rnd
+
+# one compiled graph per (function, K, batch bucket, sampling flags): allow many before dynamo falls back to eager
+RECOMPILE_LIMIT = 256
+
+
+def cache_dir() -> Path:
+    """Where compiled graphs are cached: $MTP_CACHE (or ~/.cache/mtp)/inductor/<torch version>-<CPU ISA>."""
+    root = Path(os.environ.get("MTP_CACHE") or Path.home() / ".cache" / "mtp")
+    isa = torch.backends.cpu.get_cpu_capability()
+    return root / "inductor" / f"torch-{torch.__version__}-{platform.machine()}-{isa}"
+
+
+def configure_compiler() -> None:
+    """Point inductor at the persistent cache (unless the user chose a directory) and raise dynamo's recompile limit."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        path = cache_dir()
+        path.mkdir(parents=True, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, RECOMPILE_LIMIT)
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    if hasattr(torch._dynamo.config, "accumulated_recompile_limit"):
+        torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
+                                                               4 * RECOMPILE_LIMIT)
+
+
+class Runner:
+    """The round's steps for one model: eager, or compiled (one per model and mode, shared by its decoders, so a
+    graph compiled for one generation serves the next)."""
+
+    def __init__(self, compiled: bool, device: torch.device):
+        self.compiled = compiled
+        if not compiled:  # looked up at each call (tests wrap them)
+            self.draft = lambda *a, **kw: rnd.draft(*a, **kw)
+            self.verify = lambda *a, **kw: rnd.verify(*a, **kw)
+            self.catch_up = lambda *a, **kw: rnd.catch_up(*a, **kw)
+            return
+        configure_compiler()
+        if device.type == "cuda":
+            opts = dict(mode="reduce-overhead")
+        else:
+            opts = dict(options={"cpp_wrapper": os.environ.get("MTP_CPP_WRAPPER", "1") == "1"})
+        self.draft = torch.compile(rnd.draft, dynamic=False, **opts)
+        self.verify = torch.compile(rnd.verify, dynamic=False, **opts)
+        self.catch_up = torch.compile(rnd.catch_up, dynamic=False, **opts)
+
+    @classmethod
+    def for_model(cls, model, compiled: bool) -> Runner:
+        runners = model.__dict__.setdefault("_runners", {})
+        if compiled not in runners:
+            runners[compiled] = cls(compiled, model.device)
+        return runners[compiled]

@@ -1,0 +1,334 @@
+"""The decoder: one or many sequences decoded together by speculative rounds (`round.py`), on the host side.
+
+`generate`/`stream` decode one sequence as a batch of one; `mtp serve` decodes many (continuous batching). Each
+sequence holds one row of the batched state (its own positions, attention entries, Gated DeltaNet state, MTP cache
+entries); rows [0, D) are decoding, and at most one newcomer at row D reads its prompt, one chunk per `step` (the
+same chunks as alone, so its numbers do not depend on its company), between the rounds.
+
+One `step`:
+  - admit:   a waiting sequence takes a free row; one chunk of its prompt is read (after the last chunk: its first
+             token, and the MTP reads the prompt);
+  - k:       the policy picks the round's draft length (`policy.DraftPolicy`, 0 = no drafts);
+  - round:   `round.draft` then `round.verify` for the decoding rows (padded to a batch bucket; the padding rows
+             keep nothing), eager or compiled (`compiled.py`); the host reads one tensor back;
+  - emit:    each sequence's session takes its tokens (EOS, stop strings, length).
+Every position of every row is computed exactly as when that sequence decodes alone and as a plain decoding step
+computes it (docs/architecture.md, "One speculative round"), so a greedy sequence's output is the same alone, in a
+batch, with any k and without MTP.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..model.linear import row_invariant
+from .compiled import Runner
+from .draft_vocab import DraftVocab
+from .policy import DraftPolicy
+from .prefill import PREFILL_CHUNK, prefill_chunk
+from .round import MAX_DRAFT, PENDING, RoundState
+from .sampling import RowSampling, gumbel, shape_logits
+from .session import Session
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # batch sizes the round runs at (a compiled graph each)
+SLOT_ALIGN = 64  # cache lengths are a multiple of this (compiled attention reduces over whole vector blocks)
+
+
+def bucket(n: int) -> int:
+    return next((b for b in BUCKETS if b >= n), n)
+
+
+@dataclass
+class Sequence:
+    """One sequence in the decoder: its session and where it stands."""
+
+    session: Session
+    prompt: list[int]
+    read: int = 0  # prompt tokens read so far
+    hidden: list[torch.Tensor] = field(default_factory=list)  # prefill hidden chunks, until the first token
+    cancelled: bool = False
+
+    @property
+    def decoding(self) -> bool:
+        return self.read == len(self.prompt)
+
+    @property
+    def finished(self) -> bool:
+        return self.session.done or self.cancelled
+
+
+class Decoder:
+    """Decode up to `max_batch` sequences together. `add` a Session, call `step` until it reports the sequence done.
+
+    `max_len`: the positions a sequence may reach (prompt + new tokens), capped at the model's context; the state is
+    sized to it (never to the model's maximum context). `draft_tokens`: None/0 plain decoding, 1..8 or "auto".
+    `compile`: run the round through compiled graphs (`compiled.Runner`)."""
+
+    def __init__(self, model, max_batch: int, max_len: int, draft_tokens: int | str | None,
+                 draft_vocab: DraftVocab | None = None, compile: bool = False):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.model = model
+        if not model.prepared:  # row-invariant kernels: what exact speculative decoding and batching rest on
+            with torch.inference_mode(False), torch.no_grad():  # normal tensors: training may use the model later
+                model.prepare_for_inference()
+        use_mtp = draft_tokens not in (None, 0) and model.mtp is not None
+        limit = MAX_DRAFT if not use_mtp or model.mtp.max_depth is None else min(MAX_DRAFT, model.mtp.max_depth)
+        self.policy = DraftPolicy.from_arg(draft_tokens if use_mtp else None, limit)
+        self.max_len = min(max_len, model.context_length)
+        # verify and chain steps write up to PENDING + MAX_DRAFT slots past a sequence's last position
+        slots = -(-(self.max_len + PENDING + MAX_DRAFT + 2) // SLOT_ALIGN) * SLOT_ALIGN
+        model.prepare_decode(slots)
+        self.max_batch = max_batch
+        self.state = RoundState.allocate(model, bucket(max_batch), slots, use_mtp, penalty=False)
+        self.vocab = draft_vocab
+        if draft_vocab is not None and use_mtp:
+            draft_vocab.prepare(model, self.policy.k_max if model.mtp.max_depth is None else model.mtp.num_layers)
+        self.runner = Runner.for_model(model, compile)
+        self.rows: list[Sequence] = []  # row i <-> rows[i]; decoding ones first
+        self.waiting: list[Sequence] = []
+        self.last_round: list[tuple[Sequence, int, int]] = []  # (sequence, drafts made k, accepted n) of the last round
+        self.mtp_pos: list[int] = [0] * self.state.pos.shape[0]  # host mirrors of the MTP positions / pending counts
+        self.pend_n: list[int] = [0] * self.state.pos.shape[0]
+        self._views: dict[int, RoundState] = {}
+        self._sampling: tuple[tuple, RowSampling | None] | None = None
+
+    @property
+    def use_mtp(self) -> bool:
+        return self.state.mtp_cache is not None
+
+    @property
+    def decoding(self) -> int:
+        return sum(s.decoding for s in self.rows)
+
+    # ------------------------------------------------------------------ membership
+    def add(self, session: Session) -> Sequence:
+        """Queue a sequence; it takes a row when one is free and reads its prompt between rounds."""
+        if len(session.tokens) + session.max_new > self.max_len:
+            raise ValueError(f"prompt + max_new_tokens ({len(session.tokens) + session.max_new}) exceed this decoder's "
+                             f"{self.max_len} positions")
+        if session.params.repetition_penalty != 1.0 and self.state.seen is None:
+            self.state.seen = torch.zeros(self.state.pos.shape[0], self.model.config.vocab_size, dtype=torch.bool,
+                                          device=self.model.device)
+            self._views.clear()
+        seq = Sequence(session, list(session.tokens))
+        self.waiting.append(seq)
+        return seq
+
+    def _drop_finished(self) -> None:
+        """Free the rows of finished or cancelled sequences, keeping rows contiguous with the decoding ones first: the
+        last decoding row fills the gap, and the newcomer reading its prompt (always last) moves down behind it."""
+        i = 0
+        while i < len(self.rows):
+            if not self.rows[i].finished:
+                i += 1
+                continue
+            if self.rows[i].decoding:
+                last_decoding = self.decoding - 1
+                if i != last_decoding:
+                    self._move(last_decoding, i)
+                if last_decoding + 1 < len(self.rows):  # the reader
+                    self._move(last_decoding + 1, last_decoding)
+            self.rows.pop()
+
+    def _move(self, src: int, dst: int) -> None:
+        for t in self.state.tensors():
+            t[dst] = t[src]
+        self.state.cache.rows[dst] = self.state.cache.rows[src]
+        self.mtp_pos[dst], self.pend_n[dst] = self.mtp_pos[src], self.pend_n[src]
+        self.rows[dst] = self.rows[src]
+
+    def _reset_row(self, row: int) -> None:
+        st = self.state
+        st.cache.reset_row(row)
+        st.pos[row] = 0
+        if self.use_mtp:
+            st.mtp_pos[row] = 0
+            st.pend_n[row] = 0
+        if st.seen is not None:
+            st.seen[row] = False
+        self.mtp_pos[row] = self.pend_n[row] = 0
+
+    # ------------------------------------------------------------------ one scheduler step
+    @torch.inference_mode()
+    def step(self) -> list[tuple[Sequence, list[int]]]:
+        """Read one prompt chunk of the newcomer (if any) and run one round for the decoding rows.
+        Returns (sequence, tokens emitted) for every sequence that emitted tokens."""
+        self._drop_finished()
+        self.last_round = []
+        out: list[tuple[Sequence, list[int]]] = []
+        reading = next((s for s in self.rows if not s.decoding), None)
+        while reading is None and self.waiting and len(self.rows) < self.max_batch:
+            reading = self.waiting.pop(0)
+            if reading.cancelled:
+                reading = None
+                continue
+            self.rows.append(reading)
+            self._reset_row(len(self.rows) - 1)
+        if reading is not None:
+            emitted = self._read_chunk(reading, len(self.rows) - 1)
+            if emitted:
+                out.append((reading, emitted))
+        d = self.decoding
+        if d:
+            out += self._round(d)
+        return out
+
+    def _read_chunk(self, seq: Sequence, row: int) -> list[int]:
+        """One prefill chunk of `seq` at `row`; after the last one, its first token (and the MTP reads the prompt)."""
+        model, st, stats = self.model, self.state, seq.session.stats
+        t0 = time.perf_counter()
+        view = st.cache.view(row, row + 1)
+        seq.hidden.append(prefill_chunk(model, seq.prompt, view, seq.read))
+        st.cache.sync(view, row)
+        seq.read = min(seq.read + PREFILL_CHUNK, len(seq.prompt))
+        if not seq.decoding:
+            stats.time_prefill += time.perf_counter() - t0
+            return []
+        hidden = torch.cat(seq.hidden, dim=1)[0]  # [P, H]
+        seq.hidden = []
+        P = len(seq.prompt)
+        first = self._first_token(seq.session, model.head(hidden[-1]))
+        stats.prefill_forwards += 1
+        st.pos[row], st.last[row] = P, first
+        if st.seen is not None:
+            st.seen[row, torch.tensor(seq.prompt + [first], device=model.device)] = True
+        if self.use_mtp:
+            nxt = seq.prompt[1:] + [first]
+            if P > 1:  # the MTP reads the prompt now, all but its last position
+                views = [c.rows(row, row + 1) for c in st.mtp_cache]
+                depths = range(1, 2) if model.mtp.style == "sequential" else range(1, model.mtp.num_layers + 1)
+                for d in depths:
+                    ids = torch.tensor([nxt[:-1]], device=model.device) if model.mtp.style == "sequential" else None
+                    model.mtp_step(d, hidden[None, :-1], ids, 0, views)
+            st.mtp_pos[row], st.pend_n[row] = P - 1, 1
+            st.pend_h[row, 0], st.pend_next[row, 0] = hidden[-1], first
+            self.mtp_pos[row], self.pend_n[row] = P - 1, 1
+        stats.time_prefill += time.perf_counter() - t0
+        return seq.session.emit([first], ["prefill"])
+
+    def _first_token(self, session: Session, logits: torch.Tensor) -> int:
+        """The token after the prompt from the prefill's last logits [V] (the round's shaping and sampling rule)."""
+        params = session.params
+        if session.plain_argmax:
+            return int(logits.argmax())
+        rs = RowSampling.build([params], logits.shape[-1], logits.device)
+        seen = None
+        if params.repetition_penalty != 1.0:
+            seen = torch.zeros(1, 1, logits.shape[-1], dtype=torch.bool, device=logits.device)
+            seen[0, 0, torch.tensor(session.tokens, device=logits.device)] = True
+        x = shape_logits(logits[None, None], rs, seen)[0, 0]
+        if params.greedy:
+            return int(x.argmax())
+        at = len(session.tokens)
+        noise = session.gumbel(at, x.shape[-1]) if session.seeded else gumbel(torch.rand(x.shape[-1], device=x.device))
+        return int((x + noise).argmax())
+
+    # ------------------------------------------------------------------ the round
+    def _view(self, B: int) -> RoundState:
+        """The state of rows [0, B) (views: the round's writes go to the decoder's state)."""
+        view = self._views.get(B)
+        if view is None:
+            st = self.state
+            sl = lambda t: None if t is None else t[:B]  # noqa: E731
+            cache = st.cache.view(0, B)
+            cache.rows = st.cache.rows  # host positions stay the decoder's
+            view = RoundState(cache, st.pos[:B], st.last[:B], None if st.mtp_cache is None else
+                              [c.rows(0, B) for c in st.mtp_cache], sl(st.mtp_pos), sl(st.pend_h), sl(st.pend_next),
+                              sl(st.pend_n), sl(st.seen))
+            self._views[B] = view
+        return view
+
+    def _row_sampling(self, seqs: list[Sequence], B: int) -> RowSampling | None:
+        """The rows' sampling parameters (None: every row greedy with no shaping), rebuilt when the rows change."""
+        key = tuple(id(s) for s in seqs) + (B,)
+        if self._sampling is not None and self._sampling[0] == key:
+            return self._sampling[1]
+        rs = None
+        if not all(s.session.plain_argmax for s in seqs):
+            params = [s.session.params for s in seqs] + [seqs[0].session.params.__class__()] * (B - len(seqs))
+            rs = RowSampling.build(params, self.model.config.vocab_size, self.model.device)
+        self._sampling = (key, rs)
+        return rs
+
+    def _noise(self, seqs: list[Sequence], rs: RowSampling, B: int, K: int) -> tuple:
+        """Per-round noise of the sampled rows: (draft noise [B, K, V], target noise [B, K+1, V], uniforms [B, K])."""
+        if not rs.any_sampled:
+            return None, None, None
+        V, dev = self.model.config.vocab_size, self.model.device
+        target = gumbel(torch.rand(B, K + 1, V, device=dev))
+        drafts = gumbel(torch.rand(B, K, V, device=dev)) if rs.any_unseeded else target[:, :K].clone()
+        for b, s in enumerate(seqs):
+            if s.session.seeded:  # the seed's noise at each position: a draft and the target share it
+                at = len(s.session.tokens)
+                g = torch.stack([s.session.gumbel(at + j, V) for j in range(K + 1)])
+                target[b], drafts[b] = g, g[:K]
+        u = torch.rand(B, K, device=dev) if rs.any_unseeded else None
+        return drafts, target, u
+
+    def _round(self, D: int) -> list[tuple[Sequence, list[int]]]:
+        model = self.model
+        seqs = self.rows[:D]
+        t0 = time.perf_counter()
+        B = bucket(D)
+        st = self._view(B)
+        k = self.policy.next_k(D) if self.use_mtp else 0
+        ks = [max(0, min(k, s.session.max_new - len(s.session.new_tokens) - 1)) for s in seqs] + [0] * (B - D)
+        K = max(ks)
+        dev = model.device
+        limit = torch.tensor(ks, device=dev)
+        active = torch.tensor([True] * D + [False] * (B - D), device=dev)
+        rs = self._row_sampling(seqs, B)
+        d_noise, t_noise, u = self._noise(seqs, rs, B, K) if rs is not None else (None, None, None)
+        eager = not self.runner.compiled
+        if self.use_mtp and K == 0 and max(self.pend_n[:D]) >= PENDING:  # the pending buffer is full: the MTP reads it
+            full = torch.tensor([n >= PENDING for n in self.pend_n[:B]], device=dev)
+            self.runner.catch_up(model, st, full, self.mtp_pos[:B] if eager else None)
+            for b in range(B):
+                if self.pend_n[b] >= PENDING:
+                    self.mtp_pos[b] += self.pend_n[b] - 1
+                    self.pend_n[b] = 1
+        if K > 0:
+            width = max(self.pend_n[:B]) if eager else PENDING
+            host = (self.mtp_pos[:B], self.pend_n[:B]) if eager else None
+            drafts, draft_logits = self.runner.draft(model, st, K, rs, d_noise, self.vocab, width, host)
+        else:
+            drafts, draft_logits = torch.zeros(B, 0, dtype=torch.long, device=dev), None
+        t_draft = time.perf_counter() - t0
+
+        t = time.perf_counter()
+        with row_invariant():
+            out = self.runner.verify(model, st, drafts, limit, active, rs, draft_logits, t_noise, u,
+                                     self.state.cache.rows[:B] if eager else None).tolist()  # the round's one sync
+        t_verify = time.perf_counter() - t
+
+        t = time.perf_counter()
+        emitted = []
+        for b, s in enumerate(seqs):
+            n = out[b][K + 1]
+            self.state.cache.rows[b] += n + 1
+            if self.use_mtp:
+                if K > 0:
+                    self.mtp_pos[b] += self.pend_n[b]
+                    self.pend_n[b] = n + 1
+                else:
+                    self.pend_n[b] += 1
+            st_s = s.session.stats
+            st_s.backbone_forwards += 1
+            st_s.record_step(ks[b], n)
+            st_s.time_draft += t_draft
+            st_s.time_verify += t_verify
+            kinds = ["draft"] * n + ["plain" if ks[b] == 0 else "bonus" if n == ks[b] else "correction"]
+            toks = s.session.emit(out[b][: n + 1], kinds)
+            if toks:
+                emitted.append((s, toks))
+        other = time.perf_counter() - t
+        for s in seqs:
+            s.session.stats.time_other += other
+        self.policy.update(D, k, [(ks[b], out[b][K + 1]) for b in range(D)], time.perf_counter() - t0)
+        self.last_round = [(s, ks[b], out[b][K + 1]) for b, s in enumerate(seqs)]
+        return emitted
+

@@ -1,0 +1,190 @@
+"""MTP self-speculative decoding, one round for B >= 1 sequences, top to bottom: draft, verify, accept, keep.
+
+Output equals plain decoding (greedy: the same tokens; sampling: the same distribution). Row b of the batch holds
+one sequence: the backbone consumed `pos[b]` tokens, `last[b]` (emitted, not yet consumed) is next. One round is:
+
+  1. draft    - `draft()`: the MTP reads the positions the backbone kept last round (`pending`, paired with the token
+                after each: exactly the teacher-forced depth-1 computation of training), which yields draft 1; drafts
+                2..K follow the causal chain (parallel heads: all at once).
+  2. verify   - `verify()`: ONE backbone forward over [last, d_1..d_K] for every row.
+  3. accept   - `accept.py`, on the device: each row's accepted count n and its next token.
+  4. keep     - `cache.keep_at(steps, n + 1)`: attention entries are addressed by position (nothing to undo),
+                Gated DeltaNet states are selected at the kept position, never recomputed; positions advance by n+1;
+                the kept positions become the MTP's `pending` for the next round.
+
+Everything is a tensor with a static shape and nothing synchronises with the host, so `draft` and `verify` can be
+compiled or captured as graphs (`compiled.py`); the host reads one small tensor per round (the tokens and n). A
+plain decoding step is the round with K = 0. Rows that are not decoding this round (`active` false: reading a prompt,
+or empty) keep nothing: their positions and states do not move (garbage written past their position is overwritten
+before it is read, like every slot past a sequence's end).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..model.cache import Cache
+from . import accept
+from .sampling import RowSampling, shape_logits
+
+# The most drafts one round makes; the MTP's pending positions (kept but not read) are held up to PENDING.
+MAX_DRAFT = 8
+PENDING = MAX_DRAFT + 1
+
+
+@dataclass
+class RoundState:
+    """The decode state of `rows` sequences, on the model's device (allocated once per decoder)."""
+
+    cache: Cache  # the backbone's
+    pos: torch.Tensor  # [B] long: tokens the backbone consumed
+    last: torch.Tensor  # [B] long: the last emitted token, consumed next round
+    mtp_cache: list | None = None  # one per MTP layer
+    mtp_pos: torch.Tensor | None = None  # [B] long: MTP slots filled (accepted (h_j, t_{j+1}) pairs)
+    pend_h: torch.Tensor | None = None  # [B, PENDING, H]: kept positions the MTP has not read yet
+    pend_next: torch.Tensor | None = None  # [B, PENDING] long: the token that follows each of them
+    pend_n: torch.Tensor | None = None  # [B] long: how many
+    seen: torch.Tensor | None = None  # [B, V] bool: the tokens so far (repetition penalty)
+
+    @classmethod
+    def allocate(cls, model, rows: int, max_len: int, mtp: bool, penalty: bool) -> RoundState:
+        dev = model.device
+        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=dev)  # noqa: E731
+        st = cls(model.new_cache(rows, max_len, rows=True), zeros(rows), zeros(rows))
+        if mtp:
+            st.mtp_cache = model.new_mtp_cache(rows, max_len)
+            st.mtp_pos, st.pend_n, st.pend_next = zeros(rows), zeros(rows), zeros(rows, PENDING)
+            st.pend_h = torch.zeros(rows, PENDING, model.config.hidden_size, dtype=model.dtype, device=dev)
+        if penalty:
+            st.seen = torch.zeros(rows, model.config.vocab_size, dtype=torch.bool, device=dev)
+        return st
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every state tensor (row moves copy each)."""
+        out = [self.pos, self.last] + [t for layer in self.cache.layers for t in vars(layer).values()]
+        if self.mtp_cache is not None:
+            out += [self.mtp_pos, self.pend_h, self.pend_next, self.pend_n]
+            out += [t for c in self.mtp_cache for t in vars(c).values()]
+        if self.seen is not None:
+            out.append(self.seen)
+        return out
+
+
+def seen_before(seen: torch.Tensor | None, drafts: torch.Tensor) -> torch.Tensor | None:
+    """seen [B, V] and drafts [B, K] -> [B, K+1, V]: the tokens before verify position j (seen and d_1..d_j)."""
+    if seen is None:
+        return None
+    marks = torch.zeros(*drafts.shape, seen.shape[-1], dtype=torch.long, device=seen.device)
+    marks.scatter_(2, drafts[..., None], 1)
+    return torch.cat([seen[:, None], seen[:, None] | (marks.cumsum(1) > 0)], dim=1)
+
+
+def draft(model, st: RoundState, K: int, rs: RowSampling | None, noise: torch.Tensor | None, vocab=None,
+          width: int = PENDING, host: tuple[list[int], list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Step 1: K drafts per row [B, K] (long) and, for the unseeded sampling rule, their shaped draft logits
+    [B, K, V]. `rs` None: every row greedy with no shaping (argmax drafts). `noise` [B, K, V]: Gumbel noise of the
+    sampled rows' drafts. `width` (<= PENDING): how many pending positions to read (static in a graph; eagerly the
+    most any row has). `host`: the rows' MTP positions and pending counts on the host (eager attention reads exactly
+    each row's keys) or None."""
+    starts = None if host is None else host[0]
+    mtp = model.mtp
+    B = st.pos.shape[0]
+    dev = st.pos.device
+    rows = torch.arange(B, device=dev)
+    at = model.decode_positions(st.mtp_pos[:, None] + torch.arange(width, device=dev), starts)
+    hid, nxt = st.pend_h[:, :width], st.pend_next[:, :width]
+    if mtp.style == "sequential":  # depth 1 reads the pending positions; its output at the last one drafts token 1
+        h = model.mtp_step(1, hid, nxt, at, st.mtp_cache)[rows, st.pend_n - 1]  # [B, H]
+        heads = None
+    else:  # every head reads every kept position (whatever K), so their caches stay complete
+        heads = [model.mtp_step(d, hid, None, at, st.mtp_cache)[rows, st.pend_n - 1] for d in range(1, mtp.num_layers + 1)]
+    end = st.mtp_pos + st.pend_n  # [B]: the backbone's position (the last emitted token sits there)
+    drafts, shaped = [], []
+    for j in range(1, K + 1):  # draft j proposes the token at position end + j
+        if heads is not None:
+            h = heads[j - 1]
+        elif j > 1:  # the causal chain: draft j-1 feeds depth j, in the MTP slot after the previous step
+            chain_at = model.decode_positions((end - 2 + j)[:, None],
+                                              None if host is None else [s + n - 2 + j for s, n in zip(*host)])
+            h = model.mtp_step(j, h[:, None], drafts[-1][:, None], chain_at, st.mtp_cache)[:, 0]
+        if rs is None:  # greedy with no shaping: the argmax (over the reduced vocabulary's head rows if one is given)
+            drafts.append(model.mtp_head(h, j).argmax(-1) if vocab is None else vocab.argmax(model, h, j))
+            continue
+        logits = model.mtp_head(h, j) if vocab is None else vocab.full_logits(model, h, j)  # [B, V]
+        seen = seen_before(st.seen, torch.stack(drafts, 1) if drafts else rows[:, None][:, :0])
+        x = shape_logits(logits[:, None], rs, None if seen is None else seen[:, -1:])[:, 0]  # [B, V]
+        picked = x if noise is None else torch.where(rs.greedy[:, None], x, x + noise[:, j - 1])
+        drafts.append(picked.argmax(-1))
+        shaped.append(x)
+    drafts_t = torch.stack(drafts, 1) if drafts else torch.zeros(B, 0, dtype=torch.long, device=dev)
+    return drafts_t, (torch.stack(shaped, 1) if shaped and rs is not None and rs.any_unseeded else None)
+
+
+def verify(model, st: RoundState, drafts: torch.Tensor, limit: torch.Tensor, active: torch.Tensor,
+           rs: RowSampling | None, draft_logits: torch.Tensor | None, noise: torch.Tensor | None,
+           u: torch.Tensor | None, starts: list[int] | None = None) -> torch.Tensor:
+    """Steps 2-4 for drafts [B, K]: verify in ONE backbone forward, accept, keep. `limit` [B]: drafts row b may use
+    (<= K), `active` [B] bool: rows decoding this round. `rs`/`draft_logits`/`noise`/`u`: as in `accept.accept_rows`
+    (rs None: every row greedy with no shaping). `starts`: the rows' positions on the host (eager attention) or None.
+
+    Returns tokens [B, K+2]: row b emitted tokens[b, :n+1] (its accepted drafts, then its next token) and
+    tokens[b, K+1] = n (one tensor, so the host synchronises once)."""
+    B, K = drafts.shape
+    dev = drafts.device
+    rows = torch.arange(B, device=dev)
+    ids = torch.cat([st.last[:, None], drafts], dim=1)  # [B, K+1]
+    at = model.decode_positions(st.pos[:, None] + torch.arange(K + 1, device=dev), starts)
+    hidden, steps = model.decode(ids, st.cache, at)  # ONE backbone forward for every row
+    logits = model.head(hidden)  # [B, K+1, V]
+
+    if rs is None:
+        n, nxt = accept.accept_argmax(drafts, limit, logits)
+    else:
+        target = shape_logits(logits, rs, seen_before(st.seen, drafts))
+        n, nxt = accept.accept_rows(drafts, limit, target, draft_logits, rs, noise, u)
+    n = torch.where(active, n, 0)
+    keep = torch.where(active, n + 1, 0)
+    slot = torch.arange(K + 1, device=dev)
+    tokens = torch.where(slot == n[:, None], nxt[:, None], torch.cat([drafts, nxt[:, None]], 1))  # [d_1..d_n, next, ..]
+
+    st.cache.keep_at(steps, keep)
+    st.pos.add_(keep)
+    st.last.copy_(torch.where(active, nxt, st.last))
+    if st.mtp_cache is not None:
+        if K > 0:  # the MTP read the old pending positions; the kept ones are the next round's
+            st.mtp_pos.add_(torch.where(active, st.pend_n, 0))
+            upd = active[:, None]
+            st.pend_h[:, : K + 1].copy_(torch.where(upd[..., None], hidden.to(st.pend_h.dtype), st.pend_h[:, : K + 1]))
+            st.pend_next[:, : K + 1].copy_(torch.where(upd, tokens, st.pend_next[:, : K + 1]))
+            st.pend_n.copy_(torch.where(active, keep, st.pend_n))
+        else:  # nothing was drafted, so the MTP has not read the pending positions: append this one
+            at_n = st.pend_n.clamp(max=PENDING - 1)
+            st.pend_h[rows, at_n] = torch.where(active[:, None], hidden[:, 0].to(st.pend_h.dtype), st.pend_h[rows, at_n])
+            st.pend_next[rows, at_n] = torch.where(active, nxt, st.pend_next[rows, at_n])
+            st.pend_n.add_(active.long())
+    if st.seen is not None:
+        emitted = (slot <= n[:, None]) & active[:, None]
+        st.seen.logical_or_(torch.zeros_like(st.seen, dtype=torch.long).scatter_add_(1, tokens, emitted.long()) > 0)
+    return torch.cat([tokens, n[:, None]], dim=1)
+
+
+def catch_up(model, st: RoundState, rows_mask: torch.Tensor, starts: list[int] | None = None) -> None:
+    """The MTP reads all but the last pending position of the rows in rows_mask [B] (their pending buffer is full
+    after a run of rounds that drafted nothing); the last stays pending, to draft from when drafting resumes."""
+    width = PENDING - 1
+    dev = st.pos.device
+    at = model.decode_positions(st.mtp_pos[:, None] + torch.arange(width, device=dev), starts)
+    depths = range(1, 2) if model.mtp.style == "sequential" else range(1, model.mtp.num_layers + 1)
+    for d in depths:
+        model.mtp_step(d, st.pend_h[:, :width], st.pend_next[:, :width] if model.mtp.style == "sequential" else None,
+                       at, st.mtp_cache)
+    # (rows outside the mask wrote past their MTP position only: overwritten before read)
+    moved = torch.where(rows_mask, st.pend_n - 1, 0)
+    st.mtp_pos.add_(moved)
+    rows = torch.arange(st.pos.shape[0], device=dev)
+    last_h, last_next = st.pend_h[rows, st.pend_n - 1], st.pend_next[rows, st.pend_n - 1]
+    st.pend_h[:, 0] = torch.where(rows_mask[:, None], last_h, st.pend_h[:, 0])
+    st.pend_next[:, 0] = torch.where(rows_mask, last_next, st.pend_next[:, 0])
+    st.pend_n.copy_(torch.where(rows_mask, 1, st.pend_n))
