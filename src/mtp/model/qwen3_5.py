@@ -29,7 +29,7 @@ from .deltanet import GatedDeltaNet
 from .layer import MLP, DecoderLayer
 from .moe import Experts, SparseMoE, group_experts, load_balancing_loss, split_experts
 from .norm import RMSNorm, RMSNormGated
-from .rope import RotaryTable, rope_inv_freq
+from .rope import rotary_table
 
 
 def feed_forward(config: Qwen35Config) -> nn.Module:
@@ -54,7 +54,7 @@ class Qwen35TextModel(nn.Module):
     def __init__(self, config: Qwen35Config):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([decoder_layer(config, kind) for kind in config.layer_types])
+        self.layers = nn.ModuleList([decoder_layer(config, config.layer_type(i)) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -148,7 +148,7 @@ class Qwen35ForCausalLM(CausalLM):
         self.model = Qwen35TextModel(config)
         self.lm_head = self.output_head(config.tie_word_embeddings)
         self.mtp = Qwen35MTP(config) if with_mtp is not False and config.mtp_num_hidden_layers > 0 else None
-        self.rotary = RotaryTable(rope_inv_freq(config.rotary_dim, config.rope_theta))
+        self.rotary = rotary_table(config.rope(), config.head_dim, config.max_position_embeddings)
 
     def new_mtp_module(self) -> Qwen35MTP:
         """A fresh MTP module for this config (training heads onto a checkpoint that has none)."""
