@@ -88,7 +88,7 @@ class Qwen35Config(DecoderConfig):
     @classmethod
     def read_keys(cls, kwargs: dict[str, Any], extra: dict[str, Any]) -> None:
         super().read_keys(kwargs, extra)
-        types, interval = kwargs.get("layer_types"), kwargs.get("full_attention_interval", 4)
+        types, interval = kwargs.get("layer_types"), kwargs.get("full_attention_interval")
         if (isinstance(types, list) and all(t in LAYER_TYPES for t in types) and isinstance(interval, int)
                 and not isinstance(interval, bool) and interval > 0):
             expect = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(len(types))]
