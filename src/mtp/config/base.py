@@ -117,6 +117,8 @@ class HFConfig:
     checkpoint_keys: ClassVar[tuple[str, ...]] = ()
     # Our own keys (not the family's HF config's): a config built in code writes them only when not at the default.
     extension_keys: ClassVar[tuple[str, ...]] = ()
+    # A config read from a file: its field values as read (what `to_hf_dict` compares with); None: built in code.
+    _as_read: ClassVar[dict[str, Any] | None] = None
 
     # Keys we do not model, kept verbatim so a round trip loses nothing.
     extra: dict[str, Any] = field(default_factory=dict)
@@ -189,13 +191,6 @@ class HFConfig:
                               "supported; use the bf16 weights")
 
     # ------------------------------------------------------------------ derived
-    @property
-    def eos_token_ids(self) -> list[int]:
-        eos = getattr(self, "eos_token_id", None)
-        if eos is None:
-            return []
-        return [eos] if isinstance(eos, int) else list(eos)
-
     @property
     def mtp_layers_key(self) -> str:
         """The config key that counts the MTP layers (`mtp_num_hidden_layers`, `num_nextn_predict_layers`)."""
@@ -270,7 +265,7 @@ class HFConfig:
         """The HF `config.json` dict, in the shape (flat or nested) this config was read in."""
         out = self.field_values()
         present = self.extra.get("__keys__")
-        as_read = getattr(self, "_as_read", None)
+        as_read = self._as_read
         defaults = {f.name: f.default for f in fields(self) if f.default is not MISSING}
         for key in list(out):
             if present is not None and as_read is not None:  # read from a file: its keys, and what changed since
@@ -343,6 +338,13 @@ class DecoderConfig(HFConfig):
     def complete(self) -> None:
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = self.eos_token_id
+        if eos is None:
+            return []
+        return [eos] if isinstance(eos, int) else list(eos)
 
     def validate(self) -> None:
         self.refuse_quantized()

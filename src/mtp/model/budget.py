@@ -28,6 +28,15 @@ MODULE_BYTES = 2_000
 MIN_MODULES_PER_LAYER = 8
 
 
+# What torch raises for a tensor whose element count overflows (depending on where it overflows).
+BUILD_ERRORS = (RuntimeError, ValueError, TypeError, OverflowError)
+
+
+def first_line(e: BaseException, limit: int = 120) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class TooLargeError(ConfigError):
     """The model a config describes does not fit in the memory available (the message names the file and keys)."""
 
@@ -136,9 +145,14 @@ def build_on_meta(cls, config, dtype: torch.dtype, device: torch.device | str, w
             refuse(low, f"config keys 'num_hidden_layers' ({config.num_hidden_layers}), "
                         f"'{config.mtp_layers_key}' ({config.mtp_num_hidden_layers}), 'hidden_size' "
                         f"({config.hidden_size}) and 'vocab_size' ({config.vocab_size}) describe a model of at least")
-    with counting(limit, itemsize, lambda n: refuse(n, "the model this config describes takes more than")), \
-            torch.device("meta"):
-        model = cls(config, with_mtp=with_mtp)
+    try:
+        with counting(limit, itemsize, lambda n: refuse(n, "the model this config describes takes more than")), \
+                torch.device("meta"):
+            model = cls(config, with_mtp=with_mtp)
+    except TooLargeError:
+        raise
+    except BUILD_ERRORS as e:  # a size whose element count torch cannot represent, even on the meta device
+        raise TooLargeError(f"{where}: the sizes this config asks for cannot be built ({first_line(e)})") from None
     need = model_bytes(model, itemsize)
     if limit is not None and need > limit:
         refuse(need, "the model this config describes takes")

@@ -26,7 +26,7 @@ from ..io.hub import resolve_checkpoint
 from ..io.safetensors_mmap import CheckpointError
 from ..io.tokenizer import Tokenizer
 from .base import MTP_LAYER, CausalLM
-from .budget import build_on_meta
+from .budget import BUILD_ERRORS, TooLargeError, build_on_meta
 from .families import config_from_json, model_class_for
 from .moe import Stack
 
@@ -113,14 +113,15 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
             warnings.warn(msg, MissingMTPWarning, stacklevel=2)
             log.warning(msg)
         dtype_ = want_dtype or _checkpoint_dtype(files, [k for k in files if cls.internal_name(k, config) is not None])
-        model = build_on_meta(cls, config, dtype_, device, str(path / "config.json"), with_mtp=with_mtp)
-        expected = dict(model.state_dict(keep_vars=True))
-        for name in [n for n in expected if _is_tied(model, n)]:
-            expected.pop(name)
-            sources.pop(name, None)  # some tied checkpoints store a copy; the shared parameter wins
-        check_names(path, files, cls, expected, sources, config)
-        for name, p in expected.items():
-            check_source(files, sources[name], tuple(p.shape))
+        try:
+            model = build_on_meta(cls, config, dtype_, device, str(path / "config.json"), with_mtp=with_mtp)
+        except TooLargeError:
+            # Too big for memory - or only because the config disagrees with the tensors (e.g. head_dim 10**10):
+            # then name the tensor. The layer counts are the checkpoint's, so an unbounded meta build is bounded.
+            check_against(path, files, cls, config, sources, _meta_or_none(cls, config, with_mtp))
+            raise
+        check_against(path, files, cls, config, sources, model)
+        expected = {n: p for n, p in model.state_dict(keep_vars=True).items() if not _is_tied(model, n)}
         state = {name: materialize(files, sources[name], tuple(p.shape), torch.float32 if cls.keeps_fp32(name) else dtype_,
                                    device) for name, p in expected.items()}
         check_finite(files, sources, state, strict)
@@ -132,6 +133,30 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
     model.checkpoint_layout = layout
     model.tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
     return model
+
+
+def _meta_or_none(cls, config, with_mtp: bool) -> CausalLM | None:
+    """cls(config) on the meta device with no memory bound, or None when even that cannot be built (a size whose
+    element count overflows)."""
+    try:
+        with torch.device("meta"):
+            return cls(config, with_mtp=with_mtp)
+    except BUILD_ERRORS:
+        return None
+
+
+def check_against(path: Path, files: TensorIndex, cls, config, sources: dict, model: CausalLM | None) -> None:
+    """Every parameter of the (meta) model has a checkpoint tensor of its shape and a float dtype, and every tensor a
+    parameter; drops the tied head's source (the shared parameter wins over a stored copy)."""
+    if model is None:
+        return
+    expected = dict(model.state_dict(keep_vars=True))
+    for name in [n for n in expected if _is_tied(model, n)]:
+        expected.pop(name)
+        sources.pop(name, None)  # some tied checkpoints store a copy; the shared parameter wins
+    check_names(path, files, cls, expected, sources, config)
+    for name, p in expected.items():
+        check_source(files, sources[name], tuple(p.shape))
 
 
 def _spans(indices: list[int]) -> str:
@@ -183,7 +208,7 @@ def check_names(path: Path, files: TensorIndex, cls, expected: dict, sources: di
     unexpected = sorted(set(sources) - set(expected))
     if unexpected:
         key = first_tensor(sources[unexpected[0]])
-        raise CheckpointError(f"{files[key][0].path.name}: unexpected tensor '{key}'"
+        raise CheckpointError(f"{files[key][0].path}: unexpected tensor '{key}'"
                               + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
                               + " for this config")
 
@@ -206,10 +231,10 @@ def check_source(files: TensorIndex, source: str | Stack, want: tuple[int, ...])
     if isinstance(source, str):
         st, key = files[source]
         if st.shape(key) != want:
-            raise CheckpointError(f"{st.path.name}: tensor '{key}' has shape {list(st.shape(key))}, expected {list(want)} "
+            raise CheckpointError(f"{st.path}: tensor '{key}' has shape {list(st.shape(key))}, expected {list(want)} "
                                   "for this config")
         if not st.dtype(key).is_floating_point:
-            raise CheckpointError(f"{st.path.name}: tensor '{key}' has dtype {st.dtype(key)}, expected a float type")
+            raise CheckpointError(f"{st.path}: tensor '{key}' has dtype {st.dtype(key)}, expected a float type")
         return
     for e, names in enumerate(source.parts):
         rows = 0
@@ -217,11 +242,11 @@ def check_source(files: TensorIndex, source: str | Stack, want: tuple[int, ...])
             st, _ = files[key]
             s = st.shape(key)
             if rows + s[0] > want[1] or tuple(s[1:]) != want[2:] or not st.dtype(key).is_floating_point:
-                raise CheckpointError(f"{st.path.name}: tensor '{key}' has shape {list(s)}, which does not fit "
+                raise CheckpointError(f"{st.path}: tensor '{key}' has shape {list(s)}, which does not fit "
                                       f"expert {e} of a {list(want)} parameter for this config")
             rows += s[0]
         if rows != want[1]:
-            raise CheckpointError(f"{files[names[0]][0].path.name}: the tensors of expert {e} ({', '.join(names)}) give "
+            raise CheckpointError(f"{files[names[0]][0].path}: the tensors of expert {e} ({', '.join(names)}) give "
                                   f"{rows} rows, expected {want[1]} for this config")
 
 
