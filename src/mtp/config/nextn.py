@@ -172,11 +172,9 @@ class MiMoConfig(HeadDimConfig):
     model_types = ("mimo",)
     architecture = "MiMoForCausalLM"
 
+    # hidden_size 4096, 32 layers, 32 heads: DecoderConfig's defaults
     vocab_size: int = 151936
-    hidden_size: int = 4096
     intermediate_size: int = 22016
-    num_hidden_layers: int = 32
-    num_attention_heads: int = 32
     max_position_embeddings: int = 32768
     use_sliding_window: bool = False
 
