@@ -269,7 +269,7 @@ def _full_model(run: Run) -> CausalLM | None:
     with torch.device("meta"):
         plain = type(m)(m.config, with_mtp=m.mtp is not None)
     plain.load_state_dict(state, assign=True)
-    if getattr(m.config, "tie_word_embeddings", False):  # assign=True replaces parameters one by one: tie again
+    if m.config.tie_word_embeddings:  # assign=True replaces parameters one by one: tie again
         plain.lm_head.weight = plain.model.embed_tokens.weight
     plain.source_path, plain.checkpoint_layout, plain.tokenizer = m.source_path, m.checkpoint_layout, m.tokenizer
     return plain
