@@ -58,7 +58,7 @@ CONFIG_CASES = {
     "head_dim": ({"head_dim": 10**10}, (), r"model.safetensors: tensor 'model.layers.1.self_attn.q_proj.weight' has shape "
                                            r"\[128, 32\], expected \[80000000000, 32\] for this config"),
     "heads": ({"num_attention_heads": 2**62, "num_key_value_heads": 2**62}, (),
-              r"config.json: the sizes this config asks for cannot be built \("),
+              r"config.json: the model this config describes cannot be built \("),
     "hidden": ({"hidden_size": 10**12}, (), r"config.json: config keys 'vocab_size' x 'hidden_size' ask for an embedding of "
                                             r"\[\d+, 1000000000000\] but the checkpoint's tensor 'model.embed_tokens.weight' is"),
     "eps string": ({"rms_norm_eps": "tiny"}, (), r"config.json: config key 'rms_norm_eps' must be a finite number, got 'tiny'"),

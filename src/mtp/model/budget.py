@@ -133,7 +133,7 @@ def build_on_meta(cls, config, dtype: torch.dtype, device: torch.device | str, w
     counted once)."""
     limit = available_memory(device) if limit is None else limit
     itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
-    on = f"{torch.device(device).type}"
+    on = torch.device(device).type
 
     def refuse(need: int, what: str) -> None:
         raise TooLargeError(f"{where}: {what} {gigabytes(need)} in {str(dtype).removeprefix('torch.')}, more than the "
@@ -151,8 +151,8 @@ def build_on_meta(cls, config, dtype: torch.dtype, device: torch.device | str, w
             model = cls(config, with_mtp=with_mtp)
     except TooLargeError:
         raise
-    except BUILD_ERRORS as e:  # a size whose element count torch cannot represent, even on the meta device
-        raise TooLargeError(f"{where}: the sizes this config asks for cannot be built ({first_line(e)})") from None
+    except BUILD_ERRORS as e:  # e.g. a size whose element count torch cannot represent, even on the meta device
+        raise TooLargeError(f"{where}: the model this config describes cannot be built ({first_line(e)})") from None
     need = model_bytes(model, itemsize)
     if limit is not None and need > limit:
         refuse(need, "the model this config describes takes")
