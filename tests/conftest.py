@@ -52,6 +52,26 @@ def make_tiny():
     return tiny_model
 
 
+class Killed(Exception):
+    """Stands for the process being killed right after a training step (see `kill_after_step`)."""
+
+
+def kill_after_step(monkeypatch, step: int) -> None:
+    """Make `mtp.train.trainer.train` stop as a kill would, right after optimizer step `step` (before that step's
+    evaluation or checkpoint): its `train_step` raises Killed once it has run that step."""
+    from mtp.train import trainer
+
+    real = trainer.train_step
+
+    def step_then_die(run):
+        result = real(run)
+        if run.step == step:
+            raise Killed(f"killed after step {step}")
+        return result
+
+    monkeypatch.setattr(trainer, "train_step", step_then_die)
+
+
 def pattern_batch(vocab: int, batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
     """Sequences that repeat a random motif (period 2..5) with 10% noise: learnable, so a quickly
     trained MTP head agrees with the backbone often but not always (every acceptance pattern occurs)."""

@@ -47,7 +47,8 @@ def test_text_only_round_trip_and_interval_derivation():
     del text["layer_types"]
     text["architectures"] = ["Qwen3_5ForCausalLM"]
     cfg = Qwen35Config.from_hf_dict(text)
-    assert cfg.layer_types == QWEN35_08B["text_config"]["layer_types"]
+    assert cfg.layer_types is None  # derived layer by layer, never built as a list
+    assert [cfg.layer_type(i) for i in range(24)] == QWEN35_08B["text_config"]["layer_types"]
     assert cfg.to_hf_dict() == text
 
 

@@ -28,7 +28,11 @@ from mtp.io import read_tensors
 from mtp.model import config_from_dict
 from mtp.model.families import model_class_for
 
-transformers = pytest.importorskip("transformers")
+
+def hf_transformers():
+    """transformers, for the tests that compare with it (the module's other tests run without it)."""
+    return pytest.importorskip("transformers")
+
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, max_position_embeddings=256)
 MOE = dict(num_hidden_layers=3, first_k_dense_replace=1, moe_intermediate_size=16, n_routed_experts=8,
@@ -105,6 +109,7 @@ class Reference:
 
 def build_reference(fam: Family, path, seed: int = 0) -> Reference:
     L = fam.kw["num_hidden_layers"]
+    transformers = hf_transformers()
     hf_cfg_cls, hf_cls = getattr(transformers, fam.hf_config), getattr(transformers, fam.hf_model)
     torch.manual_seed(seed)
     big = hf_cls(hf_cfg_cls(**{**fam.kw, "num_hidden_layers": L + 1})).eval()
@@ -237,7 +242,7 @@ def test_saved_checkpoint_keeps_every_name_and_loads_in_transformers(reference, 
     assert ("embed_tokens.weight" in {k.removeprefix(mtp_prefix(fam, L)) for k in mtp_names}) == fam.mtp_copies
     written = json.loads((tmp_path / "config.json").read_text())
     assert not {"mtp_embed_tokens", "mtp_shared_head"} & set(written)  # read from the tensors, never written
-    hf_cls = getattr(transformers, fam.hf_model)
+    hf_cls = getattr(hf_transformers(), fam.hf_model)
     with warnings.catch_warnings():  # transformers reads our config.json (MiMo's model_type it does not know)
         warnings.simplefilter("ignore")
         hf2 = hf_cls.from_pretrained(tmp_path, config=ref.config if fam.mimo else None, dtype=torch.float32).eval()
@@ -446,6 +451,7 @@ def test_config_values_transformers_derives():
 
 
 def test_yarn_table_and_softmax_scale_match_transformers():
+    transformers = hf_transformers()
     from transformers.modeling_rope_utils import _compute_yarn_parameters
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
 

@@ -23,15 +23,24 @@ from serve_support import free_port
 from test_data import build_toy
 from test_train import MODEL, cfg, rows
 
-# A kill under torchrun: the crash_at_step hook is an argument of train(), not a config key, so a small launcher
-# calls it (exit status 3 on every rank once the step is done; the checkpoint before it is on disk).
+# A kill under torchrun: each process's train_step is wrapped to exit with status 3 once the step given is done (the
+# checkpoint before it is on disk), as tests/conftest.py's kill_after_step does in one process.
 CRASH_LAUNCHER = """import sys
+from mtp.train import trainer
 from mtp.train.config import load_config
-from mtp.train.trainer import SimulatedCrash, train
-try:
-    train(load_config(preset="tiny", overrides=sys.argv[2:]), crash_at_step=int(sys.argv[1]))
-except SimulatedCrash:
-    sys.exit(3)
+
+real, kill_at = trainer.train_step, int(sys.argv[1])
+
+
+def step_then_die(run):
+    result = real(run)
+    if run.step == kill_at:
+        sys.exit(3)
+    return result
+
+
+trainer.train_step = step_then_die
+trainer.train(load_config(preset="tiny", overrides=sys.argv[2:]))
 """
 
 

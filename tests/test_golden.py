@@ -42,7 +42,10 @@ def model():
 def test_shipped_model_greedy_outputs_are_unchanged(model):
     want = json.loads(GOLDEN.read_text())
     got = run(model)
-    for w, g in zip(want["cases"], got["cases"]):
+    assert len(want["cases"]) == len(got["cases"]) == len(PROMPTS) * 3  # a short golden file must not pass
+    for w, g in zip(want["cases"], got["cases"], strict=True):
+        assert (g["prompt"], g["draft_tokens"]) == (w["prompt"], w["draft_tokens"])
+        assert len(w["tokens"]) == NEW_TOKENS, (w["prompt"], w["draft_tokens"])
         assert g["tokens"] == w["tokens"], (w["prompt"], w["draft_tokens"])
 
 

@@ -17,7 +17,11 @@ from conftest import MOE, pattern_batch, scripted_drafts_patterns, tiny_model
 from mtp.io import read_tensors
 from test_mtp_module import norm
 
-transformers = pytest.importorskip("transformers")
+
+def hf_transformers():
+    """transformers, for the tests that compare with it (the module's other tests run without it)."""
+    return pytest.importorskip("transformers")
+
 MOE_CFG = dict(MOE, num_hidden_layers=4, full_attention_interval=2)
 
 
@@ -59,6 +63,7 @@ def test_logits_match_transformers_in_every_layout(tmp_path, backbone, mtp_layou
     assert ("mtp.layers.0.mlp.experts.3.up_proj.weight" in keys) == (mtp_layout == "per_expert")
     ours = mtp.load_model(tmp_path)
     ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(1))
+    transformers = hf_transformers()
     hf = transformers.Qwen3_5MoeForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     ref = hf(ids).logits
     torch.testing.assert_close(ours(ids), ref, atol=1e-4, rtol=0)
@@ -87,6 +92,7 @@ def test_multimodal_layout_loads(tmp_path):
 @torch.no_grad()
 def test_checkpoint_written_by_transformers_loads(tmp_path):
     cfg = moe_model().config
+    transformers = hf_transformers()
     hf_cfg = transformers.Qwen3_5MoeTextConfig(**{k: v for k, v in cfg.to_hf_dict().items() if k != "architectures"})
     torch.manual_seed(0)
     hf = transformers.Qwen3_5MoeForCausalLM(hf_cfg).eval()
@@ -208,6 +214,7 @@ def test_speculative_sampling_matches_the_target_distribution_on_moe():
 
 
 def test_aux_loss_is_transformers_load_balancing_loss():
+    hf_transformers()
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import load_balancing_loss_func
 
     from mtp.model.moe import load_balancing_loss
@@ -237,8 +244,9 @@ MODEL = dict(hidden_size=32, num_hidden_layers=2, full_attention_interval=2, num
              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
 
 
-def test_training_modes_on_moe(tmp_path):
-    from mtp.train.trainer import SimulatedCrash, train
+def test_training_modes_on_moe(tmp_path, monkeypatch):
+    from conftest import Killed, kill_after_step
+    from mtp.train.trainer import train
     from test_data import build_toy
     from test_train import cfg, rows
 
@@ -257,8 +265,9 @@ def test_training_modes_on_moe(tmp_path):
     assert any(not torch.equal(before.tensor(k), after.tensor(k)) for k in before if k.startswith("mtp."))
     # exact resume after a kill
     train(cfg(data, tmp_path / "full", model=MODEL, max_steps=6))
-    with pytest.raises(SimulatedCrash):
-        train(cfg(data, tmp_path / "killed", model=MODEL, max_steps=6), crash_at_step=3)
+    with monkeypatch.context() as m, pytest.raises(Killed):
+        kill_after_step(m, 3)
+        train(cfg(data, tmp_path / "killed", model=MODEL, max_steps=6))
     train(cfg(data, tmp_path / "killed", model=MODEL, max_steps=6))
     assert [r["main"] for r in rows(tmp_path / "full")] == [r["main"] for r in rows(tmp_path / "killed")]
     # finetune runs on a checkpoint and keeps every tensor name

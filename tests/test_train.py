@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import Killed, kill_after_step
 from mtp import load_model
 from mtp.config import ConfigError
 from mtp.io import read_tensors
 from mtp.train.config import TrainConfig, load_config
-from mtp.train.trainer import SimulatedCrash, train
+from mtp.train.trainer import train
 from serve_support import free_port
 from test_data import build_toy
 
@@ -55,12 +56,13 @@ def test_pretrain_writes_hf_checkpoints_metrics_and_plot(data, tmp_path):
     assert m.has_mtp and m.tokenizer is not None
 
 
-def test_exact_resume_after_kill(data, tmp_path):
+def test_exact_resume_after_kill(data, tmp_path, monkeypatch):
     full = tmp_path / "full"
     train(cfg(data, full))
     killed = tmp_path / "killed"
-    with pytest.raises(SimulatedCrash):
-        train(cfg(data, killed), crash_at_step=5)                      # last checkpoint: step 4
+    with monkeypatch.context() as m, pytest.raises(Killed):
+        kill_after_step(m, 5)
+        train(cfg(data, killed))                                       # last checkpoint: step 4
     assert (killed / "latest").read_text().strip() == "step-000004"
     train(cfg(data, killed))                                           # resumes at step 4
     a, b = rows(full), rows(killed)

@@ -1,5 +1,5 @@
 """What the subcommands share: the model options (`--model` folder or hub id, `--dtype`, `--device`,
-`--threads`), the sampling options, `--draft-tokens` parsing and the missing-extra message."""
+`--threads`, `--strict`), the sampling options, `--draft-tokens` parsing and the missing-extra message."""
 
 from __future__ import annotations
 
@@ -43,19 +43,6 @@ def parse_draft_tokens(value: str) -> int | str | None:
     return k or None
 
 
-def resolve_device(name: str) -> str:
-    """'auto' -> 'cuda' when torch sees a GPU, else 'cpu'; an unavailable device is a clear error."""
-    import torch
-
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: torch sees no CUDA device (is this a CPU build of torch?)")
-    if name == "mps" and not torch.backends.mps.is_available():
-        raise ValueError("--device mps: MPS is not available on this machine")
-    return name
-
-
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="checkpoint folder (HF layout) or hub id org/name; default: the shipped model ($MTP_MODEL)")
@@ -67,6 +54,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=DEVICES, help="auto: cuda when available, else cpu")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: chosen from the cores that are free now, see `auto_threads`)")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse a checkpoint whose weights hold NaN or Inf (default: load it with a warning naming the tensors)")
 
 
 def model_name(args) -> str:
@@ -79,13 +68,14 @@ def load_from_args(args):
     import torch
 
     from .model import load_model
+    from .model.device import resolve_device
 
     torch.set_num_threads(args.threads or auto_threads())
     name = model_name(args)
     if args.model is None and not Path(name).exists():
         raise SystemExit(f"mtp: model folder {name} does not exist (pass --model PATH or a hub id)")
     return load_model(name, dtype=args.dtype, device=resolve_device(args.device), revision=args.revision,
-                      quantize=getattr(args, "quantize", None))
+                      quantize=getattr(args, "quantize", None), strict=getattr(args, "strict", False))
 
 
 def auto_threads() -> int:

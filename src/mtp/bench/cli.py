@@ -24,7 +24,16 @@ import torch
 
 from ..cli_common import add_draft_vocab_arg, add_model_args, auto_threads, load_from_args, model_name, parse_draft_tokens
 from ..model import load_model
-from .costmodel import FULL_LAYERS, SHAPES, build_shape_model, extrapolate_depth, format_costs, measure_costs, speedup_table
+from .costmodel import (
+    FULL_LAYERS,
+    SHAPES,
+    build_shape_model,
+    extrapolate_depth,
+    format_costs,
+    measure_costs,
+    plain_step_seconds,
+    speedup_table,
+)
 from .measure import HF, Variant, check_identical, configs_for, load_transformers, plain_name, run_interleaved
 from .prompts import DEFAULT_PROMPTS, Prompt, load_prompts
 from .report import ACCEPTED_LENGTH_NOTE, best_fixed_k, markdown_report, plot, summarize
@@ -132,17 +141,14 @@ def cmd_shape(args) -> int:
 def compare_variants(shape: str, variants: list[Variant], iters: int) -> dict:
     """The plain decode step of the same random weights in each variant's dtype / quantization, timed in turn
     (A B C A B C ...) so the machine's noise hits them alike. Returns {variant: seconds}."""
-    from .costmodel import _step_fns, _time_interleaved
-
     base = build_shape_model(shape, torch.float32)
-    fns = {}
+    models = {}
     for v in variants:
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": torch.float32}[v.dtype]
         m = base if dtype == torch.float32 and v.quantize is None else copy.deepcopy(base).to(dtype)
         m.prepare_for_inference(v.quantize)
-        fns[v.name] = _step_fns(m, 1, 128, None)["plain"]
-    with torch.inference_mode():
-        med = _time_interleaved(fns, iters, 1)
+        models[v.name] = m
+    med = plain_step_seconds(models, iters)
     ref = med[variants[0].name]
     print("\nplain decode step by variant (same weights, interleaved): " + ", ".join(
         f"{n} {t * 1e3:.1f} ms ({ref / t:.2f}x {variants[0].name})" for n, t in med.items()))

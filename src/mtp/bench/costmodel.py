@@ -177,6 +177,14 @@ def _time_interleaved(fns: dict, iters: int, warmup: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items() if v}
 
 
+def plain_step_seconds(models: dict, iters: int, warmup: int = 1, context: int = 128) -> dict[str, float]:
+    """{name: model} -> {name: median seconds of its plain decode step at position `context`}, the models timed in
+    turn every iteration (A B C A B C ...) so the machine's noise hits them alike."""
+    fns = {name: _step_fns(m, 1, context, None)["plain"] for name, m in models.items()}
+    with torch.inference_mode():
+        return _time_interleaved(fns, iters, warmup)
+
+
 def _time_by_threads(plain, iters: int, warmup: int) -> dict[int, float]:
     """The plain step at 1 and 2 threads (those this machine has), alternating A B A B."""
     threads = torch.get_num_threads()

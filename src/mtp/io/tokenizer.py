@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
+from ..config.base import ConfigError, read_config_file
 from .chat_template import fallback_chat_prompt, render_chat_template
+
+
+def check_tokenizer_config(path: Path, config: dict) -> None:
+    """The keys we read from tokenizer_config.json have the types transformers gives them: `eos_token` / `bos_token`
+    a string, {"content": string} or null; `chat_template` a string, or a list of {"name", "template"} (the one named
+    "default" is used, as transformers does)."""
+    for key in ("eos_token", "bos_token"):
+        value = config.get(key)
+        if not (value is None or isinstance(value, str) or (isinstance(value, dict) and isinstance(value.get("content"), str))):
+            raise ConfigError(f"{path}: key '{key}' must be a string or an object with a string 'content', got {value!r:.60}")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default", next(iter(named.values()), None))
+        config["chat_template"] = template
+    if not (template is None or isinstance(template, str)):
+        raise ConfigError(f"{path}: key 'chat_template' must be a string or a list of named templates, got {template!r:.60}")
 
 
 class Tokenizer:
@@ -36,7 +53,8 @@ class Tokenizer:
         config = {}
         tc = path / "tokenizer_config.json"
         if tc.exists():
-            config = json.loads(tc.read_text())
+            config = read_config_file(tc)  # a folder, binary or non-object file: one error naming it
+            check_tokenizer_config(tc, config)
         ct = path / "chat_template.jinja"
         if "chat_template" not in config and ct.exists():
             config["chat_template"] = ct.read_text()

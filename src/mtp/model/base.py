@@ -1,20 +1,31 @@
 """The family seam: what decoding, training, bench, heal and the server use, whatever family they run.
 
-A family (one file: `qwen3_5.py`, ...) subclasses `CausalLM` and supplies
-- `self.model` with `embed_tokens`, `layers` (decoder layers, each `forward(x, pos, cache)` and
-  `new_state(...)`) and `norm`; `self.lm_head`;
-- `positions(start, length)`: the rotary tables of those positions (`cache.Positions`);
-- `self.mtp`: its MTP module (or None), speaking the `MTPModule` protocol below;
-- `final_hidden(x)` / `head(h)` when its MTP reads something other than the backbone's final-norm output;
-- a `checkpoint` object that maps its checkpoint's tensor names (see `checkpoint.py`).
-Everything else - the cached backbone forward, the verify forward, the teacher-forced MTP hidden states - is
-written once here. docs/architecture.md draws one speculative round through these calls.
+A family (one file: `qwen3_5.py`, `deepseek_v3.py`, ...) subclasses `CausalLM`. It must supply (abstract below):
+- `config_class` (its `mtp.config` dataclass) and `__init__(config, with_mtp=None)` building `self.model` (with
+  `embed_tokens`, `layers` - decoder layers, each `forward(x, pos, cache)` and `new_state(...)` - and
+  `norm`), `self.lm_head` (`output_head`), `self.mtp` (an `MTPModule`, or None) and `self.rotary` (its RoPE table);
+- `new_mtp_module()`: a fresh MTP module for its config; `init_weights(std, modules)`: its init for training;
+- `mtp_tensor_pattern(config)`: where its checkpoints keep the MTP tensors, for messages.
+It may override, each declared here with the default most families use:
+- `internal_name` / `checkpoint_name`: checkpoint tensor name <-> our parameter name (default: the same name);
+  `is_mtp_tensor` follows from `internal_name` (our MTP parameters are `mtp.*` in every family);
+- `checkpoint_config(config, names)`: what only the tensor names tell (whether DeepSeek-style MTP layers hold their
+  own embedding); `experts_key`: the config key counting routed experts, for families whose checkpoints may store
+  experts one tensor per expert (read fused, written back as read: `checkpoint_sources` / `checkpoint_state`);
+- `fp32_parameters` (name suffixes kept in fp32 whatever the dtype), `keep_precision` (linears `quantize` skips);
+- `final_hidden(x)` / `head(h)` (MiMo's MTP reads the pre-norm state), `router_aux_loss` (MoE families).
+Everything else - the prefill/training forward, the decode forward (a plain step, a verify, a batch), the
+teacher-forced MTP hidden states, the checkpoint state - is written once here. docs/architecture.md tables the seam
+and draws one speculative round.
 """
 
 from __future__ import annotations
 
+import re
+import warnings
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from typing import Protocol
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -22,32 +33,73 @@ from torch.utils.checkpoint import checkpoint
 
 from .cache import Cache, KVCache, Positions
 from .linear import prepare_for_inference as prepare_linears
+from .moe import group_experts, split_experts
+from .rope import RotaryTable
+
+# Our name of MTP layer i's parameters, in every family: `mtp.layers.{i}.<rest>`.
+MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 
 
-class MTPModule(Protocol):
-    """What a family's MTP module offers the decoder and the trainer."""
+class NonFiniteLogitsWarning(UserWarning):
+    """A forward gave NaN/Inf logits: greedy decoding would emit token 0 (often end-of-text) with no other sign."""
 
-    style: str  # "sequential" (each depth feeds the next: the causal chain) or "parallel" (Meta's independent heads)
-    num_layers: int
+
+class MTPModule(nn.Module, ABC):
+    """What a family's MTP module offers the decoder and the trainer: `layers` (one decoder layer each, addressed by
+    depth), `style`, `num_layers`, and the calls below; a family implements `step` and overrides the rest only where
+    its module differs (Qwen3.5's parallel heads have a maximum depth; some MTP layers own an embedding or head)."""
+
+    style: str = "sequential"  # "sequential" (each depth feeds the next: the causal chain) or "parallel" (Meta's heads)
+    layers: nn.ModuleList
 
     @property
-    def max_depth(self) -> int | None: ...  # deepest draft step (None: any, layers reused cyclically)
+    def num_layers(self) -> int:
+        return len(self.layers)
 
-    def layer_for_depth(self, d: int) -> int: ...  # which layer (and so which cache) serves depth d (1-based)
+    @property
+    def max_depth(self) -> int | None:
+        """Deepest draft step (None: any, the layers reused cyclically)."""
+        return None
 
+    def layer_for_depth(self, d: int) -> int:
+        """Which layer (and so which cache) serves depth d (1-based): layers reused cyclically."""
+        return (d - 1) % self.num_layers
+
+    def embed_for_depth(self, d: int) -> nn.Module | None:
+        """The MTP's own embedding for depth d (None: the backbone's)."""
+        return None
+
+    def head_for_depth(self, d: int) -> nn.Module | None:
+        """The MTP's own output head for depth d (None: the backbone's `lm_head`)."""
+        return None
+
+    @abstractmethod
     def step(self, d: int, hidden: torch.Tensor, emb: torch.Tensor | None, pos: Positions,
-             cache: KVCache | None = None) -> torch.Tensor: ...  # h^{d-1} [B, T, H] (+ emb) -> h^d [B, T, H]
+             cache: KVCache | None = None) -> torch.Tensor:
+        """h^{d-1} [B, T, H] (+ the embedding of the tokens d ahead [B, T, H], sequential style) -> h^d [B, T, H]."""
 
-    def new_state(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> list: ...
+    def new_state(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> list[KVCache]:
+        """One decode state per layer."""
+        return [layer.new_state(batch, max_len, dtype, device) for layer in self.layers]
 
 
-class CausalLM(nn.Module):
+class CausalLM(nn.Module, ABC):
     """Backbone + head + optional MTP module, with the calls every caller shares (see the module docstring)."""
+
+    config_class: ClassVar[type]
+    # Name suffixes of parameters kept in fp32 whatever the model's dtype (DeepSeek's router, as transformers keeps it).
+    fp32_parameters: ClassVar[tuple[str, ...]] = ()
+    # The MTP's input projection: kept in bf16 when the rest is quantized (serving engines learned that int8 there
+    # costs acceptance; vLLM keeps `mtp.fc` unquantised). Families name theirs.
+    keep_precision: ClassVar[tuple[str, ...]] = ("mtp.fc",)
+    # The config key counting routed experts when checkpoints may hold them per expert (None: no MoE layers).
+    experts_key: ClassVar[str | None] = None
 
     config: object
     model: nn.Module
     lm_head: nn.Module
-    mtp: nn.Module | None
+    mtp: MTPModule | None
+    rotary: RotaryTable | None = None  # the rotary tables `positions` reads (None: the family applies no RoPE)
 
     def __init__(self) -> None:
         super().__init__()
@@ -66,11 +118,24 @@ class CausalLM(nn.Module):
             head.weight = emb.weight
         return head
 
+    # ------------------------------------------------------------------ what a family supplies
+    @abstractmethod
+    def new_mtp_module(self) -> MTPModule:
+        """A fresh MTP module for this config (training heads onto a checkpoint that has none)."""
+
+    @abstractmethod
+    def init_weights(self, std: float | None = None, modules: nn.Module | None = None) -> None:
+        """Initialise for training from scratch (all of the model, or only `modules`) by the family's rule."""
+
+    @staticmethod
+    @abstractmethod
+    def mtp_tensor_pattern(config) -> str:
+        """Where the checkpoint keeps its MTP tensors (for messages), e.g. 'mtp.*'."""
+
     # ------------------------------------------------------------------ what a family may override
     def positions(self, start: int, length: int) -> Positions:
-        """Positions start..start+length-1 with the family's rotary tables (`self.rotary`, a `rope.RotaryTable`, when
-        it has one)."""
-        rotary = getattr(self, "rotary", None)
+        """Positions start..start+length-1 with the family's rotary tables (`self.rotary`, when it has one)."""
+        rotary = self.rotary
         cos, sin = (None, None) if rotary is None else rotary(start, length, self.dtype, self.device)
         return Positions(start, length, cos, sin)
 
@@ -84,23 +149,17 @@ class CausalLM(nn.Module):
 
     def mtp_embed(self, ids: torch.Tensor, d: int) -> torch.Tensor:
         """Embedding the MTP depth d reads for token ids [B, T] (the backbone's unless the MTP has its own)."""
-        own = getattr(self.mtp, "embed_for_depth", None)
-        table = own(d) if own is not None else None
-        return (table if table is not None else self.model.embed_tokens)(ids)
+        own = self.mtp.embed_for_depth(d)
+        return (own if own is not None else self.model.embed_tokens)(ids)
 
     def mtp_head_module(self, d: int) -> nn.Module:
         """The output head MTP depth d uses (the backbone's unless the MTP has its own)."""
-        own = getattr(self.mtp, "head_for_depth", None)
-        head = own(d) if own is not None else None
-        return head if head is not None else self.lm_head
+        own = self.mtp.head_for_depth(d)
+        return own if own is not None else self.lm_head
 
     def mtp_head(self, hidden: torch.Tensor, d: int) -> torch.Tensor:
         """MTP depth-d hidden [..., H] -> logits [..., V]."""
         return self.mtp_head_module(d)(hidden)
-
-    # The MTP's input projection: kept in bf16 when the rest is quantized (serving engines learned that int8 there
-    # costs acceptance; vLLM keeps `mtp.fc` unquantised). Families name theirs.
-    keep_precision: tuple[str, ...] = ("mtp.fc",)
 
     def prepare_for_inference(self, quantize: str | None = None) -> None:
         """Swap the linear layers for row-invariant CPU inference kernels (`model/linear.py`): bf16 weights use
@@ -125,18 +184,61 @@ class CausalLM(nn.Module):
         """The MoE load-balancing loss over collected router logits (None: the family has no such loss)."""
         return None
 
-    # ------------------------------------------------------------------ checkpoint names
+    @staticmethod
+    def check_finite(logits: torch.Tensor, where: str = "the forward") -> bool:
+        """True when logits [..., V] are all finite; otherwise warn (NonFiniteLogitsWarning) that `where` gave
+        NaN/Inf - what a decoder calls before sampling, so that a generation of only end-of-text says why."""
+        if bool(torch.isfinite(logits).all()):
+            return True
+        warnings.warn(f"{where} gave non-finite logits (NaN or Inf): the weights or the activations overflowed; the "
+                      "tokens generated from them are meaningless", NonFiniteLogitsWarning, stacklevel=2)
+        return False
+
+    # ------------------------------------------------------------------ checkpoint names and layout
+    @staticmethod
+    def internal_name(name: str, config=None) -> str | None:
+        """Checkpoint tensor name -> our parameter name (None: not part of the model, e.g. a vision tower)."""
+        return name
+
+    @staticmethod
+    def checkpoint_name(name: str, config=None) -> str:
+        """Our parameter name -> the checkpoint's (the inverse of `internal_name`)."""
+        return name
+
+    @classmethod
+    def is_mtp_tensor(cls, name: str, config=None) -> bool:
+        """Is this checkpoint tensor part of the MTP module? (Ours are `mtp.*` in every family.)"""
+        ours = cls.internal_name(name, config)
+        return ours is not None and ours.startswith("mtp.")
+
+    @classmethod
+    def keeps_fp32(cls, name: str) -> bool:
+        """Is this parameter (our name or the checkpoint's) kept in fp32 whatever the model's dtype (`fp32_parameters`)?"""
+        return any(name == s or name.endswith("." + s) for s in cls.fp32_parameters)
+
+    @classmethod
+    def checkpoint_config(cls, config, names: list[str]):
+        """The config completed with what only the checkpoint's tensor names tell (default: nothing)."""
+        return config
+
     @classmethod
     def checkpoint_sources(cls, names: list[str], shape, config) -> tuple[dict, dict]:
         """Checkpoint tensor names -> ({our parameter: checkpoint name | moe.Stack}, the layout read). `shape(name)`
-        gives a checkpoint tensor's shape. The default renames one to one (`internal_name`)."""
-        return {ours: n for n in names if (ours := cls.internal_name(n, config)) is not None}, {}
+        gives a checkpoint tensor's shape. One to one through `internal_name`; with `experts_key`, per-expert tensors
+        are stacked into the fused parameters (`moe.group_experts`, whose errors name the tensor and the key)."""
+        sources = {ours: n for n in names if (ours := cls.internal_name(n, config)) is not None}
+        if cls.experts_key is None:
+            return sources, {}
+        return group_experts(sources, shape, getattr(config, cls.experts_key), config.moe_intermediate_size,
+                             experts_key=cls.experts_key)
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
-        """The tensors `save_model` writes, under the checkpoint's names, in the layout the model was read in."""
+        """The tensors `save_model` writes, under the checkpoint's names, in the layout the model was read in (a tied
+        head is not written, as transformers does; experts per expert unless they were read fused)."""
         state = self.state_dict()
-        if getattr(self.config, "tie_word_embeddings", False):
-            state.pop("lm_head.weight", None)  # a tied head is not written, as transformers does
+        if self.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        state = split_experts(state, self.checkpoint_layout)
         return {self.checkpoint_name(k, self.config): v for k, v in state.items()}
 
     # ------------------------------------------------------------------ basics
@@ -190,13 +292,13 @@ class CausalLM(nn.Module):
         """Positions of a decode forward: index [B, T] (long, on the device) with the family's rotary tables gathered
         for them; `starts` (each row's first position, on the host) lets eager attention read exactly each row's keys.
         The rotary table must reach the positions already (`prepare_decode`)."""
-        rotary = getattr(self, "rotary", None)
+        rotary = self.rotary
         cos, sin = (None, None) if rotary is None else rotary.gather(index, self.dtype)
         return Positions(0, index.shape[1], cos, sin, starts=starts, index=index)
 
     def prepare_decode(self, max_len: int) -> None:
         """Build what decode forwards up to position max_len - 1 read but cannot grow themselves (rotary tables)."""
-        rotary = getattr(self, "rotary", None)
+        rotary = self.rotary
         if rotary is not None:
             rotary.ensure(max_len, self.dtype, self.device)
 
@@ -214,9 +316,9 @@ class CausalLM(nn.Module):
         return self.final_hidden(x), steps
 
     def new_cache(self, batch: int, max_len: int, rows: bool = False) -> Cache:
-        """Preallocated backbone decode state for `max_len` positions (capped at the context length); `rows`: a
-        position per batch row (continuous batching)."""
-        max_len = min(max_len, self.context_length)
+        """Preallocated backbone decode state for `max_len` slots (the caller sizes it to what its sequences need, plus
+        the slots a round writes past a sequence's end - possibly past the context length); `rows`: a position per
+        batch row (continuous batching)."""
         layers = [layer.new_state(batch, max_len, self.dtype, self.device) for layer in self.model.layers]
         return Cache(layers, max_len, [0] * batch if rows else None)
 
@@ -225,7 +327,7 @@ class CausalLM(nn.Module):
         """One decode state per MTP layer."""
         if self.mtp is None:
             raise RuntimeError("this model has no MTP module")
-        return self.mtp.new_state(batch, min(max_len, self.context_length), self.dtype, self.device)
+        return self.mtp.new_state(batch, max_len, self.dtype, self.device)
 
     def mtp_step(self, d: int, hidden: torch.Tensor, next_ids: torch.Tensor | None, start: int | list[int] | Positions,
                  caches: list | None = None, router_logits: list | None = None) -> torch.Tensor:
@@ -266,3 +368,10 @@ class CausalLM(nn.Module):
     def mtp_logits(self, ids: torch.Tensor, depth: int | None = None) -> list[torch.Tensor]:
         """List over d = 1..depth of [B, T-d, V]: position i predicts token i+d+1 (teacher forcing)."""
         return [self.mtp_head(h, d) for d, h in enumerate(self.mtp_hidden_states(ids, depth), start=1)]
+
+
+def init_weights_(model: CausalLM, std: float | None = None, seed: int | None = None) -> None:
+    """Initialise a model for training from scratch (its family's rule), optionally seeding torch first."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    model.init_weights(std)

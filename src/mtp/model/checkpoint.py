@@ -1,26 +1,32 @@
 """Load and save checkpoints in their Hugging Face layout (safetensors, single or sharded), for every family.
 
-Loading: resolve a folder or hub id, read `config.json` into the family's config, map every tensor name
-through the family (`internal_name`), check names, shapes and dtypes against the model built on the meta
-device, and take the tensors from the memory-mapped files (no copy when the dtype is kept). Saving writes
-the family's own tensor names and config keys, each file atomically.
+Loading, in this order, so that nothing is allocated before the config and the checkpoint are known to agree:
+resolve a folder or hub id; read `config.json` into the family's config (every value type-checked); read every
+safetensors header (validated whole); map every tensor name through the family (`internal_name`); check the config's
+layer counts and embedding size against the tensors; build the model on the meta device, refused when its weights
+would not fit in memory (`budget.py`); check every name, shape and dtype; only then take the tensors from the
+memory-mapped files (no copy when the dtype is kept), and look for NaN/Inf in them.
+
+Saving stages every file beside its final name, fsyncs it, renames them all into place, then removes the weight files
+of the previous checkpoint that are no longer part of it (`io/files.py`): a failed save leaves the folder as it was.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import shutil
+import re
 import warnings
 from pathlib import Path
 
 import torch
 
-from ..io.files import TensorIndex, atomic_write_text, save_tensors
+from ..io.files import FolderWriter, TensorIndex, save_tensors
 from ..io.hub import resolve_checkpoint
 from ..io.safetensors_mmap import CheckpointError
 from ..io.tokenizer import Tokenizer
-from .base import CausalLM
+from .base import MTP_LAYER, CausalLM
+from .budget import BUILD_ERRORS, TooLargeError, build_on_meta
 from .families import config_from_json, model_class_for
 from .moe import Stack
 
@@ -31,10 +37,17 @@ COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
                    "generation_config.json", "token_frequencies.json")
 DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                "float16": torch.float16, "fp16": torch.float16}
+BACKBONE_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# Elements checked for NaN/Inf at a time: bounds the temporary the check allocates (16 MB of bools).
+FINITE_CHUNK = 1 << 24
 
 
 class MissingMTPWarning(UserWarning):
     """The config declares MTP layers but the checkpoint holds no MTP tensors."""
+
+
+class NonFiniteWeightsWarning(UserWarning):
+    """A checkpoint tensor holds NaN or Inf (load with strict=True to refuse such a checkpoint)."""
 
 
 def parse_dtype(dtype: torch.dtype | str) -> torch.dtype | None:
@@ -63,15 +76,16 @@ def _checkpoint_dtype(files: TensorIndex, names: list[str]) -> torch.dtype:
 
 
 def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str | torch.device = "cpu",
-               config=None, revision: str | None = None, quantize: str | None = None) -> CausalLM:
+               config=None, revision: str | None = None, quantize: str | None = None, strict: bool = False) -> CausalLM:
     """Load a checkpoint folder or hub id (`org/name`, optional `revision`) -> model in eval mode.
 
     dtype "auto" keeps the checkpoint's (bf16 stays bf16, and the weights stay memory-mapped). On the CPU a bf16
     model's linear layers get oneDNN-packed copies for inference; `quantize="int8"` quantizes them (weight-only,
-    per-channel; the model is then bf16) - see `model/linear.py`. Errors
-    (CheckpointError) name the file and tensor: missing, unexpected, wrong shape, wrong dtype, truncated or
-    corrupt. A config with MTP layers but no MTP tensors loads with a MissingMTPWarning and
-    `model.has_mtp == False` (never random heads)."""
+    per-channel; the model is then bf16) - see `model/linear.py`. Errors (CheckpointError, ConfigError) name the file
+    and the tensor or key: missing, unexpected, wrong shape, wrong dtype, truncated or corrupt, a config that asks for
+    more layers or a wider embedding than the tensors hold, a model larger than the memory available. A config with
+    MTP layers but no MTP tensors loads with a MissingMTPWarning and `model.has_mtp == False` (never random heads).
+    A tensor holding NaN or Inf gives a NonFiniteWeightsWarning naming it; `strict=True` refuses the checkpoint."""
     path = resolve_checkpoint(path, revision=revision)
     want_dtype = parse_dtype(dtype)
     if quantize is not None and want_dtype is None:
@@ -85,10 +99,11 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
     cls = model_class_for(config)
     with TensorIndex(path) as files:
         shape = lambda key: files[key][0].shape(key)  # noqa: E731
-        config = checkpoint_config(cls, config, list(files))
+        config = cls.checkpoint_config(config, list(files))
         sources, layout = cls.checkpoint_sources(list(files), shape, config)
+        check_sizes(path, cls, config, sources, shape)
         n_mtp = config.mtp_num_hidden_layers
-        has_mtp_tensors = any(cls.is_mtp_tensor(k, config) for k in files if cls.internal_name(k, config) is not None)
+        has_mtp_tensors = any(cls.is_mtp_tensor(k, config) for k in files)
         with_mtp = n_mtp > 0 and has_mtp_tensors
         if n_mtp > 0 and not has_mtp_tensors:
             msg = (f"{path}: config declares {n_mtp} MTP layer(s) but the checkpoint holds no MTP tensors "
@@ -97,16 +112,19 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
                    "with `mtp heal`.")
             warnings.warn(msg, MissingMTPWarning, stacklevel=2)
             log.warning(msg)
-        with torch.device("meta"):
-            model = cls(config, with_mtp=with_mtp)
-        expected = dict(model.state_dict(keep_vars=True))
-        for name in [n for n in expected if _is_tied(model, n)]:
-            expected.pop(name)
-            sources.pop(name, None)  # some tied checkpoints store a copy; the shared parameter wins
-        check_names(path, files, cls, expected, sources, config)
         dtype_ = want_dtype or _checkpoint_dtype(files, [k for k in files if cls.internal_name(k, config) is not None])
-        state = {name: materialize(files, sources[name], tuple(p.shape), torch.float32 if keeps_fp32(cls, name) else dtype_,
+        try:
+            model = build_on_meta(cls, config, dtype_, device, str(path / "config.json"), with_mtp=with_mtp)
+        except TooLargeError:
+            # Too big for memory - or only because the config disagrees with the tensors (e.g. head_dim 10**10):
+            # then name the tensor. The layer counts are the checkpoint's, so an unbounded meta build is bounded.
+            check_against(path, files, cls, config, sources, _meta_or_none(cls, config, with_mtp))
+            raise
+        check_against(path, files, cls, config, sources, model)
+        expected = {n: p for n, p in model.state_dict(keep_vars=True).items() if not _is_tied(model, n)}
+        state = {name: materialize(files, sources[name], tuple(p.shape), torch.float32 if cls.keeps_fp32(name) else dtype_,
                                    device) for name, p in expected.items()}
+        check_finite(files, sources, state, strict)
     model.load_state_dict(state, strict=False, assign=True)
     _retie(model)
     model.eval()
@@ -117,17 +135,68 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
     return model
 
 
-def checkpoint_config(cls, config, names: list[str]):
-    """The config completed with what only the checkpoint's tensor names tell (a family's optional
-    `checkpoint_config(config, names)`; e.g. whether DeepSeek-style MTP layers hold their own embedding)."""
-    complete = getattr(cls, "checkpoint_config", None)
-    return config if complete is None else complete(config, names)
+def _meta_or_none(cls, config, with_mtp: bool) -> CausalLM | None:
+    """cls(config) on the meta device with no memory bound, or None when even that cannot be built (a size whose
+    element count overflows)."""
+    try:
+        with torch.device("meta"):
+            return cls(config, with_mtp=with_mtp)
+    except BUILD_ERRORS:
+        return None
 
 
-def keeps_fp32(cls, name: str) -> bool:
-    """Is this parameter (our name or the checkpoint's) kept in fp32 whatever the model's dtype? A family lists such
-    parameters by name suffix in `fp32_parameters` (DeepSeek's router, as transformers keeps it)."""
-    return any(name == s or name.endswith("." + s) for s in getattr(cls, "fp32_parameters", ()))
+def check_against(path: Path, files: TensorIndex, cls, config, sources: dict, model: CausalLM | None) -> None:
+    """Every parameter of the (meta) model has a checkpoint tensor of its shape and a float dtype, and every tensor a
+    parameter; drops the tied head's source (the shared parameter wins over a stored copy)."""
+    if model is None:
+        return
+    expected = dict(model.state_dict(keep_vars=True))
+    for name in [n for n in expected if _is_tied(model, n)]:
+        expected.pop(name)
+        sources.pop(name, None)  # some tied checkpoints store a copy; the shared parameter wins
+    check_names(path, files, cls, expected, sources, config)
+    for name, p in expected.items():
+        check_source(files, sources[name], tuple(p.shape))
+
+
+def _spans(indices: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out, start = [], None
+    for i, n in enumerate(indices):
+        if start is None:
+            start = n
+        if i + 1 == len(indices) or indices[i + 1] != n + 1:
+            out.append(str(start) if start == n else f"{start}-{n}")
+            start = None
+    return ", ".join(out) or "none"
+
+
+def _is_range(indices: list[int], n: int) -> bool:
+    """Are the sorted distinct `indices` exactly 0..n-1? (Without building range(n): n may be 10**9.)"""
+    return len(indices) == n and (n == 0 or (indices[0] == 0 and indices[-1] == n - 1))
+
+
+def check_sizes(path: Path, cls, config, sources: dict, shape) -> None:
+    """What the config asks for against what the checkpoint's tensors hold, before the model is built: the decoder
+    layers (`model.layers.{i}`), the MTP layers (when the checkpoint holds any) and the embedding [vocab, hidden]."""
+    where = path / "config.json"
+    backbone = sorted({int(m[1]) for k in sources if (m := BACKBONE_LAYER.match(k))})
+    L = config.num_hidden_layers
+    if not _is_range(backbone, L):
+        raise CheckpointError(f"{where}: config key 'num_hidden_layers' is {L} but the checkpoint holds decoder layers "
+                              f"{_spans(backbone)} (model.layers.{{i}}.*)")
+    found = sorted({int(m[1]) for k in sources if (m := MTP_LAYER.match(k))})
+    n = config.mtp_num_hidden_layers
+    if found and not _is_range(found, n):
+        names = ", ".join(cls.checkpoint_name(f"mtp.layers.{i}.*", config) for i in found[:4])
+        more = f" and {len(found) - 4} more" if len(found) > 4 else ""
+        raise CheckpointError(f"{where}: config key '{config.mtp_layers_key}' is {n} but the checkpoint holds MTP layer "
+                              f"tensors {names}{more}")
+    embed = sources.get("model.embed_tokens.weight")
+    want = (config.vocab_size, config.hidden_size)
+    if isinstance(embed, str) and tuple(shape(embed)) != want:
+        raise CheckpointError(f"{where}: config keys 'vocab_size' x 'hidden_size' ask for an embedding of {list(want)} "
+                              f"but the checkpoint's tensor '{embed}' is {list(shape(embed))}")
 
 
 def check_names(path: Path, files: TensorIndex, cls, expected: dict, sources: dict, config=None) -> None:
@@ -138,29 +207,56 @@ def check_names(path: Path, files: TensorIndex, cls, expected: dict, sources: di
                               + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
     unexpected = sorted(set(sources) - set(expected))
     if unexpected:
-        src = sources[unexpected[0]]
-        key = src if isinstance(src, str) else src.parts[0][0]
-        raise CheckpointError(f"{files[key][0].path.name}: unexpected tensor '{key}'"
+        key = first_tensor(sources[unexpected[0]])
+        raise CheckpointError(f"{files[key][0].path}: unexpected tensor '{key}'"
                               + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
                               + " for this config")
 
 
-def _check_tensor(st, key: str, want: tuple[int, ...]) -> None:
-    if st.shape(key) != want:
-        raise CheckpointError(f"{st.path.name}: tensor '{key}' has shape {list(st.shape(key))}, expected {list(want)} "
-                              "for this config")
-    if not st.dtype(key).is_floating_point:
-        raise CheckpointError(f"{st.path.name}: tensor '{key}' has dtype {st.dtype(key)}, expected a float type")
+def first_tensor(source: str | Stack) -> str:
+    """The (first) checkpoint tensor a parameter is read from."""
+    return source if isinstance(source, str) else source.parts[0][0]
+
+
+def source_shape(source: str | Stack, shape) -> tuple[int, ...]:
+    """The shape a checkpoint source loads as: one tensor's, or the experts' stacked [E, rows, ...]."""
+    if isinstance(source, str):
+        return tuple(shape(source))
+    first = [tuple(shape(k)) for k in source.parts[0]]
+    return (len(source.parts), sum(s[0] for s in first), *first[0][1:])
+
+
+def check_source(files: TensorIndex, source: str | Stack, want: tuple[int, ...]) -> None:
+    """A parameter's checkpoint tensor(s) have its shape and a float dtype (read from the headers only)."""
+    if isinstance(source, str):
+        st, key = files[source]
+        if st.shape(key) != want:
+            raise CheckpointError(f"{st.path}: tensor '{key}' has shape {list(st.shape(key))}, expected {list(want)} "
+                                  "for this config")
+        if not st.dtype(key).is_floating_point:
+            raise CheckpointError(f"{st.path}: tensor '{key}' has dtype {st.dtype(key)}, expected a float type")
+        return
+    for e, names in enumerate(source.parts):
+        rows = 0
+        for key in names:
+            st, _ = files[key]
+            s = st.shape(key)
+            if rows + s[0] > want[1] or tuple(s[1:]) != want[2:] or not st.dtype(key).is_floating_point:
+                raise CheckpointError(f"{st.path}: tensor '{key}' has shape {list(s)}, which does not fit "
+                                      f"expert {e} of a {list(want)} parameter for this config")
+            rows += s[0]
+        if rows != want[1]:
+            raise CheckpointError(f"{files[names[0]][0].path}: the tensors of expert {e} ({', '.join(names)}) give "
+                                  f"{rows} rows, expected {want[1]} for this config")
 
 
 def materialize(files: TensorIndex, source: str | Stack, shape: tuple[int, ...], dtype: torch.dtype,
                 device: str | torch.device) -> torch.Tensor:
-    """One parameter from its checkpoint source. A tensor kept in its dtype on the CPU stays a view of the
-    memory-mapped file (no copy); a converted or stacked one is copied and its file pages are dropped from memory
-    at once, so loading peaks near the weights' size rather than twice it."""
+    """One parameter from its checkpoint source (checked by `check_source`). A tensor kept in its dtype on the CPU
+    stays a view of the memory-mapped file (no copy); a converted or stacked one is copied and its file pages are
+    dropped from memory at once, so loading peaks near the weights' size rather than twice it."""
     if isinstance(source, str):
         st, key = files[source]
-        _check_tensor(st, key, shape)
         src = st.tensor(key)
         out = src.to(device=device, dtype=dtype)
         if out.data_ptr() != src.data_ptr():
@@ -172,49 +268,75 @@ def materialize(files: TensorIndex, source: str | Stack, shape: tuple[int, ...],
         for key in names:
             st, _ = files[key]
             t = st.tensor(key)
-            if row + t.shape[0] > shape[1] or tuple(t.shape[1:]) != shape[2:] or not t.dtype.is_floating_point:
-                raise CheckpointError(f"{st.path.name}: tensor '{key}' has shape {list(t.shape)}, which does not fit "
-                                      f"expert {e} of a {list(shape)} parameter for this config")
             out[e, row : row + t.shape[0]].copy_(t)
             row += t.shape[0]
             st.release(key)
-        if row != shape[1]:
-            raise CheckpointError(f"{files[names[0]][0].path.name}: the tensors of expert {e} ({', '.join(names)}) give "
-                                  f"{row} rows, expected {shape[1]} for this config")
     return out
 
 
+def non_finite(t: torch.Tensor) -> int:
+    """How many elements of a float tensor are NaN or +-Inf. The common case (none) costs one min/max pass, which
+    propagates NaN and shows an infinity (5 GB/s on one core, 30x faster than isfinite: docs/decisions.md); only a
+    tensor that fails it is counted element by element, FINITE_CHUNK at a time."""
+    if t.numel() == 0:
+        return 0
+    lo, hi = torch.aminmax(t.reshape(-1))
+    if bool(torch.isfinite(lo)) and bool(torch.isfinite(hi)):
+        return 0
+    flat = t.reshape(-1)
+    return sum(int((~torch.isfinite(flat[i : i + FINITE_CHUNK])).sum()) for i in range(0, flat.numel(), FINITE_CHUNK))
+
+
+def check_finite(files: TensorIndex, sources: dict, state: dict[str, torch.Tensor], strict: bool) -> None:
+    """NaN or Inf in a weight makes every forward non-finite (greedy decoding then emits token 0, often end-of-text,
+    with no other sign): warn naming the tensors (NonFiniteWeightsWarning), or refuse under `strict`."""
+    bad = [(name, n) for name, t in state.items() if t.is_floating_point() and (n := non_finite(t))]
+    if not bad:
+        return
+    key = first_tensor(sources[bad[0][0]])
+    listed = ", ".join(f"'{first_tensor(sources[name])}' ({n} value{'s' * (n > 1)})" for name, n in bad[:5])
+    more = f" and {len(bad) - 5} more tensors" if len(bad) > 5 else ""
+    msg = f"{files[key][0].path}: NaN or Inf in tensor {listed}{more}: every output of this model would be garbage"
+    if strict:
+        raise CheckpointError(msg)
+    msg += " (load with strict=True / --strict to refuse such a checkpoint)"
+    warnings.warn(msg, NonFiniteWeightsWarning, stacklevel=3)
+    log.warning(msg)
+
+
 def _is_tied(model: CausalLM, name: str) -> bool:
-    return name == "lm_head.weight" and bool(getattr(model.config, "tie_word_embeddings", False))
+    return name == "lm_head.weight" and model.config.tie_word_embeddings
 
 
 def _retie(model: CausalLM) -> None:
     # load_state_dict(assign=True) replaces parameters one by one, which unties a shared one.
-    if getattr(model.config, "tie_word_embeddings", False):
+    if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
 
 
 def save_model(model: CausalLM, path: str | Path, max_shard_size: int | None = None,
                dtype: torch.dtype | str | None = None) -> None:
-    """Write config.json + safetensors (the family's own names) + the tokenizer files to folder `path`, each
-    file atomically."""
+    """Write config.json + safetensors (the family's own names) + the tokenizer files to folder `path`. Every file is
+    staged and fsynced first, then all are renamed into place and the previous checkpoint's weight files that are no
+    longer part of it are removed: a save that fails (a full disk: OSError ENOSPC) leaves the folder as it was."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = model.checkpoint_state()
     if dtype is not None and (dt := parse_dtype(dtype)) is not None:
-        state = {k: v if keeps_fp32(type(model), k) else v.to(dt) for k, v in state.items()}
-    save_tensors(state, path, max_shard_size)
+        state = {k: v if model.keeps_fp32(k) else v.to(dt) for k, v in state.items()}
     config = model.config.text_only()
     if model.mtp is None and config.mtp_num_hidden_layers > 0:
-        log.warning("saving a model without MTP weights: config keeps mtp_num_hidden_layers=%d",
+        log.warning("saving a model without MTP weights: config keeps %s=%d", config.mtp_layers_key,
                     config.mtp_num_hidden_layers)
     saved_dtype = next(iter(state.values())).dtype
     config.extra["dtype"] = str(saved_dtype).removeprefix("torch.")
     config.extra.pop("torch_dtype", None)
     config.extra["architectures"] = [config.architecture]
-    atomic_write_text(path / "config.json", json.dumps(config.to_hf_dict(), indent=2, sort_keys=True) + "\n")
     source = model.source_path
-    if source and Path(source).resolve() != path.resolve():
-        for name in COMPANION_FILES:
-            if (Path(source) / name).exists():
-                shutil.copyfile(Path(source) / name, path / name)
+    with FolderWriter(path) as out:
+        save_tensors(state, out, max_shard_size)
+        out.write_text("config.json", json.dumps(config.to_hf_dict(), indent=2, sort_keys=True) + "\n")
+        if source and Path(source).resolve() != path.resolve():
+            for name in COMPANION_FILES:
+                if (Path(source) / name).exists():
+                    out.copy(name, Path(source) / name)

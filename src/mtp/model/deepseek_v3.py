@@ -21,17 +21,15 @@ import torch
 from torch import nn
 
 from ..config import DeepseekV3Config, NextNMoeConfig
-from ..io.safetensors_mmap import CheckpointError
-from .base import CausalLM
+from .base import MTP_LAYER, CausalLM
 from .layer import MLP, DecoderLayer
 from .mla import MLAttention
-from .moe import DeepseekMoE, group_experts, split_experts
+from .moe import DeepseekMoE
 from .nextn import Backbone, NextNLayer, NextNMTP, normal_init
 from .norm import PlainRMSNorm
 from .rope import RotaryTable, rotary_table
 
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 
 
 class NextNMoeForCausalLM(CausalLM):
@@ -39,11 +37,12 @@ class NextNMoeForCausalLM(CausalLM):
     backbone's, names, init. A subclass supplies `attention(config)` and `rotary_head_dim(config)`.
 
     Checkpoints hold the routed experts per expert (as transformers writes them) or fused, per layer; they are read
-    into the fused form and written back as read. The router's `weight` and `e_score_correction_bias` stay fp32 (as
-    transformers keeps them)."""
+    into the fused form and written back as read (`experts_key`, see `base.CausalLM.checkpoint_sources`). The
+    router's `weight` and `e_score_correction_bias` stay fp32 (as transformers keeps them)."""
 
-    config_class: type[NextNMoeConfig] = NextNMoeConfig
+    config_class = NextNMoeConfig
     fp32_parameters = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+    experts_key = "n_routed_experts"
     keep_precision = ("eh_proj",)  # the MTP input projection stays unquantised (`base.prepare_for_inference`)
 
     @staticmethod
@@ -66,65 +65,28 @@ class NextNMoeForCausalLM(CausalLM):
     @staticmethod
     def checkpoint_name(name: str, config: NextNMoeConfig) -> str:
         """Our parameter name -> the checkpoint's."""
-        m = MTP.match(name)
+        m = MTP_LAYER.match(name)
         return name if m is None else f"model.layers.{config.num_hidden_layers + int(m[1])}.{m[2]}"
-
-    @staticmethod
-    def is_mtp_tensor(name: str, config: NextNMoeConfig) -> bool:
-        """Is this (checkpoint) tensor part of an MTP layer?"""
-        m = LAYER.match(name)
-        return m is not None and int(m[1]) >= config.num_hidden_layers
 
     @staticmethod
     def mtp_tensor_pattern(config: NextNMoeConfig) -> str:
         """Where the checkpoint keeps its MTP tensors (for messages)."""
         return f"model.layers.{config.num_hidden_layers}.* (one per num_nextn_predict_layers)"
 
-    @staticmethod
-    def _mtp_layers(names: list[str], config: NextNMoeConfig) -> dict[int, set[str]]:
-        """{MTP layer i: the names of its tensors inside the layer} among checkpoint names."""
-        out: dict[int, set[str]] = {}
-        for name in names:
-            m = LAYER.match(name)
-            if m is not None and int(m[1]) >= config.num_hidden_layers:
-                out.setdefault(int(m[1]) - config.num_hidden_layers, set()).add(m[2])
-        return out
-
     @classmethod
     def checkpoint_config(cls, config: NextNMoeConfig, names: list[str]) -> NextNMoeConfig:
         """The config with what only the tensor names say: whether the MTP layers hold their own `embed_tokens` and
         `shared_head.head` (GLM-4.6 has neither). Unchanged when the checkpoint holds no MTP layer."""
-        layers = cls._mtp_layers(names, config)
+        layers: dict[int, set[str]] = {}  # MTP layer i -> the names of its tensors inside the layer
+        for name in names:
+            if (m := MTP_LAYER.match(cls.internal_name(name, config))) is not None:
+                layers.setdefault(int(m[1]), set()).add(m[2])
         if not layers:
             return config
         c = copy.deepcopy(config)
         c.mtp_embed_tokens = any("embed_tokens.weight" in inner for inner in layers.values())
         c.mtp_shared_head = any("shared_head.head.weight" in inner for inner in layers.values())
         return c
-
-    @classmethod
-    def checkpoint_sources(cls, names: list[str], shape, config: NextNMoeConfig) -> tuple[dict, dict]:
-        """Our parameter -> checkpoint name (or `moe.Stack` of per-expert tensors), and the expert layouts read. An
-        MTP layer count that disagrees with `num_nextn_predict_layers` is an error naming both."""
-        found = sorted(cls._mtp_layers(names, config))
-        n = config.num_nextn_predict_layers
-        if found and found != list(range(n)):
-            layers = ", ".join(f"model.layers.{config.num_hidden_layers + i}.*" for i in found)
-            raise CheckpointError(f"config key 'num_nextn_predict_layers' is {n} but the checkpoint holds MTP layer "
-                                  f"tensors {layers} ({len(found)} layer(s) after num_hidden_layers = "
-                                  f"{config.num_hidden_layers})")
-        sources = {ours: name for name in names if (ours := cls.internal_name(name, config)) is not None}
-        return group_experts(sources, shape, config.n_routed_experts, config.moe_intermediate_size,
-                             experts_key="n_routed_experts")
-
-    def checkpoint_state(self) -> dict[str, torch.Tensor]:
-        """The tensors to save under the checkpoint's names, experts in the layout they were read in (new models:
-        per expert, as transformers writes them)."""
-        state = self.state_dict()
-        if self.config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        state = split_experts(state, self.checkpoint_layout)
-        return {self.checkpoint_name(k, self.config): v for k, v in state.items()}
 
     # ------------------------------------------------------------------ modules
     def __init__(self, config: NextNMoeConfig, with_mtp: bool | None = None):
@@ -165,7 +127,7 @@ class NextNMoeForCausalLM(CausalLM):
         normal_init(scope, self.config.initializer_range if std is None else std)
         inside = set(scope.modules())
         for layer in self.mtp.layers if self.mtp is not None else []:
-            if getattr(layer, "embed_tokens", None) in inside:
+            if layer.embed_tokens is not None and layer.embed_tokens in inside:
                 layer.embed_tokens.weight.copy_(self.model.embed_tokens.weight)
             if layer.head is not None and layer.head in inside:
                 layer.head.weight.copy_(self.lm_head.weight)

@@ -6,11 +6,10 @@ Each model class carries its config class (`config_class`) and its checkpoint na
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError
+from ..config import ConfigError, read_config_file
 from .base import CausalLM
 from .deepseek_v3 import DeepseekV3ForCausalLM
 from .glm4_moe import Glm4MoeForCausalLM
@@ -54,13 +53,7 @@ def config_from_dict(data: dict[str, Any]):
 
 def config_from_json(path: str | Path):
     """Read `config.json` into its family's config dataclass (errors name the file and the key)."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: not a JSON object")
+    data = read_config_file(path)
     try:
         return config_from_dict(data)
     except ConfigError as e:

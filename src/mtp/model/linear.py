@@ -76,7 +76,9 @@ class FastLinear(nn.Linear):
         self.kernel = kernel
         self._version = self.weight._version
         if kernel == "fp32":
-            self._packed = None  # the parameter itself, row by row
+            # the parameter itself, or an aligned copy: MKL rounds differently for a weight at another alignment (a
+            # memory-mapped tensor sits wherever the file put it), and the same checkpoint should give the same bits
+            self._packed = w if w.is_contiguous() and w.data_ptr() % 64 == 0 else w.clone(memory_format=torch.contiguous_format)
         elif kernel == "bf16":
             w = w.to(torch.bfloat16)
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w, 1) if packed_bf16_supported() else w.contiguous()
@@ -99,7 +101,7 @@ class FastLinear(nn.Linear):
     def run(self, x: torch.Tensor) -> torch.Tensor:
         """The prepared kernel: x [..., in] -> [..., out] in x's dtype."""
         if self.kernel == "fp32":
-            return linear_rows(x, self.weight, self.bias)
+            return linear_rows(x, self._packed, self.bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
         bias = None if self.bias is None else self.bias.to(torch.bfloat16)

@@ -18,8 +18,7 @@ import torch
 from torch import nn
 
 from ..config import MiMoConfig
-from ..io.safetensors_mmap import CheckpointError
-from .base import CausalLM
+from .base import MTP_LAYER, CausalLM
 from .gqa import GroupedQueryAttention
 from .layer import MLP, DecoderLayer
 from .nextn import Backbone, NextNMTP, normal_init
@@ -27,7 +26,6 @@ from .norm import PlainRMSNorm
 from .rope import RotaryTable, rotary_table
 
 CKPT_MTP = re.compile(r"^model\.mtp_layers\.(\d+)\.(.+)$")
-MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 
 
 def qwen2_layer(config: MiMoConfig) -> tuple[nn.Module, nn.Module]:
@@ -47,6 +45,7 @@ class MiMoMTPLayer(DecoderLayer):
         c = config
         norm = lambda: PlainRMSNorm(c.hidden_size, c.rms_norm_eps)  # noqa: E731
         super().__init__("self_attn", *qwen2_layer(c), norm)
+        self.embed_tokens = None  # the backbone's embedding serves every depth
         self.token_layernorm = norm()
         self.hidden_layernorm = norm()
         self.input_proj = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
@@ -74,36 +73,13 @@ class MiMoForCausalLM(CausalLM):
     @staticmethod
     def checkpoint_name(name: str, config: MiMoConfig | None = None) -> str:
         """Our parameter name -> the checkpoint's."""
-        m = MTP.match(name)
+        m = MTP_LAYER.match(name)
         return name if m is None else f"model.mtp_layers.{m[1]}.{m[2]}"
-
-    @staticmethod
-    def is_mtp_tensor(name: str, config: MiMoConfig | None = None) -> bool:
-        """Is this (checkpoint) tensor part of an MTP layer?"""
-        return CKPT_MTP.match(name) is not None
 
     @staticmethod
     def mtp_tensor_pattern(config: MiMoConfig) -> str:
         """Where the checkpoint keeps its MTP tensors (for messages)."""
         return "model.mtp_layers.*"
-
-    @classmethod
-    def checkpoint_sources(cls, names: list[str], shape, config: MiMoConfig) -> tuple[dict, dict]:
-        """Our parameter -> checkpoint name. An MTP layer count that disagrees with `num_nextn_predict_layers` is an
-        error naming both."""
-        found = sorted({int(m[1]) for name in names if (m := CKPT_MTP.match(name))})
-        n = config.num_nextn_predict_layers
-        if found and found != list(range(n)):
-            raise CheckpointError(f"config key 'num_nextn_predict_layers' is {n} but the checkpoint holds MTP layer "
-                                  f"tensors {', '.join(f'model.mtp_layers.{i}.*' for i in found)}")
-        return {cls.internal_name(name, config): name for name in names}, {}
-
-    def checkpoint_state(self) -> dict[str, torch.Tensor]:
-        """The tensors to save, under the checkpoint's names."""
-        state = self.state_dict()
-        if self.config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        return {self.checkpoint_name(k, self.config): v for k, v in state.items()}
 
     def __init__(self, config: MiMoConfig, with_mtp: bool | None = None):
         super().__init__()

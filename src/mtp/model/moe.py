@@ -78,7 +78,7 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, H] -> router logits [N, E], chosen experts [N, k], their weights [N, k] (x's dtype)."""
-        logits = linear_rows(x, self.gate.weight)  # row-invariant: the choice of experts must not depend on the batch
+        logits = self.gate(x)  # a prepared linear: row-invariant, the choice of experts must not depend on the batch
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, idx = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)

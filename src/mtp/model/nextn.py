@@ -5,8 +5,8 @@ plain backbone container of the families that use them.
 Each layer is a decoder layer with a few more modules; a layer class supplies
 - `combine(emb, hidden)`: the embedding of the next tokens [B, T, H] and h^{d-1} [B, T, H] -> the layer input;
 - `finish(x)`: the decoder layer's output -> h^d (what the head reads and the next depth is fed);
-- optionally its own `embed_tokens` and `head` (else the backbone's are used).
-`NextNMTP` holds them and speaks the `base.MTPModule` protocol.
+- `embed_tokens` and `head`: its own embedding and output head, or None (the backbone's are used).
+`NextNMTP` holds them and is the family's `base.MTPModule`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .base import MTPModule
 from .cache import KVCache, Positions
 from .layer import DecoderLayer
 from .moe import Experts, GroupedTopkRouter
@@ -38,8 +39,7 @@ class SharedHead(nn.Module):
     def __init__(self, norm: nn.Module, head: nn.Module | None):
         super().__init__()
         self.norm = norm
-        if head is not None:
-            self.head = head
+        self.head = head
 
 
 class NextNLayer(DecoderLayer):
@@ -57,12 +57,11 @@ class NextNLayer(DecoderLayer):
         self.hnorm = norm()
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
         self.shared_head = SharedHead(norm(), nn.Linear(hidden, vocab, bias=False) if own_head else None)
-        if own_embed:
-            self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.embed_tokens = nn.Embedding(vocab, hidden) if own_embed else None
 
     @property
     def head(self) -> nn.Module | None:
-        return getattr(self.shared_head, "head", None)
+        return self.shared_head.head
 
     def combine(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         return self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden)], dim=-1))
@@ -71,27 +70,16 @@ class NextNLayer(DecoderLayer):
         return self.shared_head.norm(x)
 
 
-class NextNMTP(nn.Module):
+class NextNMTP(MTPModule):
     """The MTP module `mtp.layers.{i}` (sequential: depth d runs layer (d - 1) mod L on h^{d-1} and the embedding
     of the token d ahead)."""
-
-    style = "sequential"
 
     def __init__(self, layers: list[nn.Module]):
         super().__init__()
         self.layers = nn.ModuleList(layers)
-        self.num_layers = len(layers)
-
-    @property
-    def max_depth(self) -> int | None:
-        return None
-
-    def layer_for_depth(self, d: int) -> int:
-        """Index of the layer that serves depth d (1-based)."""
-        return (d - 1) % self.num_layers
 
     def embed_for_depth(self, d: int) -> nn.Module | None:
-        return getattr(self.layers[self.layer_for_depth(d)], "embed_tokens", None)
+        return self.layers[self.layer_for_depth(d)].embed_tokens
 
     def head_for_depth(self, d: int) -> nn.Module | None:
         return self.layers[self.layer_for_depth(d)].head
@@ -102,9 +90,6 @@ class NextNMTP(nn.Module):
         layer = self.layers[self.layer_for_depth(d)]
         x, _ = layer(layer.combine(emb, hidden), pos, cache)
         return layer.finish(x)
-
-    def new_state(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> list[KVCache]:
-        return [layer.new_state(batch, max_len, dtype, device) for layer in self.layers]
 
 
 @torch.no_grad()

@@ -23,13 +23,13 @@ from torch import nn
 
 from ..config import Qwen35Config, Qwen35MoeConfig
 from .attention import GatedAttention
-from .base import CausalLM
+from .base import CausalLM, MTPModule
 from .cache import KVCache, Positions
 from .deltanet import GatedDeltaNet
 from .layer import MLP, DecoderLayer
-from .moe import Experts, SparseMoE, group_experts, load_balancing_loss, split_experts
+from .moe import Experts, SparseMoE, load_balancing_loss
 from .norm import RMSNorm, RMSNormGated
-from .rope import RotaryTable, rope_inv_freq
+from .rope import rotary_table
 
 
 def feed_forward(config: Qwen35Config) -> nn.Module:
@@ -54,27 +54,26 @@ class Qwen35TextModel(nn.Module):
     def __init__(self, config: Qwen35Config):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([decoder_layer(config, kind) for kind in config.layer_types])
+        self.layers = nn.ModuleList([decoder_layer(config, config.layer_type(i)) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class Qwen35MTP(nn.Module):
+class Qwen35MTP(MTPModule):
     """The MTP module `mtp.*` (both schools; see the module docstring)."""
 
     def __init__(self, config: Qwen35Config):
         super().__init__()
         c = config
         self.style = c.mtp_style
-        self.num_layers = c.mtp_num_hidden_layers
         if self.style == "sequential":
             self.pre_fc_norm_embedding = RMSNorm(c.hidden_size, c.rms_norm_eps)
             self.pre_fc_norm_hidden = RMSNorm(c.hidden_size, c.rms_norm_eps)
             self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
         self.layers = nn.ModuleList([decoder_layer(c, "full_attention") for _ in range(c.mtp_num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        if c.mtp_use_dedicated_embeddings:
-            self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        own = c.mtp_use_dedicated_embeddings
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size) if own else None
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False) if own else None
 
     @property
     def max_depth(self) -> int | None:
@@ -82,18 +81,18 @@ class Qwen35MTP(nn.Module):
         return self.num_layers if self.style == "parallel" else None
 
     def layer_for_depth(self, d: int) -> int:
-        """Index of the layer that serves depth d (1-based)."""
+        """Index of the layer that serves depth d (1-based): head d - 1 (parallel), else reused cyclically."""
         if self.style == "parallel":
             if d > self.num_layers:
                 raise ValueError(f"parallel MTP has {self.num_layers} heads; depth {d} asked")
             return d - 1
-        return (d - 1) % self.num_layers
+        return super().layer_for_depth(d)
 
     def embed_for_depth(self, d: int) -> nn.Module | None:
-        return getattr(self, "embed_tokens", None)
+        return self.embed_tokens
 
     def head_for_depth(self, d: int) -> nn.Module | None:
-        return getattr(self, "lm_head", None)
+        return self.lm_head
 
     def step(self, d: int, hidden: torch.Tensor, emb: torch.Tensor | None, pos: Positions,
              cache: KVCache | None = None) -> torch.Tensor:
@@ -105,16 +104,13 @@ class Qwen35MTP(nn.Module):
         x, _ = self.layers[self.layer_for_depth(d)](x, pos, cache)
         return self.norm(x)
 
-    def new_state(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> list[KVCache]:
-        return [layer.new_state(batch, max_len, dtype, device) for layer in self.layers]
-
 
 class Qwen35ForCausalLM(CausalLM):
     """Backbone + output head + MTP module (`mtp`, None when the checkpoint has no usable MTP).
 
     Checkpoints: text-only (`model.*`, `lm_head.*`, `mtp.*`) and multimodal (`model.language_model.*`, with
     `model.visual.*` ignored) are read; the text-only layout with a flat `qwen3_5_text` config is written, which
-    transformers (`Qwen3_5ForCausalLM`), vLLM and llama.cpp read."""
+    transformers (`Qwen3_5ForCausalLM`), vLLM and llama.cpp read; our names are the checkpoint's."""
 
     config_class = Qwen35Config
 
@@ -128,19 +124,9 @@ class Qwen35ForCausalLM(CausalLM):
         return name
 
     @staticmethod
-    def checkpoint_name(name: str, config: Qwen35Config | None = None) -> str:
-        """Our parameter name -> the tensor name we write (the text-only layout)."""
-        return name
-
-    @staticmethod
     def mtp_tensor_pattern(config: Qwen35Config) -> str:
         """Where the checkpoint keeps its MTP tensors (for messages)."""
         return "mtp.*"
-
-    @staticmethod
-    def is_mtp_tensor(name: str, config: Qwen35Config | None = None) -> bool:
-        """Is this (checkpoint) tensor part of the MTP module?"""
-        return name.startswith("mtp.")
 
     def __init__(self, config: Qwen35Config, with_mtp: bool | None = None):
         super().__init__()
@@ -148,7 +134,7 @@ class Qwen35ForCausalLM(CausalLM):
         self.model = Qwen35TextModel(config)
         self.lm_head = self.output_head(config.tie_word_embeddings)
         self.mtp = Qwen35MTP(config) if with_mtp is not False and config.mtp_num_hidden_layers > 0 else None
-        self.rotary = RotaryTable(rope_inv_freq(config.rotary_dim, config.rope_theta))
+        self.rotary = rotary_table(config.rope(), config.head_dim, config.max_position_embeddings)
 
     def new_mtp_module(self) -> Qwen35MTP:
         """A fresh MTP module for this config (training heads onto a checkpoint that has none)."""
@@ -184,15 +170,9 @@ class Qwen35MoeForCausalLM(Qwen35ForCausalLM):
     transformers writes, for a new model)."""
 
     config_class = Qwen35MoeConfig
-
-    @classmethod
-    def checkpoint_sources(cls, names: list[str], shape, config: Qwen35MoeConfig) -> tuple[dict, dict]:
-        sources, _ = super().checkpoint_sources(names, shape, config)
-        return group_experts(sources, shape, config.num_experts, config.moe_intermediate_size)
-
-    def checkpoint_state(self) -> dict[str, torch.Tensor]:
-        state = super().checkpoint_state()
-        return split_experts(state, {self.checkpoint_name(k, self.config): v for k, v in self.checkpoint_layout.items()})
+    experts_key = "num_experts"
+    # the routers stay bf16 under int8 too: quantizing them changes which experts run
+    keep_precision = ("mtp.fc", "mlp.gate", "shared_expert_gate")
 
     def router_aux_loss(self, router_logits: list) -> torch.Tensor | None:
         """router_aux_loss_coef x the load-balancing loss (as transformers computes it) over the collected layers."""
@@ -201,9 +181,3 @@ class Qwen35MoeForCausalLM(Qwen35ForCausalLM):
         c = self.config
         return c.router_aux_loss_coef * load_balancing_loss(router_logits, c.num_experts, c.num_experts_per_tok)
 
-
-def init_weights_(model: CausalLM, std: float | None = None, seed: int | None = None) -> None:
-    """Initialise a model for training from scratch (its family's rule), optionally seeding torch first."""
-    if seed is not None:
-        torch.manual_seed(seed)
-    model.init_weights(std)

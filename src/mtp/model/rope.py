@@ -2,6 +2,8 @@
 (GPT-J) variant and YaRN scaling that DeepSeek-V3 uses; tables from a config's RoPE parameters."""
 
 import math
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -9,16 +11,6 @@ import torch
 def rope_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
     """[rotary_dim // 2] inverse frequencies, fp32, on the CPU (also when built under a meta-device context)."""
     return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device="cpu") / rotary_dim))
-
-
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [T] -> cos, sin [T, rotary_dim].
-
-    Text-only Qwen3.5 gives all three M-RoPE sections the same position id, which is plain 1-D RoPE.
-    """
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -33,12 +25,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class RotaryTable:
     """cos/sin [n, R] for positions 0..n-1 (times `scale`, YaRN's attention factor), grown on demand and
     cached for one dtype and device: a decode step slices, it never allocates. Not a module buffer, so a
-    model built on the meta device and loaded later needs no fix-up."""
+    model built on the meta device and loaded later needs no fix-up; the inverse frequencies are computed on
+    first use, so building a model on the meta device (to check a config against a checkpoint) allocates nothing."""
 
-    def __init__(self, inv_freq: torch.Tensor, scale: float = 1.0):
-        self.inv_freq = inv_freq.float().cpu()
+    def __init__(self, inv_freq: Callable[[], torch.Tensor], scale: float = 1.0):
+        self._make_inv_freq: Callable[[], torch.Tensor] | None = inv_freq
+        self._inv_freq: torch.Tensor | None = None
         self.scale = scale
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """[R // 2] inverse frequencies, fp32, on the CPU."""
+        if self._inv_freq is None:
+            self._inv_freq = self._make_inv_freq().float().cpu()
+            self._make_inv_freq = None
+        return self._inv_freq
 
     def __call__(self, start: int, length: int, dtype: torch.dtype,
                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,7 +114,7 @@ def rotary_table(params: dict, head_dim: int, max_position_embeddings: int) -> R
     dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
     theta = params["rope_theta"]
     if params.get("rope_type", "default") == "default":
-        return RotaryTable(rope_inv_freq(dim, theta))
+        return RotaryTable(partial(rope_inv_freq, dim, theta))
     original = params["original_max_position_embeddings"]
     factor = params.get("factor") or max_position_embeddings / original
     attention_factor = params.get("attention_factor")
@@ -122,6 +124,5 @@ def rotary_table(params: dict, head_dim: int, max_position_embeddings: int) -> R
             attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
         else:
             attention_factor = yarn_mscale(factor)
-    inv_freq = yarn_inv_freq(dim, theta, factor, original, params.get("beta_fast") or 32, params.get("beta_slow") or 1,
-                             params.get("truncate", True))
-    return RotaryTable(inv_freq, float(attention_factor))
+    beta_fast, beta_slow, truncate = params.get("beta_fast") or 32, params.get("beta_slow") or 1, params.get("truncate", True)
+    return RotaryTable(partial(yarn_inv_freq, dim, theta, factor, original, beta_fast, beta_slow, truncate), float(attention_factor))

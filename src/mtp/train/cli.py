@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 from pathlib import Path
+
+# Write failures that are the machine's, not the input's: reported in one line (the previous checkpoint is intact).
+WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
 
 
 def cmd_train(args) -> int:
@@ -19,7 +23,13 @@ def cmd_train(args) -> int:
 
         shutil.rmtree(Path(cfg.out) / "checkpoints", ignore_errors=True)
         (Path(cfg.out) / "latest").unlink(missing_ok=True)
-    val = train(cfg)
+    try:
+        val = train(cfg)
+    except OSError as e:  # e.g. a full disk while saving: the previous checkpoint is intact (train/state.py)
+        if e.errno not in WRITE_ERRORS:
+            raise
+        raise SystemExit(f"mtp train: error: cannot write {e.filename or cfg.out}: {e.strerror or e}; the run's previous "
+                         f"checkpoint (if any, named by {Path(cfg.out) / 'latest'}) is unchanged") from None
     if val:
         print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in val.items()}))
     return 0
@@ -28,9 +38,15 @@ def cmd_train(args) -> int:
 def cmd_heal(args) -> int:
     from .heal import heal
 
-    report = heal(args.base, args.finetuned, args.out, train=args.train, data=args.data, steps=args.steps,
-                  lr=args.lr, seq_len=args.seq_len, micro_batch=args.micro_batch, eval_seqs=args.eval_seqs,
-                  threads=args.threads, seed=args.seed, device=args.device)
+    try:
+        report = heal(args.base, args.finetuned, args.out, train=args.train, data=args.data, steps=args.steps,
+                      lr=args.lr, seq_len=args.seq_len, micro_batch=args.micro_batch, eval_seqs=args.eval_seqs,
+                      threads=args.threads, seed=args.seed, device=args.device)
+    except OSError as e:  # e.g. a full disk: graft writes all its files before it replaces any (io/files.py)
+        if e.errno not in WRITE_ERRORS:
+            raise
+        raise SystemExit(f"mtp heal: error: cannot write {e.filename or args.out}: {e.strerror or e}; "
+                         f"{args.out} is as it was before") from None
     print(json.dumps(report, indent=1))
     return 0
 

@@ -13,19 +13,17 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from ..io.files import INDEX, atomic_write, atomic_write_text, read_tensors, weight_files
+from ..io.files import INDEX, FolderWriter, read_tensors, weight_files, write_safetensors, write_shards
 from ..io.safetensors_mmap import CheckpointError, SafetensorsFile
 from ..model import config_from_json, load_model
-from ..model.checkpoint import checkpoint_config, keeps_fp32
+from ..model.checkpoint import first_tensor, source_shape
+from ..model.device import resolve_device
 from ..model.families import model_class_for
-from ..model.moe import Stack
 
 
 def _with_mtp_of(config, base):
@@ -38,7 +36,7 @@ def _with_mtp_of(config, base):
 
 
 def graft(base: Path, finetuned: Path, out: Path) -> list[str]:
-    """Write `out`: the fine-tune's files + the base's mtp.* tensors. Returns the grafted tensor names."""
+    """Write `out`: the fine-tune's files + the base's MTP tensors. Returns the grafted tensor names."""
     base, finetuned, out = Path(base), Path(finetuned), Path(out)
     for p, what in ((base, "--base"), (finetuned, "--finetuned")):
         if not (p / "config.json").exists():
@@ -51,73 +49,41 @@ def graft(base: Path, finetuned: Path, out: Path) -> list[str]:
     if model_class_for(bcfg) is not cls:
         raise CheckpointError(f"--base {base} ({type(bcfg).__name__}) and --finetuned {finetuned} "
                               f"({type(fcfg).__name__}) are different model families")
-    bkeys, fkeys = read_tensors(base), read_tensors(finetuned)
-    mtp_keys = sorted(k for k in bkeys if cls.is_mtp_tensor(k, bcfg))
-    if not mtp_keys:
-        raise CheckpointError(f"--base {base}: holds no MTP tensors, nothing to graft")
-    if any(cls.is_mtp_tensor(k, fcfg) for k in fkeys):
-        raise CheckpointError(f"--finetuned {finetuned}: already holds MTP tensors; nothing to heal")
-    # what the fine-tune's architecture expects of the MTP, with the base's MTP settings (our names)
-    fcfg = checkpoint_config(cls, _with_mtp_of(fcfg, bcfg), list(bkeys))
-    with torch.device("meta"):
-        want = {k: tuple(v.shape) for k, v in cls(fcfg).state_dict().items() if k.startswith("mtp.")}
-    shape = lambda key: bkeys[key][0].shape(key)  # noqa: E731
-    have, _ = cls.checkpoint_sources(mtp_keys, shape, fcfg)  # our name -> base tensor (or per-expert tensors)
-    missing = sorted(cls.checkpoint_name(k, fcfg) for k in set(want) - set(have))
-    extra = sorted(_first_tensor(have[k]) for k in set(have) - set(want))
-    if missing or extra:
-        raise CheckpointError(f"--base {base}: MTP tensors do not match the fine-tune's architecture "
-                              f"(missing {missing[:3]}, unexpected {extra[:3]})")
-    for ours, src in have.items():
-        k = _first_tensor(src)
-        got = _source_shape(src, shape)
-        if got != want[ours]:
-            raise CheckpointError(f"--base {bkeys[k][0].path.name}: tensor '{k}' gives shape {list(got)}, the fine-tune "
-                                  f"({finetuned}) needs {list(want[ours])}: base and fine-tune differ in size")
-    ref_key = next((k for k in fkeys if k.endswith("embed_tokens.weight")), next(iter(fkeys)))
-    dtype = fkeys[ref_key][0].dtype(fkeys[ref_key][1])
-
-    out.mkdir(parents=True, exist_ok=True)
-    for old in list(out.glob("*.safetensors")) + [out / INDEX]:
-        old.unlink(missing_ok=True)
-    for f in finetuned.iterdir():  # config, tokenizer, chat template, generation config ...
-        if f.is_file() and not f.name.endswith(".safetensors") and f.name != INDEX:
-            shutil.copyfile(f, out / f.name)
-    files = weight_files(finetuned)
-    n = len(files) + 1
-    weight_map: dict[str, str] = {}
-    total = 0
-    for i, f in enumerate(files, start=1):
-        name = f"model-{i:05d}-of-{n:05d}.safetensors"
-        shutil.copyfile(f, out / name)
-        with SafetensorsFile(out / name) as st:
-            for k in st.keys():
-                weight_map[k] = name
-                total += st.nbytes(k)
-    mtp_name = f"model-{n:05d}-of-{n:05d}.safetensors"
-    tensors = {k: bkeys.tensor(k).to(torch.float32 if keeps_fp32(cls, k) else dtype).contiguous() for k in mtp_keys}
-    atomic_write(out / mtp_name, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
-    for k, t in tensors.items():
-        weight_map[k] = mtp_name
-        total += t.numel() * t.element_size()
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    atomic_write_text(out / INDEX, json.dumps(index, indent=2) + "\n")
-    atomic_write_text(out / "config.json", json.dumps(fcfg.to_hf_dict(), indent=2) + "\n")
-    bkeys.close()
-    fkeys.close()
+    with read_tensors(base) as bkeys, read_tensors(finetuned) as fkeys:
+        mtp_keys = sorted(k for k in bkeys if cls.is_mtp_tensor(k, bcfg))
+        if not mtp_keys:
+            raise CheckpointError(f"--base {base}: holds no MTP tensors, nothing to graft")
+        if any(cls.is_mtp_tensor(k, fcfg) for k in fkeys):
+            raise CheckpointError(f"--finetuned {finetuned}: already holds MTP tensors; nothing to heal")
+        # what the fine-tune's architecture expects of the MTP, with the base's MTP settings (our names)
+        fcfg = cls.checkpoint_config(_with_mtp_of(fcfg, bcfg), list(bkeys))
+        with torch.device("meta"):
+            want = {k: tuple(v.shape) for k, v in cls(fcfg).state_dict().items() if k.startswith("mtp.")}
+        shape = lambda key: bkeys[key][0].shape(key)  # noqa: E731
+        have, _ = cls.checkpoint_sources(mtp_keys, shape, fcfg)  # our name -> base tensor (or per-expert tensors)
+        missing = sorted(cls.checkpoint_name(k, fcfg) for k in set(want) - set(have))
+        extra = sorted(first_tensor(have[k]) for k in set(have) - set(want))
+        if missing or extra:
+            raise CheckpointError(f"--base {base}: MTP tensors do not match the fine-tune's architecture "
+                                  f"(missing {missing[:3]}, unexpected {extra[:3]})")
+        for ours, src in have.items():
+            k = first_tensor(src)
+            got = source_shape(src, shape)
+            if got != want[ours]:
+                raise CheckpointError(f"--base {bkeys[k][0].path.name}: tensor '{k}' gives shape {list(got)}, the "
+                                      f"fine-tune ({finetuned}) needs {list(want[ours])}: base and fine-tune differ in size")
+        ref_key = next((k for k in fkeys if k.endswith("embed_tokens.weight")), next(iter(fkeys)))
+        dtype = fkeys[ref_key][0].dtype(fkeys[ref_key][1])
+        tensors = {k: bkeys.tensor(k).to(torch.float32 if cls.keeps_fp32(k) else dtype).contiguous() for k in mtp_keys}
+        out.mkdir(parents=True, exist_ok=True)
+        with FolderWriter(out) as w:
+            for f in finetuned.iterdir():  # config, tokenizer, chat template, generation config ...
+                if f.is_file() and not f.name.endswith(".safetensors") and f.name not in (INDEX, "config.json"):
+                    w.copy(f.name, f)
+            # the fine-tune's files byte for byte (extra tensors such as `model.visual.*` survive), then the MTP's
+            write_shards(w, [*weight_files(finetuned), tensors])
+            w.write_text("config.json", json.dumps(fcfg.to_hf_dict(), indent=2) + "\n")
     return mtp_keys
-
-
-def _first_tensor(source: str | Stack) -> str:
-    return source if isinstance(source, str) else source.parts[0][0]
-
-
-def _source_shape(source: str | Stack, shape) -> tuple[int, ...]:
-    """The shape a checkpoint source loads as: one tensor's, or the experts' stacked [E, rows, ...]."""
-    if isinstance(source, str):
-        return tuple(shape(source))
-    first = [tuple(shape(k)) for k in source.parts[0]]
-    return (len(source.parts), sum(s[0] for s in first), *first[0][1:])
 
 
 def _rewrite_mtp_shard(out: Path, model) -> None:
@@ -125,12 +91,13 @@ def _rewrite_mtp_shard(out: Path, model) -> None:
     names = {v for k, v in index["weight_map"].items() if model.is_mtp_tensor(k, model.config)}
     if len(names) != 1:
         raise CheckpointError(f"{out}: MTP tensors are spread over {len(names)} files; expected one")
-    shard = out / names.pop()
-    with SafetensorsFile(shard) as st:
+    shard = names.pop()
+    with SafetensorsFile(out / shard) as st:
         dtype = st.dtype(st.keys()[0])
-    state = {k: v.detach().to(torch.float32 if keeps_fp32(type(model), k) else dtype).contiguous()
+    state = {k: v.detach().to(torch.float32 if model.keeps_fp32(k) else dtype).contiguous()
              for k, v in model.checkpoint_state().items() if model.is_mtp_tensor(k, model.config)}
-    atomic_write(shard, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    with FolderWriter(out, replace_weights=False) as w:
+        w.write(shard, lambda f: write_safetensors(f, state, {"format": "pt"}))
 
 
 def acceptance(path: Path, data: Path, seq_len: int, eval_seqs: int, batch: int = 8, device: str = "cpu") -> dict:
@@ -150,8 +117,6 @@ def heal(base: Path, finetuned: Path, out: Path, train: bool = False, data: Path
          lr: float = 1e-3, seq_len: int = 256, micro_batch: int = 8, eval_seqs: int = 64, threads: int | None = None,
          seed: int = 0, progress: bool = True, device: str = "auto") -> dict:
     """Graft, optionally re-align (heads mode, self-distillation), and report acceptance before/after."""
-    from .trainer import resolve_device
-
     dev = str(resolve_device(device))
     if train and data is None:
         raise ValueError("mtp heal --train needs --data (a folder built by `mtp data`)")

@@ -1,7 +1,8 @@
 """Run checkpoints: HF-layout model folder + `trainer_state.pt` (optimizer, RNG, step, tokens), atomically.
 
-`out/checkpoints/step-000123/` is written as `.step-000123.tmp/` and renamed when complete; `out/latest`
-names the newest complete one (replaced atomically), so a kill at any point leaves a loadable run.
+`out/checkpoints/step-000123/` is written as `.step-000123.tmp/` (every file fsynced) and renamed when complete;
+`out/latest` names the newest complete one (replaced atomically), so a kill at any point leaves a loadable run. A save
+that fails (a full disk) removes its temporary folder and leaves the previous checkpoints and `latest` as they were.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..io.files import atomic_write_text
+from ..io.files import FolderWriter, atomic_write_text, fsync_folder
 from ..model import save_model
 from ..model.checkpoint import COMPANION_FILES
 
@@ -32,11 +33,13 @@ def set_rng_state(s: dict) -> None:
 
 
 def copy_tokenizer(src: str | Path | None, dst: Path) -> None:
+    """The tokenizer and the other companion files of folder `src` into `dst` (each fsynced, renamed into place)."""
     if src is None:
         return
-    for name in COMPANION_FILES:
-        if (Path(src) / name).exists():
-            shutil.copyfile(Path(src) / name, dst / name)
+    with FolderWriter(dst, replace_weights=False) as w:
+        for name in COMPANION_FILES:
+            if (Path(src) / name).exists():
+                w.copy(name, Path(src) / name)
 
 
 def save_checkpoint(out: Path, step: int, model, optimizer: torch.optim.Optimizer | dict, extra: dict,
@@ -50,14 +53,21 @@ def save_checkpoint(out: Path, step: int, model, optimizer: torch.optim.Optimize
     final = root / f"step-{step:06d}"
     tmp = root / f".step-{step:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_model(model, tmp)
-    copy_tokenizer(tokenizer_dir, tmp)
-    opt_state = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
-    torch.save({"step": step, "optimizer": opt_state, "rng": rng_state(), **extra}, tmp / STATE)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    try:
+        tmp.mkdir()
+        save_model(model, tmp)
+        copy_tokenizer(tokenizer_dir, tmp)
+        opt_state = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
+        state = {"step": step, "optimizer": opt_state, "rng": rng_state(), **extra}
+        with FolderWriter(tmp, replace_weights=False) as w:
+            w.write(STATE, lambda f: torch.save(state, f))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        fsync_folder(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk gets its space back; the older checkpoints are untouched
+        raise
     atomic_write_text(out / "latest", final.name + "\n")
     done = sorted(p for p in root.glob("step-*") if p.is_dir())
     for old in done[:-keep]:

@@ -34,6 +34,8 @@ from torch import nn
 
 from ..data.shards import TokenShards
 from ..model import CausalLM, config_from_dict, load_model, save_model
+from ..model.budget import build_on_meta
+from ..model.device import resolve_device
 from ..model.families import model_class_for
 from .batches import Batches
 from .config import TrainConfig
@@ -41,10 +43,6 @@ from .evaluate import evaluate
 from .loss import mtp_objective, mtp_weights
 from .plot import plot_metrics
 from .state import STATE, copy_tokenizer, latest_checkpoint, save_checkpoint, set_rng_state
-
-
-class SimulatedCrash(RuntimeError):
-    """Raised by the `crash_at_step` test hook in place of a kill."""
 
 
 class Objective(nn.Module):
@@ -78,19 +76,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
-def resolve_device(name: str | None, local_rank: int = 0) -> torch.device:
-    """'auto'/None -> cuda:LOCAL_RANK when CUDA is available, else cpu; 'cuda' -> cuda:LOCAL_RANK; else as given."""
-    if name in (None, "auto"):
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("train config key 'device' is 'cuda' but torch sees no CUDA device")
-        return torch.device("cuda", local_rank)
-    if name == "mps" and not torch.backends.mps.is_available():
-        raise ValueError("train config key 'device' is 'mps' but MPS is not available")
-    return torch.device(name)
-
-
 def build_model(cfg: TrainConfig, vocab_size: int, eos_id: int | None) -> CausalLM:
     """pretrain: a fresh model from cfg.model (a HF config dict; `model_type` picks the family, default
     Qwen3.5); heads/finetune: the `init` checkpoint (a fresh MTP module added if it has none)."""
@@ -102,7 +87,10 @@ def build_model(cfg: TrainConfig, vocab_size: int, eos_id: int | None) -> Causal
         mc.setdefault("eos_token_id", eos_id)
         mc.setdefault("model_type", "qwen3_5_text")
         config = config_from_dict(mc)
-        model = model_class_for(config)(config)
+        cls = model_class_for(config)
+        # the fp32 weights must fit where they are built (a config with 10**9 layers is refused here, not by the OOM killer)
+        build_on_meta(cls, config, torch.float32, "cpu", "train config key 'model'")
+        model = cls(config)
         torch.manual_seed(cfg.seed)
         model.init_weights()
         return model
@@ -173,7 +161,7 @@ def setup(cfg: TrainConfig) -> Run:
     """Process group, device, data, model, optimizer; then resume from the newest checkpoint if there is one."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = resolve_device(cfg.device, local_rank)
+    device = resolve_device(cfg.device, local_rank, option="train config key 'device'")
     if world > 1 and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -281,7 +269,7 @@ def _full_model(run: Run) -> CausalLM | None:
     with torch.device("meta"):
         plain = type(m)(m.config, with_mtp=m.mtp is not None)
     plain.load_state_dict(state, assign=True)
-    if getattr(m.config, "tie_word_embeddings", False):  # assign=True replaces parameters one by one: tie again
+    if m.config.tie_word_embeddings:  # assign=True replaces parameters one by one: tie again
         plain.lm_head.weight = plain.model.embed_tokens.weight
     plain.source_path, plain.checkpoint_layout, plain.tokenizer = m.source_path, m.checkpoint_layout, m.tokenizer
     return plain
@@ -338,9 +326,20 @@ def resume(run: Run) -> None:
         (out / "train_config.json").write_text(json.dumps(run.cfg.to_dict(), indent=1) + "\n")
 
 
-def train_step(run: Run) -> tuple[float, list[float], float, list[float], float, float]:
-    """One optimizer step over grad_accum micro-batches. Returns (L_main, [L_d], MoE aux loss, MTP weights, lr,
-    grad norm), the losses averaged over the global batch."""
+@dataclass
+class StepResult:
+    """What one optimizer step measured: losses averaged over the global batch, and the step's settings."""
+
+    main: float  # L_main, the next-token loss
+    depths: list[float]  # L_d for d = 1..depth
+    aux: float  # the MoE load-balancing loss (0 without MoE)
+    weights: list[float]  # the MTP loss weights used
+    lr: float
+    grad_norm: float  # before clipping
+
+
+def train_step(run: Run) -> StepResult:
+    """One optimizer step over grad_accum micro-batches."""
     cfg = run.cfg
     weights = mtp_weights(cfg.mtp_schedule, run.depth, run.tokens, cfg.mtp_lambda, cfg.mtp_lambda_late,
                           cfg.mtp_lambda_switch_tokens, cfg.mtp_decay, cfg.mtp_constant) if run.depth else []
@@ -374,7 +373,7 @@ def train_step(run: Run) -> tuple[float, list[float], float, list[float], float,
         dist.all_reduce(sums)
         sums /= run.world
     main, *depths, aux = sums.tolist()
-    return main, depths, aux, weights, lr, float(grad_norm)
+    return StepResult(main, depths, aux, weights, lr, float(grad_norm))
 
 
 def validate(run: Run, bar) -> None:
@@ -432,8 +431,8 @@ def finish(run: Run, stopped_early: bool) -> None:
         dist.barrier()
 
 
-def train(cfg: TrainConfig, crash_at_step: int | None = None) -> dict:
-    """Run (or resume) training; returns the last validation metrics. `crash_at_step`: test hook."""
+def train(cfg: TrainConfig) -> dict:
+    """Run (or resume) training; returns the last validation metrics."""
     from tqdm import tqdm
 
     run = setup(cfg)
@@ -443,16 +442,15 @@ def train(cfg: TrainConfig, crash_at_step: int | None = None) -> dict:
     stopped_early = False
     while run.step < cfg.max_steps:
         t0 = time.perf_counter()
-        main, depths, aux, weights, lr, grad_norm = train_step(run)
+        r = train_step(run)
         tok_s = run.tokens_per_step / (time.perf_counter() - t0)
         if run.main_proc and (run.step % cfg.log_every == 0 or run.step == cfg.max_steps):
-            run.log({"split": "train", "step": run.step, "tokens": run.tokens, "main": main, "mtp": depths,
-                     **({"aux": aux} if aux else {}), "w": weights, "lr": lr, "grad_norm": grad_norm, "tok_s": tok_s})
+            run.log({"split": "train", "step": run.step, "tokens": run.tokens, "main": r.main, "mtp": r.depths,
+                     **({"aux": r.aux} if r.aux else {}), "w": r.weights, "lr": r.lr, "grad_norm": r.grad_norm,
+                     "tok_s": tok_s})
         bar.update(1)
-        bar.set_postfix_str(f"L {main:.3f}" + "".join(f" L{d + 1} {v:.3f}" for d, v in enumerate(depths))
+        bar.set_postfix_str(f"L {r.main:.3f}" + "".join(f" L{d + 1} {v:.3f}" for d, v in enumerate(r.depths))
                             + f" {tok_s:,.0f} tok/s")
-        if crash_at_step is not None and run.step == crash_at_step:
-            raise SimulatedCrash(f"simulated kill after step {run.step}")
         late = _out_of_time(run, t_start)
         if run.step % cfg.eval_every == 0 or run.step == cfg.max_steps or late:
             validate(run, bar)
