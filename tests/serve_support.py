@@ -44,8 +44,9 @@ def train_tokenizer(vocab_size: int = 300) -> Tokenizer:
     return tok
 
 
-def build_model_dir(path: Path, chat_template: bool, seed: int = 0) -> Path:
-    """Save a tiny random model + tokenizer.json + tokenizer_config.json (with or without a chat template)."""
+def build_model_dir(path: Path, chat_template: bool | str, seed: int = 0) -> Path:
+    """Save a tiny random model + tokenizer.json + tokenizer_config.json (with CHAT_TEMPLATE, without a chat
+    template, or with the template given as a string)."""
     tok = train_tokenizer()
     model = tiny_model(seed=seed, vocab_size=tok.get_vocab_size(), max_position_embeddings=CONTEXT,
                        eos_token_id=tok.token_to_id(EOS))
@@ -53,7 +54,7 @@ def build_model_dir(path: Path, chat_template: bool, seed: int = 0) -> Path:
     tok.save(str(path / "tokenizer.json"))
     config = {"eos_token": EOS}
     if chat_template:
-        config["chat_template"] = CHAT_TEMPLATE
+        config["chat_template"] = chat_template if isinstance(chat_template, str) else CHAT_TEMPLATE
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     return path
 

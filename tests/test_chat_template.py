@@ -1,12 +1,16 @@
-"""Chat templates render like transformers, inside a sandbox that refuses templates reaching for Python internals."""
+"""Chat templates render like transformers, inside a sandbox that refuses templates reaching for Python internals, and
+in worker processes that stop a render at its time, output or memory limit."""
 
 from __future__ import annotations
 
 import datetime
+import os
+import signal
 
 import pytest
 
-from mtp.io.chat_template import ChatTemplateError, fallback_chat_prompt, render_chat_template
+from mtp.io.chat_template import ChatTemplateError, ChatTemplateLimitError, fallback_chat_prompt, render_chat_template
+from mtp.io.template_worker import TemplateWorkers
 
 # Modelled on Qwen3's template: system prompt merged into the tools block, tool schemas through tojson, a namespace
 # that finds the last real user query (assistant turns after it keep their <think> block), loop.index/first/last.
@@ -232,3 +236,57 @@ def test_fallback_prompt():
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert fallback_chat_prompt(messages, add_generation_prompt=True) == "system: Be brief.\nuser: Hi\nassistant:"
     assert fallback_chat_prompt(messages, add_generation_prompt=False) == "system: Be brief.\nuser: Hi\n"
+
+
+def test_output_limit_stops_the_render():
+    assert render_chat_template("{{ 'x' * 10 }}", CHAT, max_chars=10) == "x" * 10
+    with pytest.raises(ChatTemplateLimitError, match="output exceeded the limit of 10 characters") as e:
+        render_chat_template("{{ 'x' * 11 }}", CHAT, max_chars=10)
+    assert e.value.limit == "output"
+    with pytest.raises(ChatTemplateLimitError):  # stopped at the first piece past the limit, not at the end
+        render_chat_template("{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}", CHAT,
+                             max_chars=1000)
+
+
+# ---- the worker processes (io/template_worker.py) -----------------------------------------------------------
+LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def workers():
+    w = TemplateWorkers(workers=1, timeout_s=1.0)
+    yield w
+    w.close()
+
+
+def test_a_worker_renders_exactly_as_in_process(workers):
+    assert workers.render(QWEN_TEMPLATE, CHAT) == render_chat_template(QWEN_TEMPLATE, CHAT) == CHAT_EXPECTED
+    assert workers.render(QWEN_TEMPLATE, TOOL_CHAT, tools=TOOLS) == TOOL_EXPECTED
+    with pytest.raises(ChatTemplateError, match="bad role"):
+        workers.render("{{ raise_exception('bad role') }}", CHAT)
+    with pytest.raises(ChatTemplateError, match="unsafe"):
+        workers.render("{{ ''.__class__ }}", CHAT)
+
+
+@pytest.mark.parametrize("template,limit,words", [
+    (LOOPS, "time", "the chat template exceeded the time limit of 1 s"),
+    ("{{ 'x' * 10**6 }}", "output", "output exceeded the limit of 1000 characters"),
+    ("{{ 'x' | center(10**10) }}", "memory", "exceeded the memory limit of 1024 MiB"),  # one C call of 10 GB
+])
+def test_a_worker_stops_a_render_at_each_limit_and_serves_on(workers, template, limit, words):
+    with pytest.raises(ChatTemplateLimitError, match=words) as e:
+        workers.render(template, CHAT, max_chars=1000)
+    assert e.value.limit == limit
+    assert workers.render(QWEN_TEMPLATE, CHAT) == CHAT_EXPECTED
+
+
+def test_a_stuck_or_dead_worker_is_replaced(workers):
+    proc = workers._all[0].proc
+    os.kill(proc.pid, signal.SIGSTOP)  # stands for a C call that its own timer cannot interrupt
+    with pytest.raises(ChatTemplateLimitError, match="time limit of 1 s"):
+        workers.render(QWEN_TEMPLATE, CHAT)
+    assert proc.poll() is not None  # killed
+    assert workers.render(QWEN_TEMPLATE, CHAT) == CHAT_EXPECTED
+    workers._all[0].proc.kill()  # died between renders: started afresh
+    workers._all[0].proc.wait()
+    assert workers.render(QWEN_TEMPLATE, CHAT) == CHAT_EXPECTED

@@ -1,13 +1,17 @@
 """`mtp generate` as a real process, and stop strings through a real tokenizer."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 import mtp
-from serve_support import build_model_dir
+from serve_support import EOS, build_model_dir
+
+# prompts among which the test model's greedy continuation ends with EOS for at least one
+ENDING_CANDIDATES = ["def add(a, b):", "Hello", "for i in range(10):", "import torch", "The quick brown fox", "x", "Héllo wörld"]
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +55,25 @@ def test_bad_arguments_get_clear_errors(model_dir, tmp_path):
     assert proc.returncode != 0 and "no such folder, and not a hub id" in proc.stderr
     proc = run_cli("generate", "--model", str(model_dir), "--prompt", "x", "--top-p", "1.5")
     assert proc.returncode == 2 and "top_p must be in (0, 1]" in proc.stderr
+    proc = run_cli("generate", "--model", "", "--prompt", "x")  # not the shipped model, silently
+    assert proc.returncode == 2 and "--model: must name a checkpoint folder or a hub id, got an empty string" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "mtp.cli", "generate", "--prompt", "x"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "MTP_MODEL": ""})
+    assert proc.returncode != 0 and "$MTP_MODEL is set but empty" in proc.stderr
+
+
+def test_the_eos_that_ends_generation_is_not_in_the_text(model_dir):
+    model = mtp.load_model(model_dir)
+    eos = model.tokenizer.eos_token_id
+    runs = {p: mtp.generate(model, model.tokenizer.encode(p), max_new_tokens=60) for p in ENDING_CANDIDATES}
+    prompt, want = next((p, r) for p, r in runs.items() if r.finish_reason == "eos")
+    assert want.tokens[-1] == eos and EOS not in want.text
+    assert want.text == model.tokenizer.decode(want.tokens[:-1])
+    proc = run_cli("generate", "--model", str(model_dir), "--prompt", prompt, "--max-new-tokens", "60", "--threads", "1")
+    assert proc.returncode == 0 and proc.stdout == want.text + "\n", proc.stderr
+    proc = run_cli("generate", "--model", str(model_dir), "--prompt", prompt, "--max-new-tokens", "60", "--threads", "1", "--json")
+    out = json.loads(proc.stdout)
+    assert out["tokens"] == want.tokens and out["text"] == want.text and out["finish_reason"] == "eos"
 
 
 def test_stop_strings_cut_exactly_under_speculation(model_dir):

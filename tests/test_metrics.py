@@ -117,7 +117,7 @@ def test_a_failed_generation_counts_once_as_an_error(engine, monkeypatch):
                             ("GET", "/metrics", None)])
     assert [r.status_code for r in responses] == [500, 200, 200]
     m = samples(responses[-1].text)
-    assert value(m, "mtp:request_success_total", finished_reason="error") == 2  # the stream's job finishes twice
+    assert value(m, "mtp:request_success_total", finished_reason="error") == 2  # one per request, the stream counted once
     assert sum(value(m, "mtp:request_success_total", finished_reason=r) for r in ("stop", "length", "abort")) == 0
     assert value(m, "mtp:generation_tokens_total") > 0 and value(m, "mtp:num_requests_running") == 0
     http = {(dict(labels)["path"], dict(labels)["status"]): v for (name, labels), v in m.items() if name == "mtp:http_requests_total"}

@@ -65,10 +65,10 @@ def client(server):
 
 
 def reference(model, prompt_ids: list[int], **kw):
-    """What the server must answer: plain decoding (the NTP reference), text without the final EOS."""
+    """What the server must answer: plain decoding (the NTP reference); its text never holds the EOS."""
     r = mtp.generate(model, prompt_ids, draft_tokens=None, **kw)
-    text = r.text.removesuffix(EOS) if r.finish_reason == "eos" else r.text
-    return r, text
+    assert EOS not in r.text
+    return r, r.text
 
 
 def raw(server, path: str, body=None, key: str | None = KEY, **kw) -> httpx.Response:
@@ -194,8 +194,16 @@ def test_bad_requests_get_a_clear_error_and_the_server_stays_up(server, path, bo
     assert server.health()["status"] == "ok"
 
 
+def aborted_count(server) -> float:
+    """mtp:request_success_total{finished_reason="abort"} on the server's /metrics."""
+    line = next(line for line in raw(server, "/metrics").text.splitlines()
+                if line.startswith('mtp:request_success_total{finished_reason="abort"}'))
+    return float(line.split()[-1])
+
+
 def test_busy_server_answers_429_and_disconnected_streams_stop(server, client):
     body = {"model": NAME, "prompt": PROMPTS["long"], "max_tokens": 3000, "temperature": 0, "stream": True, "ignore_eos": True}
+    aborted = aborted_count(server)
     readers = []  # keep each line iterator alive: dropping one closes its connection
     with contextlib.ExitStack() as streams:
         for _ in range(MAX_CONCURRENCY):  # fill every slot with a long stream, each past its first chunk
@@ -217,6 +225,7 @@ def test_busy_server_answers_429_and_disconnected_streams_stop(server, client):
     time.sleep(0.2)  # the log line of a stream is written as its task winds down
     gone = [e for e in server.request_logs() if e.get("finish_reason") == "disconnected"]
     assert len(gone) == MAX_CONCURRENCY and all(e["completion_tokens"] < 3000 for e in gone)
+    assert aborted_count(server) == aborted + MAX_CONCURRENCY  # each request's end counted once
 
 
 def test_a_client_giving_up_on_a_whole_answer_stops_its_generation(server):

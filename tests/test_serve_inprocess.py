@@ -1,9 +1,11 @@
 """The app in process (no server, httpx's ASGI transport): the plain chat fallback when the model has no
-chat template, and a generation that fails mid-way (500 / an in-band error event, the slot freed)."""
+chat template, a generation that fails mid-way (500 / an in-band error event, the slot freed), and the drain at
+shutdown (requests run on through the grace period, then end with an OpenAI error)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -40,7 +42,7 @@ def test_chat_without_template_uses_the_plain_fallback(engine):
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["usage"]["prompt_tokens"] == len(ids)
-    assert out["choices"][0]["message"]["content"] == ref.text.removesuffix("<|endoftext|>")
+    assert out["choices"][0]["message"]["content"] == ref.text
     assert engine.active == 0
 
 
@@ -68,6 +70,45 @@ def test_a_generation_that_fails_midway_is_reported_and_frees_its_slot(engine, m
     assert post(app, "/v1/completions", body).json()["usage"]["completion_tokens"] == 5
 
 
+def test_a_drain_lets_requests_finish_then_stops_the_rest_with_errors(engine):
+    app = create_app(engine, "plain")
+    server = app.state.server
+    body = {"model": "plain", "prompt": "Hello", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+
+    async def started(task):
+        while engine.active == 0:
+            assert not task.done(), task.result().text
+            await asyncio.sleep(0.01)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            first = asyncio.create_task(c.post("/v1/completions", json=body))
+            await started(first)
+            server.begin_drain(3600)  # a grace period longer than the request needs
+            assert not first.done()
+            health = await c.get("/health")
+            finished = await first
+            cut = [asyncio.create_task(c.post("/v1/completions", json={**body, "max_tokens": 3000, "stream": s}))
+                   for s in (False, True)]
+            for task in cut:
+                await started(task)
+            while engine.active < 2:
+                await asyncio.sleep(0.01)
+            server.abort_in_flight(3600)  # what the drain does once the grace period is over
+            whole, stream = [await task for task in cut]
+            late = await c.post("/v1/completions", json=body)
+            return health, finished, whole, stream, late
+
+    health, finished, whole, stream, late = asyncio.run(go())
+    assert health.status_code == 503 and health.json()["status"] == "draining"
+    assert finished.status_code == 200 and finished.json()["usage"]["completion_tokens"] == 200
+    assert whole.status_code == 503 and whole.json()["error"]["code"] == "server_shutdown"
+    events = [line.removeprefix("data: ") for line in stream.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "server_shutdown"
+    assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
+    assert engine.active == 0 and not engine.live
+
+
 def test_fields_a_request_leaves_out_come_from_generation_config(tmp_path):
     folder = build_model_dir(tmp_path / "defaults", chat_template=False)
     (folder / "generation_config.json").write_text('{"do_sample": false, "repetition_penalty": 0.3}')
@@ -81,7 +122,7 @@ def test_fields_a_request_leaves_out_come_from_generation_config(tmp_path):
                                               "temperature": 0, **body})
             assert r.status_code == 200, r.text
             want = mtp.generate(model, ids, max_new_tokens=16, repetition_penalty=rp)
-            assert r.json()["choices"][0]["text"] == want.text.removesuffix("<|endoftext|>")
+            assert r.json()["choices"][0]["text"] == want.text
         assert mtp.generate(model, ids, max_new_tokens=16, repetition_penalty=0.3).tokens != \
             mtp.generate(model, ids, max_new_tokens=16).tokens
     finally:

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from mtp.serve.textstream import TextStream, final_text, stop_holdback
+from conftest import tiny_model
+from mtp.decode.sampling import SamplingParams
+from mtp.decode.session import Session
+from mtp.io import Tokenizer
+from mtp.serve.textstream import TextStream, stop_holdback
 from serve_support import EOS, train_tokenizer
 
 
@@ -18,10 +22,10 @@ def decode_fn(tok):
     return lambda ids: tok.decode(list(ids), skip_special_tokens=False)
 
 
-def stream_deltas(tok, text: str, stop: list[str] | None, eos: set[int] = frozenset()) -> tuple[list[str], list[int]]:
+def stream_deltas(tok, text: str, stop: list[str] | None) -> tuple[list[str], list[int]]:
     """Push the tokens of `text` one at a time, as a decoder emitting them would."""
     ids = tok.encode(text).ids
-    ts = TextStream(decode_fn(tok), stop, set(eos))
+    ts = TextStream(decode_fn(tok), stop)
     return [ts.push(ids[: n + 1]) for n in range(len(ids))], ids
 
 
@@ -46,7 +50,7 @@ def test_stop_prefix_is_held_back_and_never_leaked(tok):
     text = "for i in range(10):\n    print(i * i)\n"
     final = "for i in range(10):\n    "
     ids = tok.encode(text).ids
-    ts = TextStream(decode_fn(tok), ["print(", "range(99"], set())
+    ts = TextStream(decode_fn(tok), ["print(", "range(99"])
     sent, held_range = "", False
     for n in range(len(ids)):
         sent += ts.push(ids[: n + 1])
@@ -57,18 +61,33 @@ def test_stop_prefix_is_held_back_and_never_leaked(tok):
     assert ts.finish(final) == ""
 
 
-def test_eos_is_not_text_and_finish_releases_the_rest(tok):
+def test_the_eos_that_ends_generation_is_not_text(tok):
+    """Session.text_tokens is the one place that drops it: GenerationResult.text (mtp generate, the Python API, the
+    server's whole answers) and the server's streamed deltas all read it."""
     eos = tok.token_to_id(EOS)
-    ids = tok.encode("def add(a, b):").ids + [eos]
-    ts = TextStream(decode_fn(tok), ["zz"], {eos})
-    shown = "".join(ts.push(ids[: n + 1]) for n in range(len(ids)))
-    final = final_text(decode_fn(tok), ids, "eos", None, {eos})
-    assert final == "def add(a, b):" and EOS not in shown
-    assert shown + ts.finish(final) == final
+    model = tiny_model(vocab_size=tok.get_vocab_size(), eos_token_id=eos)
+    ids = tok.encode("def add(a, b):").ids
+    session = Session(model, [1], 10, SamplingParams(), None, None, Tokenizer(tok))
+    ts = TextStream(decode_fn(tok), ["zz"])
+    shown = ""
+    for t in ids:
+        session.emit([t])
+        assert session.text_tokens == session.new_tokens  # not done: every token is text
+        shown += ts.push(session.text_tokens)
+    session.emit([eos, ids[0]])  # the EOS ends generation: nothing after it is emitted
+    assert session.done and session.new_tokens == ids + [eos] and session.text_tokens == ids
+    result = session.result()
+    assert result.text == "def add(a, b):" and result.finish_reason == "eos" and result.tokens[-1] == eos
+    shown += ts.push(session.text_tokens)
+    assert EOS not in shown and shown + ts.finish(result.text) == result.text
+    # without an EOS rule (ignore_eos) the EOS token is text like any other
+    session = Session(model, [1], 10, SamplingParams(), [], None, Tokenizer(tok))
+    session.emit(ids[:2] + [eos])
+    assert not session.done and session.result().text == tok.decode(ids[:2] + [eos], skip_special_tokens=False)
 
 
 def test_trailing_stop_prefix_is_released_at_the_end(tok):
-    ts = TextStream(decode_fn(tok), ["b):X"], set())
+    ts = TextStream(decode_fn(tok), ["b):X"])
     ids = tok.encode("def add(a, b):").ids
     shown = "".join(ts.push(ids[: n + 1]) for n in range(len(ids)))
     assert shown == "def add(a, "  # "b):" could still become the stop string

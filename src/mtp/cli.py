@@ -109,7 +109,7 @@ def cmd_generate(args) -> int:
         colour = args.show_drafts and sys.stdout.isatty()  # piped output stays plain text
         printer = TextPrinter(tok.decode, sys.stdout, colour)
         for _ in s:
-            printer.push(s.session.new_tokens, s.session.kinds)
+            printer.push(s.session.text_tokens, s.session.kinds)
         printer.finish(s.result.text or "")
     r = s.result
     wall = time.perf_counter() - t0

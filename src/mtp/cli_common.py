@@ -13,8 +13,20 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 
 
 def default_model_path() -> Path:
-    """$MTP_MODEL, else the model shipped in the repository (models/code-small)."""
-    return Path(os.environ.get("MTP_MODEL", DEFAULT_MODEL))
+    """$MTP_MODEL, else the model shipped in the repository (models/code-small). An empty $MTP_MODEL is an error (it
+    would otherwise be the current folder)."""
+    env = os.environ.get("MTP_MODEL")
+    if env is not None and not env.strip():
+        raise SystemExit("mtp: $MTP_MODEL is set but empty: name a checkpoint folder or hub id, or unset it for the shipped model")
+    return Path(env) if env is not None else DEFAULT_MODEL
+
+
+def checkpoint_arg(value: str) -> str:
+    """--model's type: a non-empty folder or hub id (`--model ''` is a mistake, not a request for the default)."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("must name a checkpoint folder or a hub id, got an empty string "
+                                         "(leave --model out for the shipped model)")
+    return value
 
 
 def require_extra(extra: str, *modules: str) -> None:
@@ -44,7 +56,7 @@ def parse_draft_tokens(value: str) -> int | str | None:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
+    p.add_argument("--model", type=checkpoint_arg, default=None,
                    help="checkpoint folder (HF layout) or hub id org/name; default: the shipped model ($MTP_MODEL)")
     p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) when --model is a hub id")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -60,7 +72,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def model_name(args) -> str:
     """The --model value, or the default model's path."""
-    return str(args.model) if args.model else str(default_model_path())
+    return str(args.model) if args.model is not None else str(default_model_path())
 
 
 def load_from_args(args):

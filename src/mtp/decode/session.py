@@ -14,7 +14,8 @@ from .stats import GenerationStats
 @dataclass
 class GenerationResult:
     tokens: list[int]  # the new tokens (an EOS that ended generation included)
-    text: str | None  # decoded new tokens, cut before a stop string (None without a tokenizer)
+    text: str | None  # decoded new tokens without the EOS that ended generation, cut before a stop string (None without
+    # a tokenizer)
     finish_reason: str  # "eos", "stop" (a stop string) or "length" (max new tokens / context)
     stats: GenerationStats
     kinds: list[str] = field(default_factory=list)  # per new token, where it came from (see TOKEN_KINDS)
@@ -59,6 +60,12 @@ class Session:
     @property
     def new_tokens(self) -> list[int]:
         return self.tokens[self.prompt_len:]
+
+    @property
+    def text_tokens(self) -> list[int]:
+        """The new tokens that are text: all but the EOS token that ended generation (the one place that drops it)."""
+        new = self.new_tokens
+        return new[:-1] if self.done and self.finish_reason == "eos" else new
 
     @property
     def plain_argmax(self) -> bool:
@@ -122,5 +129,5 @@ class Session:
     def result(self) -> GenerationResult:
         text = self.text
         if text is None and self.tokenizer is not None:
-            text = self.tokenizer.decode(self.new_tokens)
+            text = self.tokenizer.decode(self.text_tokens)
         return GenerationResult(self.new_tokens, text, self.finish_reason, self.stats, list(self.kinds))

@@ -1,7 +1,9 @@
 """Render Hugging Face chat templates the way transformers does, inside Jinja's immutable sandbox.
 
 Chat templates ship with checkpoints from the Hub, so they are untrusted code: every template runs in
-`ImmutableSandboxedEnvironment`, and any failure surfaces as one `ChatTemplateError` naming the problem.
+`ImmutableSandboxedEnvironment`, and any failure surfaces as one `ChatTemplateError` naming the problem. The sandbox
+keeps a template away from Python internals but not from loops or huge strings: `max_chars` stops a render whose
+output grows past it, and io/template_worker.py bounds time and memory by rendering in a worker process.
 """
 
 from __future__ import annotations
@@ -24,6 +26,18 @@ _MIN_JINJA = (3, 1, 6)
 
 class ChatTemplateError(ValueError):
     """A chat template that is unsafe (reaches for Python internals), has a syntax error, or failed while rendering."""
+
+
+class ChatTemplateLimitError(ChatTemplateError):
+    """A render stopped at one of its limits; `limit` is "time", "output" or "memory"."""
+
+    def __init__(self, limit: str, message: str):
+        super().__init__(message)
+        self.limit = limit
+
+
+def output_limit_error(max_chars: int) -> ChatTemplateLimitError:
+    return ChatTemplateLimitError("output", f"the chat template's output exceeded the limit of {max_chars} characters")
 
 
 class _TemplateRaised(TemplateError):
@@ -126,19 +140,33 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
-def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True, **extra: Any) -> str:
+def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True,
+                         max_chars: int | None = None, **extra: Any) -> str:
     """Render `messages` with the Jinja chat `template` in a sandbox and return the prompt text.
 
     `extra` (bos_token, eos_token, tools, documents, enable_thinking, ...) is passed to the template as variables;
     `tools` and `documents` are None unless given, as in transformers. Raises ChatTemplateError when the template is
-    unsafe, has a syntax error, calls raise_exception(msg), or fails while rendering.
+    unsafe, has a syntax error, calls raise_exception(msg), or fails while rendering; ChatTemplateLimitError as soon
+    as the output passes `max_chars` characters (None: no limit). MemoryError passes through (the process's limit,
+    see io/template_worker.py).
     """
     compiled = _compile(template)
     variables = {"tools": None, "documents": None, **extra}
     try:
-        return compiled.render(
+        pieces = compiled.generate(
             messages=_plain(list(messages)), add_generation_prompt=bool(add_generation_prompt), **_plain(variables)
         )
+        if max_chars is None:
+            return "".join(pieces)
+        out, n = [], 0
+        for piece in pieces:  # stop at the first piece past the limit, however long the template would go on
+            n += len(piece)
+            if n > max_chars:
+                raise output_limit_error(max_chars)
+            out.append(piece)
+        return "".join(out)
+    except (ChatTemplateLimitError, MemoryError):
+        raise
     except SecurityError as e:
         raise ChatTemplateError(f"unsafe chat template refused: {e}") from e
     except _TemplateRaised as e:

@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 from ..cli_common import add_draft_vocab_arg, add_model_args, load_from_args, model_name, parse_draft_tokens, require_extra
+from ..io.template_worker import DEFAULT_TIMEOUT_S, KILL_AFTER_S
+
+DEFAULT_GRACE_S = 5.0  # as serve/shutdown.py (not imported here: it needs uvicorn, an optional extra)
 
 DEFAULT_PORT = 8000
 DEFAULT_MAX_CONCURRENCY = 8
@@ -36,6 +39,15 @@ def register(subparsers) -> None:
                    help="max_tokens when a request gives none (capped by the room left in the context; default "
                         f"{DEFAULT_MAX_TOKENS})")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model folder's name)")
+    p.add_argument("--max-request-bytes", type=int, default=None,
+                   help="largest request body accepted, larger ones get 413 (default: 32 bytes per token of the "
+                        "model's context, at least 1 MiB)")
+    p.add_argument("--chat-template-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help="seconds a chat template may take to render, longer is a 400 (it renders in a worker "
+                        f"process with a memory limit; default {DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--shutdown-grace", type=float, default=DEFAULT_GRACE_S,
+                   help="on SIGTERM / Ctrl-C, seconds the requests in flight may run on before they are stopped "
+                        f"with an error (default {DEFAULT_GRACE_S:g})")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
 
@@ -44,9 +56,10 @@ def cmd_serve(args) -> int:
     require_extra("serve", "fastapi", "uvicorn", "prometheus_client")
     import uvicorn
 
-    from .app import create_app
+    from .app import Limits, create_app
     from .engine import Engine
     from .requestlog import setup_request_log
+    from .shutdown import MARGIN_S, GracefulServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup_request_log()
@@ -54,21 +67,34 @@ def cmd_serve(args) -> int:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.default_max_tokens < 1:
         raise ValueError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
+    if args.max_request_bytes is not None and args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    if not args.chat_template_timeout > 0:
+        raise ValueError(f"--chat-template-timeout must be > 0, got {args.chat_template_timeout}")
+    if not args.shutdown_grace >= 0:
+        raise ValueError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
     model = load_from_args(args)
     if model.tokenizer is None:
         raise SystemExit(f"mtp serve: {model.source_path} has no tokenizer.json; the server needs one")
     source = model_name(args)  # a folder is served under its name, a hub id under the id (as vLLM does)
     name = args.served_model_name or (Path(source).resolve().name if Path(source).is_dir() else source)
     engine = Engine(model, args.draft_tokens, args.max_concurrency, draft_vocab=args.draft_vocab, max_batch=args.max_batch)
-    app = create_app(engine, name, api_key=args.api_key, default_max_tokens=args.default_max_tokens)
+    limits = Limits(max_request_bytes=args.max_request_bytes, chat_template_timeout_s=args.chat_template_timeout)
+    app = create_app(engine, name, api_key=args.api_key, default_max_tokens=args.default_max_tokens, limits=limits)
+    server = app.state.server
     if args.host not in LOOPBACK:
         print(f"mtp serve: warning: binding {args.host} exposes the API beyond this machine"
               f"{'' if args.api_key else ' WITHOUT an API key'}", file=sys.stderr)
     print(f"mtp serve: {name} (context {engine.context}, draft_tokens {engine.draft_tokens}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    # uvicorn's own deadline comes after ours (the grace period, then the aborted requests answer; a request still
+    # rendering its chat template then ends within the template's time limit)
+    hard = args.shutdown_grace + MARGIN_S + args.chat_template_timeout + KILL_AFTER_S
+    config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False, log_level=args.log_level,
+                            timeout_graceful_shutdown=hard)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, access_log=False, log_level=args.log_level,
-                    timeout_graceful_shutdown=5)
-    finally:
+        GracefulServer(config, server.begin_drain, args.shutdown_grace, cleanup=(engine.shutdown, server.close)).run()
+    finally:  # reached when the server did not start (a port in use, say); after a signal the cleanup ran already
         engine.shutdown()
+        server.close()
     return 0

@@ -8,7 +8,7 @@ others wait in the decoder's queue.
 
 A `Job` is one admitted generation. `Job.steps()` yields the tokens emitted at each round; `Job.finish()`
 (idempotent) cancels the request (the worker frees its row) and frees the admission slot, whether the job ran to
-the end, failed, or its client went away.
+the end, failed, its client went away, or the server stopped it (`Engine.abort_all`, at shutdown).
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ from ..decode.session import GenerationResult, Session
 
 log = logging.getLogger("mtp.serve")
 _END = object()
+
+
+class Aborted(Exception):
+    """The server stopped a generation before its end (`Engine.abort_all`); the message says why."""
 
 
 def usable_draft_tokens(model, draft_tokens: int | str | None) -> int | str | None:
@@ -75,8 +79,10 @@ class Job:
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self._finished = False
-        self.cancelled = False  # stopped because the client went away
-        self.failed = False  # stopped by an error in generation
+        # why the generation ended before its own end: "disconnected" (the client went away), "error" (generation
+        # failed), "shutdown" (Engine.abort_all); None while it runs and when it ran to its end
+        self.stopped: str | None = None
+        self.cancelled = False  # the worker is to drop it (Engine.cancel; read by the worker thread)
         self.t_start = time.perf_counter()
         self.t_first: float | None = None
 
@@ -101,13 +107,22 @@ class Job:
                     self.t_first = time.perf_counter()
                 yield item
         except (asyncio.CancelledError, GeneratorExit):
-            self.cancelled = True  # the client went away (Starlette cancels the response task)
+            self.stopped = self.stopped or "disconnected"  # the client went away (Starlette cancels the response task)
+            raise
+        except Aborted:
+            self.stopped = "shutdown"
             raise
         except Exception:
-            self.failed = True
+            self.stopped = "error"
             raise
         finally:
             self.finish()
+
+    def abort(self, reason: str) -> None:
+        """End the generation now (on the event loop): `steps()` raises Aborted(reason) at its next wait."""
+        if not self._finished and self.stream.result is None:
+            self.queue.put_nowait(Aborted(reason))
+            self.engine.cancel(self)
 
     def finish(self) -> None:
         """Stop the generation (the worker drops it before its next round) and free the admission slot."""
@@ -115,9 +130,9 @@ class Job:
             return
         self._finished = True
         if self.stream.result is None:
-            self.cancelled = not self.failed
+            self.stopped = self.stopped or "disconnected"  # its reader stopped reading
             self.engine.cancel(self)
-        self.engine.release()
+        self.engine.release(self)
 
     def timing(self) -> dict:
         now = time.perf_counter()
@@ -144,6 +159,7 @@ class Engine:
         self.metrics = metrics  # a serve.metrics.Metrics (set by create_app) or None
         self.active = 0
         self.served = 0
+        self.live: set[Job] = set()  # started and not finished (event loop thread only)
         self._decoder = self._new_decoder()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -164,17 +180,20 @@ class Engine:
         self.active += 1
         return True
 
-    def release(self) -> None:
+    def release(self, job: Job | None = None) -> None:
+        """Free an admission slot (and forget `job`, when the slot was its)."""
         self.active -= 1
         self.served += 1
+        self.live.discard(job)
 
     def start(self, prompt_ids: list[int], params: GenerationParams) -> Job:
-        """Open a generation for an admitted request (on the event loop). Raises ValueError (naming the parameter)
-        on bad input; the caller must then release the slot itself."""
+        """Open a generation for an admitted request (on the event loop). The request must have been validated:
+        Session's ValueError here is a bug. On any error the caller must release the slot itself."""
         sampling = SamplingParams(params.temperature, params.top_k, params.top_p, params.repetition_penalty, params.seed)
         session = Session(self.model, list(prompt_ids), params.max_tokens, sampling, [] if params.ignore_eos else None,
                           params.stop, self.tokenizer)
         job = Job(self, session, len(prompt_ids), asyncio.get_running_loop())
+        self.live.add(job)
         with self._lock:
             self._incoming.append(job)
         self._wake.set()
@@ -182,9 +201,18 @@ class Engine:
 
     def cancel(self, job: Job) -> None:
         """Drop a job (its client went away): the worker frees its row before the next round."""
+        job.cancelled = True
         if job.seq is not None:
             job.seq.cancelled = True
         self._wake.set()
+
+    def abort_all(self, reason: str) -> int:
+        """End every generation in flight (on the event loop; at shutdown): each request's `steps()` raises
+        Aborted(reason). Returns how many there were."""
+        jobs = list(self.live)
+        for job in jobs:
+            job.abort(reason)
+        return len(jobs)
 
     def speculative_stats(self, stats) -> dict:
         """The `usage.speculative` extension: how well MTP drafting went for one request."""
@@ -207,7 +235,7 @@ class Engine:
             for job in incoming:
                 if not job.cancelled:
                     job.seq = self._decoder.add(job.stream.session)
-                    job.seq.cancelled = job.cancelled
+                    job.seq.cancelled = job.cancelled  # the event loop may have cancelled it meanwhile
                     self._jobs.append(job)
             if not self._jobs:
                 self._wake.wait(timeout=1.0)
@@ -224,7 +252,6 @@ class Engine:
                     self.metrics.set_running(0)
                     self.metrics.set_waiting(0)
                 for job in failed:
-                    job.failed = True
                     job.deliver(e)
                 continue
             self._report(emitted)

@@ -65,9 +65,6 @@ class Metrics:
         for j in range(1, MAX_DRAFT + 1):
             self.accepted_per_pos.labels(position=str(j))
 
-    def request_started(self) -> None:
-        """A request was admitted (its generation starts). Nothing is counted until it finishes."""
-
     def request_finished(self, reason: str, prompt_tokens: int, generation_tokens: int, e2e_s: float,
                          ttft_s: float | None) -> None:
         """A request ended: `reason` one of FINISHED_REASONS, its token counts, its latency and time to first

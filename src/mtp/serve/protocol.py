@@ -2,8 +2,11 @@
 response objects it returns.
 
 Deliberate choices (documented in the README):
-- Defaults follow the OpenAI API: temperature 1.0, top_p 1.0, n 1. `max_tokens` omitted = the server's
-  `--default-max-tokens`, capped by the room left in the context.
+- Types are the OpenAI API's, strictly: an integer field takes a JSON integer (not "8", true or 8.0), a boolean
+  field true or false (not "yes" or 1), a number field a finite number (NaN and Infinity, which Python's JSON
+  reader lets through, are refused); every optional field may be null, which means "not given".
+- Defaults follow the OpenAI API: temperature 1.0, top_p 1.0, n 1 (`OPENAI_DEFAULTS`). `max_tokens` omitted = the
+  server's `--default-max-tokens`, capped by the room left in the context.
 - Extensions: `top_k`, `repetition_penalty` (both supported by the decoder) and `ignore_eos` (as vLLM).
 - Known OpenAI fields the decoder cannot honour are accepted only at their neutral value (`n=1`,
   `presence_penalty=0`, `logprobs=null`, ...); anything else is a 400 naming the field. Unknown fields are
@@ -19,47 +22,51 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_STRINGS = 4
+# What a sampling field means when a request leaves it out (or sends null) and the model's generation_config.json
+# says nothing: the OpenAI API's defaults, no top-k, no repetition penalty.
+OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": None, "repetition_penalty": 1.0}
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
+    model_config = STRICT
+    include_usage: bool | None = None
 
 
 class SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=1, description="extension: keep the k most likely tokens")
-    repetition_penalty: float = Field(1.0, gt=0.0, description="extension: CTRL/HF repetition penalty")
-    ignore_eos: bool = Field(False, description="extension (as vLLM): do not stop at the model's EOS token")
+    repetition_penalty: float | None = Field(None, gt=0.0, description="extension: CTRL/HF repetition penalty")
+    ignore_eos: bool | None = Field(None, description="extension (as vLLM): do not stop at the model's EOS token")
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # the range torch.Generator.manual_seed takes
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     logprobs: bool | int | None = None
     user: str | None = None  # accepted and ignored, as an opaque end-user id
 
     @field_validator("n")
     @classmethod
-    def _only_one_choice(cls, v: int) -> int:
-        if v != 1:
+    def _only_one_choice(cls, v: int | None) -> int | None:
+        if v not in (None, 1):
             raise ValueError(f"only n=1 is supported, got {v}")
         return v
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
-    def _no_penalty(cls, v: float) -> float:
-        if v != 0.0:
+    def _no_penalty(cls, v: float | None) -> float | None:
+        if v not in (None, 0.0):
             raise ValueError("not supported (only 0); use the `repetition_penalty` extension instead")
         return v
 
@@ -91,16 +98,22 @@ class SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def sampling(self, defaults: dict) -> dict:
+        """temperature / top_p / top_k / repetition_penalty: what the request gives, else `defaults` (the model's
+        generation_config.json), else OPENAI_DEFAULTS."""
+        given = {k: getattr(self, k) for k in OPENAI_DEFAULTS if getattr(self, k) is not None}
+        return OPENAI_DEFAULTS | defaults | given
+
 
 class CompletionRequest(SamplingFields):
     """POST /v1/completions. `prompt`: a string or a list of token ids (one prompt per request)."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
+    prompt: str | list[int]  # also a batch of one: ["text"] or [[ids]] (`_one_prompt`)
+    echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, v):
         if isinstance(v, list) and v and isinstance(v[0], str | list):
@@ -113,7 +126,7 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("echo")
     @classmethod
-    def _no_echo(cls, v: bool) -> bool:
+    def _no_echo(cls, v: bool | None) -> bool | None:
         if v:
             raise ValueError("not supported")
         return v
@@ -134,13 +147,13 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None

@@ -62,8 +62,18 @@ class RequestLogMiddleware:
             line = {"event": "request", "ts": datetime.now(UTC).isoformat(timespec="milliseconds"),
                     "request_id": request_id, "method": scope.get("method"), "path": scope.get("path"),
                     "status": status or 500, "duration_s": round(time.perf_counter() - t0, 5), **fields}
-            log.info(json.dumps(line, ensure_ascii=False, default=str))
+            log.info(_json_line(line))
             if self.metrics is not None:
                 # the matched route's template ("/v1/models/{model_id:path}"), so that label values stay bounded
                 route = getattr(scope.get("route"), "path", None)
                 self.metrics.http_request(route or "unmatched", line["status"])
+
+
+def _json_line(fields: dict) -> str:
+    """One JSON line, readable (non-ASCII text as itself) unless some text in it cannot be written as UTF-8."""
+    text = json.dumps(fields, ensure_ascii=False, default=str)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(fields, ensure_ascii=True, default=str)
+    return text

@@ -1,9 +1,9 @@
 """Turning a growing list of token ids into safe text deltas for streaming.
 
-Each step decodes the whole visible token list and emits only the new suffix, holding back
+Each step decodes the whole list of text tokens (`Session.text_tokens`: the EOS that ends generation is not text)
+and emits only the new suffix, holding back
 - a trailing U+FFFD: the first bytes of a multi-byte character whose remaining bytes are still to come;
-- text that could be the start of a stop string, until the next tokens show whether it is one;
-- a trailing EOS token (it ends generation but is not text).
+- text that could be the start of a stop string, until the next tokens show whether it is one.
 At the end, `finish` releases whatever the final (stop-cut) text still holds.
 """
 
@@ -25,23 +25,17 @@ def stop_holdback(text: str, stops: list[str]) -> int:
     return best
 
 
-def visible_tokens(tokens: list[int], eos_token_ids: set[int]) -> list[int]:
-    """The tokens that are text: a final EOS token is dropped."""
-    return tokens[:-1] if tokens and tokens[-1] in eos_token_ids else tokens
-
-
 class TextStream:
     """`push(new_tokens) -> delta` after each step, `finish(final_text) -> delta` once at the end."""
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: list[str] | None, eos_token_ids: set[int]):
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str] | None):
         self.decode = decode
         self.stop = stop or []
-        self.eos = eos_token_ids
         self.sent = ""
 
     def safe_text(self, tokens: list[int]) -> str:
         """The decoded text that can be shown now without ever having to take it back."""
-        text = self.decode(visible_tokens(tokens, self.eos)).rstrip(REPLACEMENT_CHAR)
+        text = self.decode(tokens).rstrip(REPLACEMENT_CHAR)
         cuts = [text.find(s) for s in self.stop if s in text]
         if cuts:
             return text[: min(cuts)]
@@ -54,17 +48,10 @@ class TextStream:
         return delta
 
     def push(self, tokens: list[int]) -> str:
-        """The new text since the last call, given all new tokens so far."""
+        """The new text since the last call, given all text tokens so far."""
         return self._delta_to(self.safe_text(tokens))
 
     def finish(self, final_text: str) -> str:
-        """The rest of the final text (EOS dropped, cut before a stop string)."""
+        """The rest of the final text (`GenerationResult.text`: cut before a stop string)."""
         return self._delta_to(final_text)
 
-
-def final_text(decode: Callable[[list[int]], str], tokens: list[int], finish_reason: str,
-               stop_cut_text: str | None, eos_token_ids: set[int]) -> str:
-    """The completion text: the decoder's stop-cut text, else the decoded tokens without a final EOS."""
-    if finish_reason == "stop" and stop_cut_text is not None:
-        return stop_cut_text
-    return decode(visible_tokens(tokens, eos_token_ids))
