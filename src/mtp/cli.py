@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TextIO
 
 from .bench.cli import register as register_bench
-from .cli_common import add_model_args, add_sampling_args, load_from_args, sampling_kwargs
+from .cli_common import add_compile_arg, add_model_args, add_sampling_args, load_from_args, sampling_kwargs
 from .data.cli import register as register_data
 from .serve.cli import register as register_serve
 from .train.cli import register as register_train
@@ -99,7 +99,7 @@ def cmd_generate(args) -> int:
         prompt = tok.apply_chat_template([{"role": "user", "content": prompt}])
     ids = tok.encode(prompt)
     kw = dict(max_new_tokens=args.max_new_tokens, **sampling_kwargs(args, model), seed=args.seed,
-              stop=args.stop, draft_tokens=args.draft_tokens, draft_vocab=args.draft_vocab)
+              stop=args.stop, draft_tokens=args.draft_tokens, draft_vocab=args.draft_vocab, compile=args.compile)
     t0 = time.perf_counter()
     s = stream(model, ids, **kw)
     if args.json:
@@ -141,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on a terminal, colour each token by where it came from: accepted MTP draft (green), the "
                         "backbone's correction (red), bonus token (cyan); piped output stays plain text")
     add_sampling_args(g)
+    add_compile_arg(g)
     g.set_defaults(func=cmd_generate)
     for register in (register_data, register_train, register_bench, register_serve):
         register(sub)

@@ -118,6 +118,14 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     add_draft_vocab_arg(p)
 
 
+def add_compile_arg(p: argparse.ArgumentParser, default: bool = False) -> None:
+    """--compile / --no-compile: run the decode rounds as compiled graphs (decode/compiled.py)."""
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=default,
+                   help="run the decode rounds as compiled graphs (torch.compile; CUDA graphs on GPU). The first use of "
+                        "each graph on a machine compiles it (minutes on CPU); later runs read the disk cache "
+                        f"(~/.cache/mtp/inductor). Default: {'on' if default else 'off'}")
+
+
 def add_draft_vocab_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="draft over the N most frequent tokens (token_frequencies.json beside the model); "

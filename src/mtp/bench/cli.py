@@ -22,7 +22,15 @@ from pathlib import Path
 
 import torch
 
-from ..cli_common import add_draft_vocab_arg, add_model_args, auto_threads, load_from_args, model_name, parse_draft_tokens
+from ..cli_common import (
+    add_compile_arg,
+    add_draft_vocab_arg,
+    add_model_args,
+    auto_threads,
+    load_from_args,
+    model_name,
+    parse_draft_tokens,
+)
 from ..model import load_model
 from .costmodel import (
     FULL_LAYERS,
@@ -35,6 +43,7 @@ from .costmodel import (
     speedup_table,
 )
 from .measure import HF, Variant, check_identical, configs_for, load_transformers, plain_name, run_interleaved
+from .profile import format_profile, round_profile
 from .prompts import DEFAULT_PROMPTS, Prompt, load_prompts
 from .report import ACCEPTED_LENGTH_NOTE, best_fixed_k, markdown_report, plot, summarize
 
@@ -70,6 +79,8 @@ def register(subparsers) -> None:
     p.add_argument("--quick", action="store_true", help="a CI-sized run: 1 prompt per kind, few tokens, 2 repeats")
     p.add_argument("--no-transformers", action="store_true", help="leave transformers' generate out")
     p.add_argument("--no-cost-model", action="store_true", help="skip the cost measurement")
+    p.add_argument("--no-profile", action="store_true", help="skip the per-round profile (time and operations per round)")
+    add_compile_arg(p)
     p.add_argument("--shape", choices=sorted(SHAPES), default=None,
                    help="only measure the cost model on a random-weight model of this shape (no --model needed)")
     p.set_defaults(func=cmd_bench)
@@ -222,7 +233,7 @@ def cmd_bench(args) -> int:
         raise ValueError("--max-new-tokens and --repeats must be >= 1")
 
     model = load_from_args(args)
-    default = Variant("", args.dtype, args.quantize, args.draft_vocab)
+    default = Variant("", args.dtype, args.quantize, args.draft_vocab, args.compile)
     variants = [default] + args.variants
     models = {default.model_key: model}
     for v in args.variants:
@@ -269,7 +280,20 @@ def cmd_bench(args) -> int:
                   "rss_before_mb": None if r.rss_before_mb is None else round(r.rss_before_mb, 1), "stats": r.stats}
                  for r in runs],
     }
+    profiles = {}
+    if not args.no_profile:
+        print("profiling one round per configuration …", file=sys.stderr)
+        ks = [k for k in drafts if isinstance(k, int)]
+        k_prof = 3 if 3 in ks else (max(ks) if ks else None)
+        for v in variants:
+            for k in [None] + ([k_prof] if k_prof else []):
+                name = plain_name(v) if k is None else f"mtp {v.name + ' ' if v.name else ''}k={k}"
+                profiles[name] = round_profile(models[v.model_key], prompt_ids[0], k, v.compiled, min(64, max_new))
+    report["round_profile"] = profiles
     md = markdown_report(summary, meta) + ("\n\n" + format_costs(costs, "cost model (this model)") if costs else "")
+    if profiles:
+        md += ("\n\n#### where a round's time goes (first prompt, greedy; see `mtp/bench/profile.py`)\n\n"
+               + format_profile(profiles))
     plots = write_report(args.out, report, md, summary)
 
     m = meta["machine"]

@@ -26,13 +26,14 @@ HF = "transformers"
 
 @dataclass(frozen=True)
 class Variant:
-    """How the model runs: weights' dtype, int8 quantization, reduced draft vocabulary. `name` "" is the default
-    (the command line's --dtype / --quantize / --draft-vocab)."""
+    """How the model runs: weights' dtype, int8 quantization, reduced draft vocabulary, compiled rounds. `name` ""
+    is the default (the command line's --dtype / --quantize / --draft-vocab / --compile)."""
 
     name: str = ""
     dtype: str = "auto"
     quantize: str | None = None
     draft_vocab: int | None = None
+    compiled: bool = False
 
     @property
     def model_key(self) -> tuple[str, str | None]:
@@ -40,19 +41,22 @@ class Variant:
 
     @classmethod
     def parse(cls, spec: str) -> Variant:
-        """'bf16', 'int8', 'fp32', 'bf16+vocab4096' -> a Variant."""
+        """'bf16', 'int8', 'fp32', 'bf16+vocab4096', 'int8+compile' -> a Variant."""
         parts = spec.strip().split("+")
         dtypes = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": "auto"}
-        head, vocab = parts[0], None
+        head, vocab, compiled = parts[0], None, False
         for extra in parts[1:]:
-            if not extra.startswith("vocab") or not extra[5:].isdigit():
-                raise ValueError(f"bench variant {spec!r}: '+{extra}' is not '+vocabN'")
-            vocab = int(extra[5:])
+            if extra == "compile":
+                compiled = True
+            elif extra.startswith("vocab") and extra[5:].isdigit():
+                vocab = int(extra[5:])
+            else:
+                raise ValueError(f"bench variant {spec!r}: '+{extra}' is neither '+vocabN' nor '+compile'")
         if head == "int8":
-            return cls(spec, "bfloat16", "int8", vocab)
+            return cls(spec, "bfloat16", "int8", vocab, compiled)
         if head not in dtypes:
-            raise ValueError(f"bench variant {spec!r}: expected fp32, bf16, fp16, int8 or auto, optionally +vocabN")
-        return cls(spec, dtypes[head], None, vocab)
+            raise ValueError(f"bench variant {spec!r}: expected fp32, bf16, fp16, int8 or auto, optionally +vocabN, +compile")
+        return cls(spec, dtypes[head], None, vocab, compiled)
 
 
 @dataclass
@@ -160,7 +164,7 @@ def make_generate_fn(models: dict, hf_model, cfg: BenchConfig, max_new_tokens: i
 
         def run_mtp(ids: list[int]):
             r = generate(model, ids, max_new_tokens=max_new_tokens, temperature=0.0, draft_tokens=cfg.draft_tokens,
-                         eos_token_ids=[], draft_vocab=vocab)
+                         eos_token_ids=[], draft_vocab=vocab, compile=cfg.variant.compiled)
             return r.tokens, r.stats.as_dict(), list(r.stats.k_history)
         return run_mtp
 
@@ -183,7 +187,8 @@ def make_generate_fn(models: dict, hf_model, cfg: BenchConfig, max_new_tokens: i
 def run_interleaved(models: dict, hf_model, configs: list[BenchConfig], prompts: list[Prompt], prompt_ids: list[list[int]],
                     max_new_tokens: int, repeats: int, pad_token_id: int, progress=None,
                     warmup_tokens: int = 8) -> tuple[list[Run], dict[str, str]]:
-    """Warm every configuration up, then measure repeats x prompts x configs, interleaved.
+    """Warm every configuration up, then measure repeats x prompts x configs, interleaved. A compiled variant warms
+    up on every prompt at full length, so that the graphs its runs use are compiled before they are timed.
 
     Returns the runs and {config name: error} for configurations that failed (they are left out of the
     measurement and the bench reports them as failures)."""
@@ -191,9 +196,11 @@ def run_interleaved(models: dict, hf_model, configs: list[BenchConfig], prompts:
     fns = {}
     for cfg in configs:
         fns[cfg.name] = make_generate_fn(models, hf_model, cfg, max_new_tokens, pad_token_id)
-        warm = make_generate_fn(models, hf_model, cfg, warmup_tokens, pad_token_id)
+        compiled = cfg.engine == "mtp" and cfg.variant.compiled
+        warm = fns[cfg.name] if compiled else make_generate_fn(models, hf_model, cfg, warmup_tokens, pad_token_id)
         try:
-            warm(prompt_ids[0])
+            for ids in prompt_ids if compiled else prompt_ids[:1]:
+                warm(ids)
         except Exception as e:  # noqa: BLE001 - reported as this configuration's failure, the others still run
             failed[cfg.name] = f"{type(e).__name__}: {e}"
     active = [c for c in configs if c.name not in failed]

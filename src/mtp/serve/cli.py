@@ -7,7 +7,15 @@ import os
 import sys
 from pathlib import Path
 
-from ..cli_common import add_draft_vocab_arg, add_model_args, load_from_args, model_name, parse_draft_tokens, require_extra
+from ..cli_common import (
+    add_compile_arg,
+    add_draft_vocab_arg,
+    add_model_args,
+    load_from_args,
+    model_name,
+    parse_draft_tokens,
+    require_extra,
+)
 from ..io.template_worker import DEFAULT_TIMEOUT_S, KILL_AFTER_S
 
 DEFAULT_GRACE_S = 5.0  # as serve/shutdown.py (not imported here: it needs uvicorn, an optional extra)
@@ -27,6 +35,7 @@ def register(subparsers) -> None:
     p.add_argument("--draft-tokens", type=parse_draft_tokens, default="auto",
                    help="MTP drafts per step: 0 = plain decoding, 1..8, or 'auto' (default)")
     add_draft_vocab_arg(p)
+    add_compile_arg(p)
     p.add_argument("--api-key", default=os.environ.get("MTP_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $MTP_API_KEY; unset = no auth)")
     p.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY,
@@ -78,7 +87,8 @@ def cmd_serve(args) -> int:
         raise SystemExit(f"mtp serve: {model.source_path} has no tokenizer.json; the server needs one")
     source = model_name(args)  # a folder is served under its name, a hub id under the id (as vLLM does)
     name = args.served_model_name or (Path(source).resolve().name if Path(source).is_dir() else source)
-    engine = Engine(model, args.draft_tokens, args.max_concurrency, draft_vocab=args.draft_vocab, max_batch=args.max_batch)
+    engine = Engine(model, args.draft_tokens, args.max_concurrency, draft_vocab=args.draft_vocab, max_batch=args.max_batch,
+                    compile=args.compile)
     limits = Limits(max_request_bytes=args.max_request_bytes, chat_template_timeout_s=args.chat_template_timeout)
     app = create_app(engine, name, api_key=args.api_key, default_max_tokens=args.default_max_tokens, limits=limits)
     server = app.state.server

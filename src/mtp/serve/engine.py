@@ -144,7 +144,7 @@ class Engine:
     """The model, the batched decoder on its worker thread, and the admission counter."""
 
     def __init__(self, model, draft_tokens: int | str | None, max_concurrency: int, draft_vocab: int | None = None,
-                 max_batch: int | None = None, metrics=None):
+                 max_batch: int | None = None, metrics=None, compile: bool = False):
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         self.model = model
@@ -153,6 +153,7 @@ class Engine:
         # built once (it reads the model folder's token counts): every request drafts over the same tokens
         self.draft_vocab = DraftVocab.for_model(model, draft_vocab) if draft_vocab and self.draft_tokens else None
         self.max_concurrency = max_concurrency
+        self.compile = compile  # the rounds as compiled graphs (decode/compiled.py)
         self.max_batch = max(1, min(max_batch or max_concurrency, max_concurrency))
         self.context = model.context_length
         self.eos_token_ids = set(model.eos_token_ids)  # the same stop rule as `mtp.generate`
@@ -170,7 +171,7 @@ class Engine:
         self._thread.start()
 
     def _new_decoder(self) -> Decoder:
-        return Decoder(self.model, self.max_batch, self.context, self.draft_tokens, self.draft_vocab)
+        return Decoder(self.model, self.max_batch, self.context, self.draft_tokens, self.draft_vocab, compile=self.compile)
 
     # ------------------------------------------------------------------ the event loop's side
     def try_admit(self) -> bool:

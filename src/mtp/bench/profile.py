@@ -1,0 +1,99 @@
+"""Where one decode round's time goes: wall time, dispatched operations and time in the linear kernels per round.
+
+One greedy generation per configuration, measured twice after a warm-up (which also compiles a compiled variant's
+graphs): once plain for the wall time, once under `torch.profiler` for the counts (the profiler adds a few
+microseconds per operation, so its run is not timed). Per round (one backbone forward):
+- `ops`: operations the host dispatches (aten and `mtp::` calls not nested in another operation; a compiled graph's
+  own fused loops are not operations, the prepared linear kernels it calls are);
+- `graph_calls`: compiled graph replays (0 eager);
+- `linear_ms`: time inside the linear layers' kernels (the weights' bytes and FLOPs; at the shipped model's size
+  this is the part the hardware must spend);
+- `other_ms` = wall - linear: everything else (attention, norms, activations, the Python round, dispatch): an
+  upper bound on the host overhead, which is the part compiling removes.
+"""
+
+from __future__ import annotations
+
+import time
+
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from ..decode import generate
+
+# the kernels of the linear layers (model/linear.py: FastLinear's prepared kernels and the plain ones)
+LINEAR_KERNELS = ("mtp::prepared_linear", "mkldnn::_linear_pointwise", "aten::_weight_int8pack_mm", "aten::addmm",
+                  "aten::mm", "aten::bmm", "aten::linear", "aten::matmul")
+GRAPH_CALL = ("Torch-Compiled Region", "CompiledFxGraph")
+
+
+def _is_op(name: str) -> bool:
+    return name.startswith(("aten::", "mtp::", "mkldnn::", "quantized::"))
+
+
+def _outermost_ops(events) -> list:
+    """Operations not nested in another operation (what the host dispatches)."""
+    out = []
+    for e in events:
+        if e.device_type != DeviceType.CPU or not _is_op(e.name):
+            continue
+        parent = e.cpu_parent
+        while parent is not None and not _is_op(parent.name):
+            parent = parent.cpu_parent
+        if parent is None:
+            out.append(e)
+    return out
+
+
+def _outermost_linear_us(events) -> float:
+    """Total time in linear kernels, each counted once (the outermost linear call of a nest)."""
+    total = 0.0
+    for e in events:
+        if e.device_type != DeviceType.CPU or not e.name.startswith(LINEAR_KERNELS):
+            continue
+        parent = e.cpu_parent
+        while parent is not None and not parent.name.startswith(LINEAR_KERNELS):
+            parent = parent.cpu_parent
+        if parent is None:
+            total += e.cpu_time_total
+    return total
+
+
+def round_profile(model, ids: list[int], draft_tokens: int | str | None, compiled: bool, max_new_tokens: int = 64) -> dict:
+    """Profile one greedy generation of `max_new_tokens` from `ids`; returns per-round figures (see the module
+    docstring) and `rounds`, `tokens_per_round`."""
+    kw = dict(max_new_tokens=max_new_tokens, temperature=0.0, draft_tokens=draft_tokens, eos_token_ids=[],
+              compile=compiled)
+    generate(model, ids, **kw)  # warm-up (and compilation)
+    t0 = time.perf_counter()
+    r = generate(model, ids, **kw)
+    wall = time.perf_counter() - t0
+    decode_s = r.stats.time_total - r.stats.time_prefill
+    rounds = max(1, r.stats.backbone_forwards)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        rp = generate(model, ids, **kw)
+    events = prof.events()
+    # the prefill's operations are counted out by running the prompt alone through the same profiler
+    with profile(activities=[ProfilerActivity.CPU]) as prefill_prof:
+        generate(model, ids, **{**kw, "max_new_tokens": 1})
+    ops = len(_outermost_ops(events)) - len(_outermost_ops(prefill_prof.events()))
+    graphs = sum(1 for e in events if e.name.startswith(GRAPH_CALL)) - sum(
+        1 for e in prefill_prof.events() if e.name.startswith(GRAPH_CALL))
+    linear_us = _outermost_linear_us(events) - _outermost_linear_us(prefill_prof.events())
+    prounds = max(1, rp.stats.backbone_forwards)
+    ms_round = decode_s / rounds * 1e3
+    linear_ms = linear_us / prounds / 1e3
+    return {"rounds": rounds, "tokens_per_round": round((r.stats.new_tokens - 1) / rounds, 3),
+            "wall_s": round(wall, 4), "ms_per_round": round(ms_round, 3), "ops_per_round": round(ops / prounds, 1),
+            "graph_calls_per_round": round(graphs / prounds, 2), "linear_ms_per_round": round(linear_ms, 3),
+            "other_ms_per_round": round(max(0.0, ms_round - linear_ms), 3)}
+
+
+def format_profile(rows: dict[str, dict]) -> str:
+    """A markdown table of {configuration: round_profile(...)}."""
+    lines = ["| configuration | ms / round | tokens / round | ops / round | graph calls / round | linear kernels ms | "
+             "everything else ms |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, p in rows.items():
+        lines.append(f"| {name} | {p['ms_per_round']:.2f} | {p['tokens_per_round']:.2f} | {p['ops_per_round']:.0f} | "
+                     f"{p['graph_calls_per_round']:.1f} | {p['linear_ms_per_round']:.2f} | {p['other_ms_per_round']:.2f} |")
+    return "\n".join(lines)
