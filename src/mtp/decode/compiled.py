@@ -33,7 +33,12 @@ def cache_dir() -> Path:
 
 def configure_compiler() -> None:
     """Point inductor at the persistent cache (unless the user chose a directory) and raise dynamo's recompile limit."""
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    # inductor writes its default (a temporary folder) into the variable the first time it asks for it, which an
+    # earlier compile in this process may have done: only a value the user chose is theirs
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
         path = cache_dir()
         path.mkdir(parents=True, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
