@@ -110,6 +110,14 @@ def test_bench_quick_writes_report(model_dir, tmp_path, capsys):
     assert "transformers" in code  # the test extra installs it
     assert report["best_fixed_k"]["code"]["config"] in code
     assert report["cost_model"]["c_verify"]["1"] > 0
+    prof = report["round_profile"]  # where a round's time goes: plain and k=3, eager
+    assert set(prof) == {"mtp plain", "mtp k=3"}
+    for p in prof.values():
+        assert p["ms_per_round"] > 0 and p["ops_per_round"] > 10 and p["graph_calls_per_round"] == 0
+        assert 0 < p["linear_ms_per_round"] <= p["ms_per_round"] * 1.5
+    assert prof["mtp k=3"]["tokens_per_round"] >= 1 and prof["mtp plain"]["tokens_per_round"] == 1
+    assert prof["mtp k=3"]["ops_per_round"] > prof["mtp plain"]["ops_per_round"]  # the round also drafts
+    assert "where a round's time goes" in (out / "report.md").read_text()
     assert (out / "report.md").exists()
     assert (out / "acceptance_by_position.png").exists() and (out / "speedup_vs_k.png").exists()
     printed = capsys.readouterr().out
@@ -163,7 +171,8 @@ def test_bench_reports_a_failing_configuration_as_failed(model_dir, tmp_path, mo
 def test_bench_variants_are_checked_against_their_own_plain_decoding(model_dir, tmp_path):
     out = tmp_path / "bench"
     rc = main(["bench", "--model", str(model_dir), "--quick", "--out", str(out), "--no-transformers", "--no-cost-model",
-               "--draft-tokens", "2", "--max-new-tokens", "8", "--repeats", "1", "--variants", "bf16,int8+vocab64"])
+               "--draft-tokens", "2", "--max-new-tokens", "8", "--repeats", "1", "--variants", "bf16,int8+vocab64",
+               "--no-profile"])
     report = json.loads((out / "report.json").read_text())
     assert rc == 0, report["mismatches"]
     code = report["summary"]["code"]
