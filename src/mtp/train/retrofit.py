@@ -1,0 +1,81 @@
+"""`mtp retrofit`: multi-token prediction for a model that was trained without it, on a frozen backbone.
+
+Two styles (docs/decisions.md, "MTP for any model"):
+- `head`: a fresh DeepSeek/Qwen-style MTP module (the family's own: Qwen3.5's `mtp.*`, DeepSeek/GLM's next-n layers,
+  or `hf_causal`'s for any transformers causal LM) trained by self-distillation - the teacher is the frozen
+  backbone's own next-token distribution, so the head learns to predict what the backbone will say, which is what
+  acceptance measures. It is the trainer's heads mode with `mtp_layers` fresh layers (`trainer.build_model`): exact
+  resume, the progress bar, metrics.jsonl all come with it. The result is written in the family's native layout.
+- `masks`: k mask tokens, gated LoRA and a sampler head (`train/masks.py`, after Apple's "Your LLM Knows the
+  Future", 2025).
+
+Both end with the expected acceptance per draft position on the held-out split before (the base's own MTP, when it
+has one) and after, in `OUT/report.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from ..io.files import atomic_write_text
+
+STYLES = ("head", "masks")
+KEEP = ("loss", "mean_accepted_length")
+
+
+def heldout(data: str | Path, seq_len: int, eval_seqs: int, batch: int = 8) -> list[torch.Tensor]:
+    """The fixed held-out windows every figure of a retrofit is measured on (the data folder's validation split:
+    whole files the training split never saw)."""
+    from ..data.shards import TokenShards
+    from .batches import Batches
+
+    return Batches(TokenShards(data, "val"), seq_len).fixed(eval_seqs, batch)
+
+
+def summary(metrics: dict, depth: int) -> dict:
+    """The report's view of `evaluate`'s metrics: loss, acceptance per draft position, mean accepted length."""
+    out = {k: round(metrics[k], 4) for k in KEEP if k in metrics and not math.isnan(metrics[k])}
+    out["acceptance_per_position"] = [round(metrics[f"accept_pos_{d}"], 4) for d in range(1, depth + 1)
+                                      if f"accept_pos_{d}" in metrics]
+    return out
+
+
+def retrofit_head(base: str, data: str, out: Path, layers: int = 1, steps: int = 400, lr: float = 1e-3,
+                  seq_len: int = 256, micro_batch: int = 8, eval_seqs: int = 64, eval_every: int = 100,
+                  threads: int | None = None, device: str = "auto", seed: int = 0, bf16: bool = False,
+                  max_minutes: float | None = None, progress: bool = True) -> dict:
+    """Train `layers` fresh MTP layers onto the frozen `base` by self-distillation; the run lives in `out` (resumes
+    from out/latest), the model in out/model. Returns the report (also written to out/report.json)."""
+    from ..model import load_model
+    from .config import TrainConfig
+    from .evaluate import evaluate
+    from .trainer import train
+
+    if threads:
+        torch.set_num_threads(threads)
+    out = Path(out)
+    val = heldout(data, seq_len, eval_seqs)
+    report: dict = {"style": "head", "base": str(base), "layers": layers, "steps": steps}
+    base_model = load_model(base, dtype="float32")
+    if base_model.mtp is not None:  # the figure to beat: the MTP the model was trained with
+        d = base_model.mtp.num_layers
+        report["before"] = {"native_mtp": summary(evaluate(base_model, val, d), d)}
+    else:
+        report["before"] = {"note": "no MTP: plain decoding, 1 token per backbone forward",
+                            "loss": round(evaluate(base_model, val, 0)["loss"], 4)}
+    del base_model
+    cfg = TrainConfig(data=str(data), out=str(out), mode="heads", init=str(base), heads_target="self",
+                      mtp_layers=layers, seq_len=seq_len, micro_batch=micro_batch, max_steps=steps, lr=lr,
+                      warmup_steps=max(1, steps // 20), eval_every=eval_every, save_every=eval_every,
+                      eval_seqs=eval_seqs, seed=seed, progress=progress, keep_checkpoints=1, device=device,
+                      threads=threads, bf16=bf16, max_minutes=max_minutes)
+    train(cfg)
+    model = load_model(out / "model", dtype="float32")
+    report["after"] = summary(evaluate(model, val, layers), layers)
+    report["model"] = str(out / "model")
+    atomic_write_text(out / "report.json", json.dumps(report, indent=1) + "\n")
+    return report
