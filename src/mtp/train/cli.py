@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
+import sys
 from pathlib import Path
 
 # Write failures that are the machine's, not the input's: reported in one line (the previous checkpoint is intact).
@@ -63,11 +65,13 @@ def cmd_retrofit(args) -> int:
         shutil.rmtree(Path(args.out) / "checkpoints", ignore_errors=True)
         (Path(args.out) / "latest").unlink(missing_ok=True)
     try:
-        if args.style == "head":
-            report = retrofit.retrofit_head(args.base, args.data, args.out, layers=args.layers, bf16=args.bf16, **common)
-        else:
-            report = retrofit.retrofit_masks(args.base, args.data, args.out, masks=args.masks, rank=args.lora_rank,
-                                             **common)
+        with contextlib.redirect_stdout(sys.stderr):  # the trainer's progress lines: stdout is the report alone
+            if args.style == "head":
+                report = retrofit.retrofit_head(args.base, args.data, args.out, layers=args.layers, bf16=args.bf16,
+                                                **common)
+            else:
+                report = retrofit.retrofit_masks(args.base, args.data, args.out, masks=args.masks, rank=args.lora_rank,
+                                                 **common)
     except OSError as e:
         if e.errno not in WRITE_ERRORS:
             raise
