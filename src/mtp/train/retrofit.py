@@ -79,3 +79,46 @@ def retrofit_head(base: str, data: str, out: Path, layers: int = 1, steps: int =
     report["model"] = str(out / "model")
     atomic_write_text(out / "report.json", json.dumps(report, indent=1) + "\n")
     return report
+
+
+def retrofit_masks(base: str, data: str, out: Path, masks: int = 3, rank: int = 16, steps: int = 400, lr: float = 1e-3,
+                   seq_len: int = 256, micro_batch: int = 8, eval_seqs: int = 64, eval_every: int = 100,
+                   threads: int | None = None, device: str = "auto", seed: int = 0, max_minutes: float | None = None,
+                   cuts: int = 12, progress: bool = True) -> dict:
+    """Train a mask-token adapter (k masks, gated LoRA of `rank`, sampler head) onto the frozen `base` (any MTP it
+    has is dropped); the run lives in `out` (resumes from out/latest), the model in out/model (the base's weights
+    unchanged + the adapter). Returns the report (also written to out/report.json)."""
+    from ..model import load_model, save_model
+    from ..model.device import resolve_device
+    from ..model.masks import MaskAdapter, MasksConfig
+    from .masks import MasksTrainConfig, evaluate_masks, train_masks
+
+    if threads:
+        torch.set_num_threads(threads)
+    out = Path(out)
+    model = load_model(base, dtype="float32", device=str(resolve_device(device)))
+    model.mtp = None  # retrofit: the mask block is the only drafter
+    model.config.mtp_num_hidden_layers = 0
+    cfg = MasksTrainConfig(masks=masks, rank=rank, steps=steps, lr=lr, seq_len=seq_len, micro_batch=micro_batch,
+                           eval_seqs=eval_seqs, eval_every=eval_every, seed=seed, max_minutes=max_minutes, cuts=cuts,
+                           warmup_steps=max(1, steps // 20))
+    val = heldout(data, seq_len, eval_seqs, micro_batch)
+    report: dict = {"style": "masks", "base": str(base), "masks": masks, "rank": rank, "steps": steps}
+    fresh = MaskAdapter.attach(model, MasksConfig(masks, rank, cfg.alpha, model.config.vocab_size))
+    report["before"] = {"note": "no MTP: plain decoding, 1 token per backbone forward",
+                        "untrained_adapter": _rounded(evaluate_masks(model, fresh, val, cfg.cuts, cfg.lcm_weight))}
+    fresh.detach_from(model)
+    adapter = train_masks(model, data, out, cfg, progress=progress)
+    report["after"] = _rounded(evaluate_masks(model, adapter, val, cfg.cuts, cfg.lcm_weight))
+    save_model(model, out / "model")
+    from .state import copy_tokenizer
+
+    copy_tokenizer(base if Path(base).is_dir() else None, out / "model")
+    report["model"] = str(out / "model")
+    atomic_write_text(out / "report.json", json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def _rounded(m: dict) -> dict:
+    return {k: (round(v, 4) if isinstance(v, float) else [round(a, 4) for a in v] if isinstance(v, list) else v)
+            for k, v in m.items()}
