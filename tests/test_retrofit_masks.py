@@ -298,3 +298,22 @@ def test_cli_retrofit_masks_real_process(data, base, tmp_path):
     report = json.loads(r.stdout)
     assert report["style"] == "masks" and len(report["after"]["acceptance_per_position"]) == 2
     assert mtp.load_model(out / "model").masks.config.masks == 2
+
+
+def test_masks_retrofit_keeps_a_bf16_base_in_bf16(data, base, tmp_path):
+    ref = transformers.AutoModelForCausalLM.from_pretrained(base).to(torch.bfloat16)
+    ref.save_pretrained(tmp_path / "bf16")
+    retrofit_masks(str(tmp_path / "bf16"), str(data), tmp_path / "run", **{**RUN, "steps": 2})
+    before, now = tensors(tmp_path / "bf16"), tensors(tmp_path / "run" / "model")
+    assert all(now[k].dtype == torch.bfloat16 and torch.equal(before[k], now[k]) for k in before)
+    assert all(t.dtype == torch.float32 for t in tensors_file(tmp_path / "run" / "model" / MASKS_FILE).values())
+    model = mtp.load_model(tmp_path / "run" / "model")  # bf16, the adapter cast to it
+    want = mtp.generate(model, [5, 6, 7, 8], max_new_tokens=12).tokens
+    assert mtp.generate(model, [5, 6, 7, 8], max_new_tokens=12, draft_tokens=3).tokens == want
+
+
+def tensors_file(path: Path) -> dict[str, torch.Tensor]:
+    from mtp.io.safetensors_mmap import SafetensorsFile
+
+    with SafetensorsFile(path) as f:
+        return {k: f.tensor(k).clone() for k in f.keys()}

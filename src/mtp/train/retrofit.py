@@ -110,7 +110,17 @@ def retrofit_masks(base: str, data: str, out: Path, masks: int = 3, rank: int = 
     fresh.detach_from(model)
     adapter = train_masks(model, data, out, cfg, progress=progress)
     report["after"] = _rounded(evaluate_masks(model, adapter, val, cfg.cuts, cfg.lcm_weight))
-    save_model(model, out / "model")
+    # the base's tensors as stored (a bf16 checkpoint stays bf16, not the fp32 copy trained against), then the
+    # adapter's fp32 tensors beside them
+    adapter.detach_from(model)
+    del model
+    stored = load_model(base)
+    if stored.__dict__.get("masks") is not None:  # a base that had an adapter: the new one replaces it
+        stored.masks.detach_from(stored)
+    stored.mtp = None
+    stored.config.mtp_num_hidden_layers = 0
+    save_model(stored, out / "model")
+    adapter.save(out / "model")
     from .state import copy_tokenizer
 
     copy_tokenizer(base if Path(base).is_dir() else None, out / "model")
