@@ -203,7 +203,9 @@ class Decoder:
         hidden = torch.cat(seq.hidden, dim=1)[0]  # [P, H]
         seq.hidden = []
         P = len(seq.prompt)
-        first = self._first_token(seq.session, model.head(hidden[-1]))
+        logits = model.head(hidden[-1])
+        model.check_finite(logits, "the prompt's forward")  # NaN/Inf weights would otherwise show as a lone EOS
+        first = self._first_token(seq.session, logits)
         stats.prefill_forwards += 1
         st.pos[row], st.last[row] = P, first
         if st.seen is not None:
@@ -291,7 +293,9 @@ class Decoder:
         ks = [max(0, min(k, s.session.max_new - len(s.session.new_tokens) - 1)) for s in seqs] + [0] * (B - D)
         if self.masks is not None:  # a row drafts only from a valid mask block
             ks = [min(a, b) for a, b in zip(ks, self.masks.limits(k, B))]
-        K = max(ks)
+        # the round's width is the policy's k whatever fewer drafts the rows may use (one graph per k, not per remainder);
+        # a round where no row may use a draft is a plain step
+        K = k if max(ks) > 0 else 0
         dev = model.device
         limit = torch.tensor(ks, device=dev)
         active = torch.tensor([True] * D + [False] * (B - D), device=dev)
