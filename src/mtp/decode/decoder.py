@@ -27,6 +27,7 @@ import torch
 from ..model.linear import row_invariant
 from .compiled import Runner
 from .draft_vocab import DraftVocab
+from .masks import MaskDrafter
 from .policy import DraftPolicy
 from .prefill import PREFILL_CHUNK, prefill_chunk
 from .round import MAX_DRAFT, PENDING, RoundState
@@ -77,13 +78,20 @@ class Decoder:
                 model.prepare_for_inference()
         use_mtp = draft_tokens not in (None, 0) and model.mtp is not None
         limit = MAX_DRAFT if not use_mtp or model.mtp.max_depth is None else min(MAX_DRAFT, model.mtp.max_depth)
-        self.policy = DraftPolicy.from_arg(draft_tokens if use_mtp else None, limit)
+        # a model without MTP but with mask tokens (`model/masks.py`) drafts from the mask block of each forward
+        use_masks = draft_tokens not in (None, 0) and not use_mtp and model.__dict__.get("masks") is not None
+        if use_masks:
+            if compile:
+                raise ValueError("drafting from mask tokens runs eagerly: compile=True is not supported with a masks adapter")
+            limit = min(MAX_DRAFT, model.masks.config.masks)
+        self.policy = DraftPolicy.from_arg(draft_tokens if use_mtp or use_masks else None, limit)
         self.max_len = min(max_len, model.context_length)
         # verify and chain steps write up to PENDING + MAX_DRAFT slots past a sequence's last position
         slots = -(-(self.max_len + PENDING + MAX_DRAFT + 2) // SLOT_ALIGN) * SLOT_ALIGN
         model.prepare_decode(slots)
         self.max_batch = max_batch
         self.state = RoundState.allocate(model, bucket(max_batch), slots, use_mtp, penalty=False)
+        self.masks = MaskDrafter(model, self.state.pos.shape[0]) if use_masks else None
         self.vocab = draft_vocab
         if draft_vocab is not None and use_mtp:
             draft_vocab.prepare(model, self.policy.k_max if model.mtp.max_depth is None else model.mtp.num_layers)
@@ -139,6 +147,8 @@ class Decoder:
             t[dst] = t[src]
         self.state.cache.rows[dst] = self.state.cache.rows[src]
         self.mtp_pos[dst], self.pend_n[dst] = self.mtp_pos[src], self.pend_n[src]
+        if self.masks is not None:
+            self.masks.move(src, dst)
         self.rows[dst] = self.rows[src]
 
     def _reset_row(self, row: int) -> None:
@@ -150,6 +160,8 @@ class Decoder:
             st.pend_n[row] = 0
         if st.seen is not None:
             st.seen[row] = False
+        if self.masks is not None:
+            self.masks.reset_row(row)
         self.mtp_pos[row] = self.pend_n[row] = 0
 
     # ------------------------------------------------------------------ one scheduler step
@@ -277,8 +289,10 @@ class Decoder:
         t0 = time.perf_counter()
         B = bucket(D)
         st = self._view(B)
-        k = self.policy.next_k(D) if self.use_mtp else 0
+        k = self.policy.next_k(D) if self.use_mtp or self.masks is not None else 0
         ks = [max(0, min(k, s.session.max_new - len(s.session.new_tokens) - 1)) for s in seqs] + [0] * (B - D)
+        if self.masks is not None:  # a row drafts only from a valid mask block
+            ks = [min(a, b) for a, b in zip(ks, self.masks.limits(k, B))]
         # the round's width is the policy's k whatever fewer drafts the rows may use (one graph per k, not per remainder);
         # a round where no row may use a draft is a plain step
         K = k if max(ks) > 0 else 0
@@ -295,7 +309,9 @@ class Decoder:
                 if self.pend_n[b] >= PENDING:
                     self.mtp_pos[b] += self.pend_n[b] - 1
                     self.pend_n[b] = 1
-        if K > 0:
+        if K > 0 and self.masks is not None:
+            drafts, draft_logits = self.masks.draft(model, st, K, rs, d_noise)
+        elif K > 0:
             width = max(self.pend_n[:B]) if eager else PENDING
             host = (self.mtp_pos[:B], self.pend_n[:B]) if eager else None
             drafts, draft_logits = self.runner.draft(model, st, K, rs, d_noise, self.vocab, width, host)
@@ -306,7 +322,10 @@ class Decoder:
         t = time.perf_counter()
         with row_invariant():
             out = self.runner.verify(model, st, drafts, limit, active, rs, draft_logits, t_noise, u,
-                                     self.state.cache.rows[:B] if eager else None).tolist()  # the round's one sync
+                                     self.state.cache.rows[:B] if eager else None,
+                                     appended=self.masks).tolist()  # the round's one sync
+        if self.masks is not None:
+            self.masks.commit(ks, [out[b][K + 1] for b in range(B)], D)
         t_verify = time.perf_counter() - t
 
         t = time.perf_counter()

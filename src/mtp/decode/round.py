@@ -124,19 +124,25 @@ def draft(model, st: RoundState, K: int, rs: RowSampling | None, noise: torch.Te
 
 def verify(model, st: RoundState, drafts: torch.Tensor, limit: torch.Tensor, active: torch.Tensor,
            rs: RowSampling | None, draft_logits: torch.Tensor | None, noise: torch.Tensor | None,
-           u: torch.Tensor | None, starts: list[int] | None = None) -> torch.Tensor:
+           u: torch.Tensor | None, starts: list[int] | None = None, appended=None) -> torch.Tensor:
     """Steps 2-4 for drafts [B, K]: verify in ONE backbone forward, accept, keep. `limit` [B]: drafts row b may use
     (<= K), `active` [B] bool: rows decoding this round. `rs`/`draft_logits`/`noise`/`u`: as in `accept.accept_rows`
     (rs None: every row greedy with no shaping). `starts`: the rows' positions on the host (eager attention) or None.
+    `appended`: a drafter whose tokens ride along after each row's block (`masks.MaskDrafter`): `appended.ids(last,
+    drafts, limit)` gives the forward's ids [B, K+1+E] (row b's first limit[b]+1 are last and its drafts, as here),
+    and `appended.read(hidden)` takes the forward's hidden [B, K+1+E, H] before the accept.
 
     Returns tokens [B, K+2]: row b emitted tokens[b, :n+1] (its accepted drafts, then its next token) and
     tokens[b, K+1] = n (one tensor, so the host synchronises once)."""
     B, K = drafts.shape
     dev = drafts.device
     rows = torch.arange(B, device=dev)
-    ids = torch.cat([st.last[:, None], drafts], dim=1)  # [B, K+1]
-    at = model.decode_positions(st.pos[:, None] + torch.arange(K + 1, device=dev), starts)
+    ids = torch.cat([st.last[:, None], drafts], dim=1) if appended is None else appended.ids(st.last, drafts, limit)
+    at = model.decode_positions(st.pos[:, None] + torch.arange(ids.shape[1], device=dev), starts)
     hidden, steps = model.decode(ids, st.cache, at)  # ONE backbone forward for every row
+    if appended is not None:
+        appended.read(hidden)
+        hidden = hidden[:, : K + 1]
     logits = model.head(hidden)  # [B, K+1, V]
 
     if rs is None:

@@ -172,6 +172,8 @@ class CausalLM(nn.Module, ABC):
         if quantize is None:
             if self.dtype in (torch.bfloat16, torch.float32):
                 prepare_linears(self, "bf16" if self.dtype == torch.bfloat16 else "fp32")
+            if self.__dict__.get("masks") is not None:  # its LoRA hooks need each projection's own forward
+                self.masks.unfuse(self)
             return
         if self.dtype != torch.bfloat16:
             raise ValueError(f"quantize={quantize!r} needs a bfloat16 model (load it with dtype='bfloat16'), got {self.dtype}")
@@ -179,6 +181,8 @@ class CausalLM(nn.Module, ABC):
         for name, m in self.named_modules():
             if any(name.endswith(s) for s in self.keep_precision) and isinstance(m, nn.Linear):
                 prepare_linears(m, "bf16")
+        if self.__dict__.get("masks") is not None:
+            self.masks.unfuse(self)
 
     def router_aux_loss(self, router_logits: list) -> torch.Tensor | None:
         """The MoE load-balancing loss over collected router logits (None: the family has no such loss)."""
@@ -244,8 +248,9 @@ class CausalLM(nn.Module, ABC):
     # ------------------------------------------------------------------ basics
     @property
     def has_mtp(self) -> bool:
-        """True when the model holds MTP weights (loaded, or initialised for training)."""
-        return self.mtp is not None
+        """True when the model can draft for itself: it holds MTP weights (loaded, or initialised for training) or a
+        mask-token adapter is attached (`model/masks.py`)."""
+        return self.mtp is not None or self.__dict__.get("masks") is not None
 
     @property
     def dtype(self) -> torch.dtype:

@@ -28,6 +28,7 @@ from ..io.tokenizer import Tokenizer
 from .base import MTP_LAYER, CausalLM
 from .budget import BUILD_ERRORS, TooLargeError, build_on_meta
 from .families import config_from_json, model_class_for
+from .masks import MASKS_CONFIG, load_adapter
 from .moe import Stack
 
 log = logging.getLogger("mtp")
@@ -132,6 +133,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
     model.source_path = str(path)
     model.checkpoint_layout = layout
     model.tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
+    if (path / MASKS_CONFIG).exists():  # a mask-token adapter trained onto this checkpoint (`mtp retrofit --style masks`)
+        load_adapter(model, path)
     return model
 
 
@@ -335,6 +338,8 @@ def save_model(model: CausalLM, path: str | Path, max_shard_size: int | None = N
     source = model.source_path
     with FolderWriter(path) as out:
         save_tensors(state, out, max_shard_size)
+        if model.__dict__.get("masks") is not None:  # its mask-token adapter, beside the unchanged weights
+            model.masks.write(out)
         out.write_text("config.json", json.dumps(config.to_hf_dict(), indent=2, sort_keys=True) + "\n")
         if source and Path(source).resolve() != path.resolve():
             for name in COMPANION_FILES:

@@ -13,6 +13,9 @@ from ..config import ConfigError, read_config_file
 from .base import CausalLM
 from .deepseek_v3 import DeepseekV3ForCausalLM
 from .glm4_moe import Glm4MoeForCausalLM
+from .hf_causal import REFUSED as HF_REFUSED
+from .hf_causal import SUPPORTED as HF_SUPPORTED
+from .hf_causal import HFCausalLM
 from .mimo import MiMoForCausalLM
 from .qwen3_5 import Qwen35ForCausalLM, Qwen35MoeForCausalLM
 
@@ -24,11 +27,13 @@ FAMILIES: dict[str, type[CausalLM]] = {
     "deepseek_v3": DeepseekV3ForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
     "mimo": MiMoForCausalLM,
+    **dict.fromkeys(HF_SUPPORTED, HFCausalLM),  # any transformers causal LM with attention-only layers (hf_causal.py)
 }
 # Families whose MTP we know but whose backbone we do not run: model_type -> what is missing.
 UNSUPPORTED = {
     "deepseek_v32": "DeepSeek-V3.2 uses DeepSeek Sparse Attention (its lightning indexer), which mtp does not implement",
     "glm_moe_dsa": "GLM-5 uses DeepSeek Sparse Attention (its lightning indexer), which mtp does not implement",
+    **HF_REFUSED,  # transformers architectures the generic family refuses, with the reason
 }
 
 

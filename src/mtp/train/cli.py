@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
+import sys
 from pathlib import Path
 
 # Write failures that are the machine's, not the input's: reported in one line (the previous checkpoint is intact).
@@ -51,6 +53,34 @@ def cmd_heal(args) -> int:
     return 0
 
 
+def cmd_retrofit(args) -> int:
+    from . import retrofit
+
+    common = dict(steps=args.steps, lr=args.lr, seq_len=args.seq_len, micro_batch=args.micro_batch,
+                  eval_seqs=args.eval_seqs, eval_every=args.eval_every, threads=args.threads, device=args.device,
+                  seed=args.seed, max_minutes=args.max_minutes)
+    if args.fresh:
+        import shutil
+
+        shutil.rmtree(Path(args.out) / "checkpoints", ignore_errors=True)
+        (Path(args.out) / "latest").unlink(missing_ok=True)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # the trainer's progress lines: stdout is the report alone
+            if args.style == "head":
+                report = retrofit.retrofit_head(args.base, args.data, args.out, layers=args.layers, bf16=args.bf16,
+                                                **common)
+            else:
+                report = retrofit.retrofit_masks(args.base, args.data, args.out, masks=args.masks, rank=args.lora_rank,
+                                                 **common)
+    except OSError as e:
+        if e.errno not in WRITE_ERRORS:
+            raise
+        raise SystemExit(f"mtp retrofit: error: cannot write {e.filename or args.out}: {e.strerror or e}; the run's "
+                         "previous checkpoint (if any) is unchanged") from None
+    print(json.dumps(report, indent=1))
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     from .config import DEVICES, PRESETS
 
@@ -80,3 +110,31 @@ def register(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--device", default="auto", choices=DEVICES, help="auto: cuda when available, else cpu")
     h.add_argument("--seed", type=int, default=0)
     h.set_defaults(func=cmd_heal)
+
+    r = sub.add_parser("retrofit", help="train MTP onto a frozen model that has none (a head, or mask tokens + gated LoRA)",
+                       description="Trains on DATA's training split with the backbone frozen, resumes from OUT/latest, "
+                                   "and reports the expected acceptance per draft position on the held-out split "
+                                   "before and after (OUT/report.json); the model is written to OUT/model.")
+    r.add_argument("--base", required=True, help="the model: an mtp checkpoint folder or any supported transformers "
+                                                 "causal LM folder (Llama, Qwen2/3, Mistral, ...)")
+    r.add_argument("--data", required=True, help="data folder (`mtp data`) tokenized with the base's tokenizer")
+    r.add_argument("--out", required=True, type=Path, help="run folder")
+    r.add_argument("--style", choices=("head", "masks"), default="head",
+                   help="head: a DeepSeek/Qwen-style MTP module (self-distilled); masks: k mask tokens + gated LoRA + "
+                        "sampler head (Apple, 2025)")
+    r.add_argument("--layers", type=int, default=1, help="head: MTP layers")
+    r.add_argument("--masks", type=int, default=3, help="masks: mask tokens k (drafts per forward)")
+    r.add_argument("--lora-rank", type=int, default=16, help="masks: rank of the gated LoRA adapters")
+    r.add_argument("--steps", type=int, default=400)
+    r.add_argument("--lr", type=float, default=1e-3)
+    r.add_argument("--seq-len", type=int, default=256)
+    r.add_argument("--micro-batch", type=int, default=8)
+    r.add_argument("--eval-seqs", type=int, default=64)
+    r.add_argument("--eval-every", type=int, default=100, help="validate and checkpoint every N steps")
+    r.add_argument("--max-minutes", type=float, default=None, help="stop (and save) after this wall time")
+    r.add_argument("--bf16", action="store_true", help="head: bf16 autocast")
+    r.add_argument("--threads", type=int, default=None)
+    r.add_argument("--device", default="auto", choices=DEVICES)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--fresh", action="store_true", help="ignore (delete) OUT's checkpoints instead of resuming")
+    r.set_defaults(func=cmd_retrofit)

@@ -42,6 +42,8 @@ class TrainConfig:
     mtp_decay: float = 0.8
     mtp_constant: float = 1.0
     heads_target: str = "tokens"        # heads mode: "tokens" (true next tokens) | "self" (self-distillation)
+    mtp_layers: int | None = None       # heads mode: train this many FRESH MTP layers (any MTP of `init` is dropped;
+                                        # `mtp retrofit`), None: the init's own (a fresh one only where it has none)
     bf16: bool = False                  # bf16 autocast (on the training device's type)
     compile: bool = False               # torch.compile the objective (forward + loss; backward via AOTAutograd)
     gradient_checkpointing: bool = False
@@ -84,6 +86,8 @@ class TrainConfig:
                 raise ConfigError(f"train config key '{k}' must be a positive integer, got {v!r}")
         if self.warmup_steps < 0 or self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError("train config keys 'warmup_steps' >= 0, 'lr' > 0, 0 <= 'min_lr_ratio' <= 1 required")
+        if self.mtp_layers is not None and (self.mode != "heads" or self.mtp_layers < 1):
+            raise ConfigError(f"train config key 'mtp_layers' ({self.mtp_layers}) needs mode 'heads' and a value >= 1")
         if self.mtp_depth is not None and self.mtp_depth < 0:
             raise ConfigError(f"train config key 'mtp_depth' must be >= 0, got {self.mtp_depth}")
         if self.device not in DEVICES:

@@ -97,6 +97,9 @@ def build_model(cfg: TrainConfig, vocab_size: int, eos_id: int | None) -> Causal
     model = load_model(cfg.init, dtype="float32")
     if model.config.vocab_size < vocab_size:
         raise ValueError(f"{cfg.init}: vocab_size {model.config.vocab_size} is smaller than the data's {vocab_size}")
+    if cfg.mtp_layers is not None:  # a retrofit: fresh MTP layers whatever the checkpoint holds
+        model.mtp = None
+        model.config.mtp_num_hidden_layers = cfg.mtp_layers
     if model.mtp is None:
         if model.config.mtp_num_hidden_layers < 1:
             raise ValueError(f"{cfg.init}: config has mtp_num_hidden_layers=0; set it to train MTP heads")
@@ -431,6 +434,12 @@ def finish(run: Run, stopped_early: bool) -> None:
         dist.barrier()
 
 
+def accept_postfix(val: dict, depth: int) -> str:
+    """The last validation's expected acceptance per draft position, for the progress bar ('' before the first)."""
+    accept = [val[f"accept_pos_{d}"] for d in range(1, depth + 1) if f"accept_pos_{d}" in val]
+    return f" | val accept {' '.join(f'{a:.2f}' for a in accept)}" if accept else ""
+
+
 def train(cfg: TrainConfig) -> dict:
     """Run (or resume) training; returns the last validation metrics."""
     from tqdm import tqdm
@@ -450,7 +459,7 @@ def train(cfg: TrainConfig) -> dict:
                      "tok_s": tok_s})
         bar.update(1)
         bar.set_postfix_str(f"L {r.main:.3f}" + "".join(f" L{d + 1} {v:.3f}" for d, v in enumerate(r.depths))
-                            + f" {tok_s:,.0f} tok/s")
+                            + f" {tok_s:,.0f} tok/s" + accept_postfix(run.last_val, run.depth))
         late = _out_of_time(run, t_start)
         if run.step % cfg.eval_every == 0 or run.step == cfg.max_steps or late:
             validate(run, bar)
