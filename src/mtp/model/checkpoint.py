@@ -29,6 +29,7 @@ from .base import MTP_LAYER, CausalLM
 from .budget import BUILD_ERRORS, TooLargeError, build_on_meta
 from .families import config_from_json, model_class_for
 from .moe import Stack
+from .quantized import QuantizedIndex, decoded_index
 
 log = logging.getLogger("mtp")
 # Files that travel with the weights: the tokenizer, the chat template, the default sampling parameters, and the
@@ -97,7 +98,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
             raise CheckpointError(f"{path}: no config.json")
         config = config_from_json(path / "config.json")
     cls = model_class_for(config)
-    with TensorIndex(path) as files:
+    with TensorIndex(path) as raw:
+        files = decoded_index(raw, config, path)  # a quantized checkpoint's weights read as floats (model/quantized.py)
         shape = lambda key: files[key][0].shape(key)  # noqa: E731
         config = cls.checkpoint_config(config, list(files))
         sources, layout = cls.checkpoint_sources(list(files), shape, config)
@@ -113,6 +115,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
             warnings.warn(msg, MissingMTPWarning, stacklevel=2)
             log.warning(msg)
         dtype_ = want_dtype or _checkpoint_dtype(files, [k for k in files if cls.internal_name(k, config) is not None])
+        if isinstance(files, QuantizedIndex):
+            files.dtype = dtype_
         try:
             model = build_on_meta(cls, config, dtype_, device, str(path / "config.json"), with_mtp=with_mtp)
         except TooLargeError:
@@ -328,6 +332,7 @@ def save_model(model: CausalLM, path: str | Path, max_shard_size: int | None = N
     if model.mtp is None and config.mtp_num_hidden_layers > 0:
         log.warning("saving a model without MTP weights: config keeps %s=%d", config.mtp_layers_key,
                     config.mtp_num_hidden_layers)
+    config.extra.pop("quantization_config", None)  # a quantized checkpoint was decoded at load: it saves as floats
     saved_dtype = next(iter(state.values())).dtype
     config.extra["dtype"] = str(saved_dtype).removeprefix("torch.")
     config.extra.pop("torch_dtype", None)
