@@ -26,7 +26,7 @@ HF = "transformers"
 
 @dataclass(frozen=True)
 class Variant:
-    """How the model runs: weights' dtype, int8 quantization, reduced draft vocabulary. `name` "" is the default
+    """How the model runs: weights' dtype, int8/int4 quantization, reduced draft vocabulary. `name` "" is the default
     (the command line's --dtype / --quantize / --draft-vocab)."""
 
     name: str = ""
@@ -48,10 +48,10 @@ class Variant:
             if not extra.startswith("vocab") or not extra[5:].isdigit():
                 raise ValueError(f"bench variant {spec!r}: '+{extra}' is not '+vocabN'")
             vocab = int(extra[5:])
-        if head == "int8":
-            return cls(spec, "bfloat16", "int8", vocab)
+        if head in ("int8", "int4"):
+            return cls(spec, "bfloat16", head, vocab)
         if head not in dtypes:
-            raise ValueError(f"bench variant {spec!r}: expected fp32, bf16, fp16, int8 or auto, optionally +vocabN")
+            raise ValueError(f"bench variant {spec!r}: expected fp32, bf16, fp16, int8, int4 or auto, optionally +vocabN")
         return cls(spec, dtypes[head], None, vocab)
 
 

@@ -81,12 +81,14 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
     """Load a checkpoint folder or hub id (`org/name`, optional `revision`) -> model in eval mode.
 
     dtype "auto" keeps the checkpoint's (bf16 stays bf16, and the weights stay memory-mapped). On the CPU a bf16
-    model's linear layers get oneDNN-packed copies for inference; `quantize="int8"` quantizes them (weight-only,
-    per-channel; the model is then bf16) - see `model/linear.py`. Errors (CheckpointError, ConfigError) name the file
-    and the tensor or key: missing, unexpected, wrong shape, wrong dtype, truncated or corrupt, a config that asks for
-    more layers or a wider embedding than the tensors hold, a model larger than the memory available. A config with
-    MTP layers but no MTP tensors loads with a MissingMTPWarning and `model.has_mtp == False` (never random heads).
-    A tensor holding NaN or Inf gives a NonFiniteWeightsWarning naming it; `strict=True` refuses the checkpoint."""
+    model's linear layers get oneDNN-packed copies for inference; `quantize="int8"` (per-channel) or "int4" (groups
+    of 128) quantizes them and the routed experts (weight-only; the model is then bf16) - see `model/linear.py`. A
+    quantized checkpoint (FP8: `model/quantized.py`) is decoded at load to `dtype` (auto: bf16).
+    Errors (CheckpointError, ConfigError) name the file and the tensor or key: missing, unexpected, wrong shape,
+    wrong dtype, truncated or corrupt, a quantized tensor without its scale, a config that asks for more layers
+    or a wider embedding than the tensors hold, a model larger than the memory available. A config with MTP layers
+    but no MTP tensors loads with a MissingMTPWarning and `model.has_mtp == False` (never random heads). A tensor
+    holding NaN or Inf gives a NonFiniteWeightsWarning naming it; `strict=True` refuses the checkpoint."""
     path = resolve_checkpoint(path, revision=revision)
     want_dtype = parse_dtype(dtype)
     if quantize is not None and want_dtype is None:
