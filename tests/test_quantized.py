@@ -256,7 +256,12 @@ def test_fp8_tensors_without_a_quantization_config_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("qc, message", [
-    ({"quant_method": "gptq", "bits": 4}, r"'quantization_config.quant_method' is 'gptq' \(not supported yet"),
+    ({"quant_method": "compressed-tensors"}, r"'quantization_config.quant_method' is 'compressed-tensors' \(not supported yet"),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, r"'quantization_config.bits' is 3; gptq supports 2, 4, 8"),
+    ({"quant_method": "awq", "bits": 8, "group_size": 128}, r"'quantization_config.bits' is 8; awq supports 4"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 0}, r"'quantization_config.group_size' must be a positive integer or -1"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"}, "'quantization_config.checkpoint_format'"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, r"'quantization_config.version' is 'gemv'"),
     ({"quant_method": "my-own"}, r"'quantization_config.quant_method' is 'my-own'; supported: 'fp8'"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, "'quantization_config.weight_block_size' must be two positive"),
     ({"quant_method": "fp8", "fmt": "e2m1"}, "'quantization_config.fmt' is 'e2m1'"),
@@ -271,4 +276,180 @@ def test_bad_quantization_configs_name_the_key(tmp_path, qc, message):
     mtp.save_model(tiny_model(), tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match=message):
+        mtp.load_model(tmp_path)
+
+
+# ---------------------------------------------------------------------- GPTQ and AWQ
+def loop_pack_gptq_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """GPTQ's packer as published, word by word: word r holds inputs r*per .. r*per+per-1, input j at bits*j."""
+    per = 32 // bits
+    out = torch.zeros(codes.shape[0] // per, codes.shape[1], dtype=torch.int64)
+    for r in range(out.shape[0]):
+        for j in range(per):
+            out[r] |= codes[r * per + j].long() << (bits * j)
+    return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+
+
+def loop_pack_awq(codes: torch.Tensor) -> torch.Tensor:
+    """AutoAWQ's GEMM packer as published: nibble i of word c holds output 8c + [0, 2, 4, 6, 1, 3, 5, 7][i]."""
+    order = [0, 2, 4, 6, 1, 3, 5, 7]
+    out = torch.zeros(codes.shape[0], codes.shape[1] // 8, dtype=torch.int64)
+    for c in range(out.shape[1]):
+        for i in range(8):
+            out[:, c] |= codes[:, c * 8 + order[i]].long() << (4 * i)
+    return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+
+
+def int_quantize(w: torch.Tensor, bits: int, group: int | None, sym: bool, g_idx: torch.Tensor):
+    """RTN per group (groups given by g_idx over the inputs) of w [N, K] -> codes [K, N], zeros [G, N], scales [G, N]."""
+    N, K = w.shape
+    G = int(g_idx.max()) + 1
+    top = 2**bits - 1
+    codes = torch.zeros(K, N, dtype=torch.int32)
+    zeros = torch.zeros(G, N, dtype=torch.int32)
+    scales = torch.zeros(G, N)
+    for gi in range(G):
+        cols = (g_idx == gi).nonzero().flatten()
+        x = w[:, cols].float()
+        if sym:
+            s = (x.abs().amax(1) / (2 ** (bits - 1) - 1)).clamp_min(1e-8)
+            z = torch.full((N,), 2 ** (bits - 1), dtype=torch.int32)
+        else:
+            lo, hi = x.amin(1).clamp(max=0), x.amax(1).clamp(min=0)
+            s = ((hi - lo) / top).clamp_min(1e-8)
+            z = (-lo / s).round().clamp(0, top).to(torch.int32)
+        s = s.to(torch.float16).float()  # stored in fp16
+        codes[cols] = (x / s[:, None] + z[:, None]).round().clamp(0, top).to(torch.int32).t()
+        zeros[gi], scales[gi] = z, s
+    return codes, zeros, scales
+
+
+def release_int(path, method: str, bits: int = 4, group: int | None = 16, sym: bool = False, act_order: bool = False,
+                fmt: str = "gptq") -> dict[str, torch.Tensor]:
+    """Turn the float checkpoint at `path` into a GPTQ or AWQ release (2-D linear weights; the MTP's fc too).
+    Returns the by-hand reference as `release_fp8` does."""
+    cfg = json.loads((path / "config.json").read_text())
+    qc = {"quant_method": method, "bits": bits, "group_size": group or -1}
+    qc.update({"sym": sym, "desc_act": act_order, "checkpoint_format": fmt} if method == "gptq" else
+              {"version": "gemm", "zero_point": True})
+    cfg["quantization_config"] = qc
+    (path / "config.json").write_text(json.dumps(cfg))
+    gen = torch.Generator().manual_seed(0)
+    reference = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out = {}
+        for name, t in load_file(f).items():
+            per = 32 // (bits if method == "gptq" else 4)
+            if t.dim() != 2 or KEEP.search(name) or not name.endswith(".weight") or t.shape[0] % per or t.shape[1] % per:
+                # (packing needs whole words: narrow layers such as the DeltaNet's in_proj_a stay float, as releases keep them)
+                out[name] = reference[name] = t
+                continue
+            N, K = t.shape
+            w = t.float()
+            g = torch.arange(K) // (group or K)
+            if act_order:
+                g = g[torch.randperm(K, generator=gen)]
+            codes, zeros, scales = int_quantize(w, bits, group, sym, g)
+            base = name[: -len(".weight")]
+            reference[name] = ((codes.float() - zeros[g].float()) * scales[g]).t().to(torch.bfloat16)
+            if method == "gptq":
+                out[base + ".qweight"] = loop_pack_gptq_rows(codes, bits)
+                stored = (zeros - (1 if fmt == "gptq" else 0)) & (2**bits - 1)
+                out[base + ".qzeros"] = loop_pack_gptq_rows(stored.t().contiguous(), bits).t().contiguous()
+                if act_order:
+                    out[base + ".g_idx"] = g.to(torch.int32)
+            else:
+                out[base + ".qweight"] = loop_pack_awq(codes)
+                out[base + ".qzeros"] = loop_pack_awq(zeros)
+            out[base + ".scales"] = scales.to(torch.float16)
+        save_file(out, f)
+    return reference
+
+
+def with_zero_points_at_zero(model):
+    """Make the first row of every linear weight non-negative: its groups' asymmetric zero points are then 0, the case
+    GPTQ v1 (stored zero - 1) wraps to 2^bits - 1."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and name.endswith("proj.weight"):
+                p[0].abs_()
+    return model
+
+
+@pytest.mark.parametrize("bits, group, sym, act_order, fmt", [
+    (4, 16, False, False, "gptq"), (4, 16, True, True, "gptq"), (8, 32, False, True, "gptq_v2"), (4, None, False, False, "gptq"),
+    (2, 16, True, False, "gptq"),
+])
+def test_gptq_loads_exactly_as_its_codes_dequantized(tmp_path, bits, group, sym, act_order, fmt, monkeypatch):
+    src = with_zero_points_at_zero(tiny_model(std=0.02).to(torch.bfloat16))
+    mtp.save_model(src, tmp_path)
+    reference = release_int(tmp_path, "gptq", bits, group, sym, act_order, fmt)
+    assert "mtp.fc.qweight" in load_file(tmp_path / "model.safetensors")
+    model = mtp.load_model(tmp_path)
+    assert_loads_as(model, reference)
+    if bits >= 4:
+        ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(1))
+        assert close_logits(model, src, ids) < (0.02 if bits == 8 else 0.25)
+    if (bits, act_order) == (4, True):
+        greedy_spec_equals_plain(model, monkeypatch, 64)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "deepseek_v3"])
+def test_gptq_and_awq_in_moe_families_per_expert(tmp_path, family, monkeypatch):
+    if family == "deepseek_v3":
+        src = tiny("deepseek_v3", std=0.02).to(torch.bfloat16)
+        mtp.save_model(src, tmp_path / "g")
+    else:
+        src = tiny_model(std=0.02, **MOE_CFG).to(torch.bfloat16)
+        write(src, tmp_path / "g", "per_expert", "per_expert")
+    ref = release_int(tmp_path / "g", "gptq", 4, 16, False, True)
+    assert any(n.endswith("experts.3.down_proj.qweight") for n in load_file(tmp_path / "g" / "model.safetensors"))
+    model = mtp.load_model(tmp_path / "g")
+    assert_loads_as(model, ref)
+    greedy_spec_equals_plain(model, monkeypatch, 64)
+    mtp.save_model(src, tmp_path / "a")
+    ref = release_int(tmp_path / "a", "awq", 4, 16)
+    assert_loads_as(mtp.load_model(tmp_path / "a"), ref)
+
+
+def test_awq_qwen35_loads_exactly(tmp_path):
+    src = tiny_model(std=0.02).to(torch.bfloat16)
+    mtp.save_model(src, tmp_path)
+    reference = release_int(tmp_path, "awq", 4, 16)
+    model = mtp.load_model(tmp_path)
+    assert_loads_as(model, reference)
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(1))
+    assert close_logits(model, src, ids) < 0.25
+
+
+def test_packers_match_the_published_loops():
+    from mtp.model.packed import awq_pack, pack_rows, unpack_cols, unpack_rows
+
+    g = torch.Generator().manual_seed(0)
+    for bits in (2, 4, 8):
+        codes = torch.randint(0, 2**bits, (64, 24), generator=g, dtype=torch.int32)
+        assert torch.equal(pack_rows(codes, bits), loop_pack_gptq_rows(codes, bits))
+        assert torch.equal(unpack_rows(loop_pack_gptq_rows(codes, bits), bits), codes)
+    codes = torch.randint(0, 16, (8, 32), generator=g, dtype=torch.int32)
+    assert torch.equal(awq_pack(codes), loop_pack_awq(codes))
+    assert unpack_cols(loop_pack_awq(codes), 4).shape == (8, 32)
+
+
+G = "model.layers.0.mlp.up_proj"
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s.pop(G + ".scales"), f"tensor '{G}.qweight' has no '{G}.scales'"),
+    (lambda s: s.update({G + ".scales": s[G + ".scales"][:1]}), rf"tensor '{G}.scales' has shape \[1, 64\] but '{G}.qweight'"),
+    (lambda s: s.update({G + ".g_idx": torch.full((32,), 9, dtype=torch.int32)}), f"tensor '{G}.g_idx' holds group 9, outside 0..1"),
+    (lambda s: s.update({G + ".weight": torch.zeros(64, 32)}), f"module '{G}' holds both a float '{G}.weight' and a quantized"),
+    (lambda s: s.update({"model.layers.0.mlp.extra.scales": torch.ones(1, 4)}),
+     "tensor 'model.layers.0.mlp.extra.scales' has no 'model.layers.0.mlp.extra.qweight'"),
+    (lambda s: s.update({G + ".qweight": s[G + ".qweight"].float()}), f"tensor '{G}.qweight' is float32"),
+])
+def test_bad_gptq_tensors_are_named(tmp_path, edit, message):
+    mtp.save_model(tiny_model().to(torch.bfloat16), tmp_path)
+    release_int(tmp_path, "gptq", 4, 16)
+    edit_tensors(tmp_path, edit)
+    with pytest.raises(CheckpointError, match=message):
         mtp.load_model(tmp_path)

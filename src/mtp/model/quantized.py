@@ -1,4 +1,5 @@
-"""Quantized checkpoints, decoded once at load: the loader sees every quantized weight as the float tensor it stands for.
+"""Quantized checkpoints (FP8, GPTQ, AWQ), decoded once at load: the loader sees every quantized weight as the float
+tensor it stands for.
 
 `decoded_index(files, config)` wraps a checkpoint's `TensorIndex`: for a checkpoint whose config.json has a
 `quantization_config` (config/quantization.py), each float8 weight and its scale become one entry under the
@@ -15,10 +16,14 @@ expert tensor `X` has `X_scale_inv`), the multiplier w = q * s of each [b0, b1] 
 Decoding is done in fp32, 128 rows at a time into the model's dtype: the weight is exactly
 (q.float() * s.float()).to(dtype), and the temporaries stay small next to the weight.
 
+GPTQ / AWQ (model/packed.py for the packings): `X.qweight` + `X.qzeros` + `X.scales` (+ GPTQ's `X.g_idx`) become
+`X.weight` [N, K], decoded in fp32 into the model's dtype; per-expert layouts only (the releases' own).
+
 Every rule is checked on the headers before anything is read or allocated, and an error names the tensor and the
 rule: a float8 tensor without its scale (or in a checkpoint with no quantization_config), a scale without its
 tensor or on a tensor that is not float8, a scale whose shape does not match the weight's, a quantized tensor in a
-module the config excludes (`modules_to_not_convert`).
+module the config excludes (`modules_to_not_convert`); for GPTQ / AWQ a missing qzeros or scales, shapes that do
+not fit the bit width and group size, a g_idx outside the groups, a float and a quantized copy of one module.
 """
 
 from __future__ import annotations
@@ -29,41 +34,42 @@ import torch
 
 from ..config.quantization import Quantization, parse_quantization
 from ..io.safetensors_mmap import CheckpointError
+from .packed import awq_weight, gptq_weight
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_SUFFIXES = ("_scale_inv", "_scale")  # the weight's own name + suffix (X.weight_scale_inv, X.gate_up_proj_scale_inv)
 ACTIVATION_SUFFIXES = ("input_scale", "activation_scale")  # static activation scales: not used (activations stay float)
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ROWS = 128  # rows decoded at a time
+PACKED_PARTS = ("qzeros", "scales", "g_idx")  # GPTQ / AWQ: X.qweight's companions (g_idx: GPTQ, optional)
+INT_DTYPES = (torch.int32, torch.int64, torch.int16)
 
 
 class DecodedTensor:
     """One quantized weight read as a float tensor, with the calls the loader makes on a stored one (`path`,
-    `shape`, `dtype`, `tensor`, `release`). `index.dtype` is the dtype it decodes to (the model's)."""
+    `shape`, `dtype`, `tensor`, `release`). `parts` are the stored tensors it decodes from (role -> checkpoint name),
+    `decode(parts, dtype)` the format's decoder; `index.dtype` is the dtype it decodes to (the model's)."""
 
-    def __init__(self, index: QuantizedIndex, weight: str, scale: str):
-        self.index, self.weight, self.scale = index, weight, scale
-        self.path = index.raw[weight][0].path
+    def __init__(self, index: QuantizedIndex, parts: dict[str, str], shape: tuple[int, ...], decode):
+        self.index, self.parts, self._shape, self.decode = index, parts, shape, decode
+        self.path = index.raw[next(iter(parts.values()))][0].path
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self.index.raw[self.weight][0].shape(self.weight)
+        return self._shape
 
     def dtype(self, name: str) -> torch.dtype:
         return self.index.dtype
 
     def nbytes(self, name: str) -> int:
-        n = 1
-        for d in self.shape(name):
-            n *= d
-        return n * self.index.dtype.itemsize
+        return _prod(self._shape) * self.index.dtype.itemsize
 
     def tensor(self, name: str) -> torch.Tensor:
-        """The decoded weight (the file pages of its codes and scale are dropped once read)."""
-        wst, wkey = self.index.raw[self.weight]
-        sst, skey = self.index.raw[self.scale]
-        out = dequantize_fp8(wst.tensor(wkey), sst.tensor(skey), self.index.quant.block, self.index.dtype)
-        wst.release(wkey)
-        sst.release(skey)
+        """The decoded weight (the file pages of its stored parts are dropped once read)."""
+        stored = {role: self.index.raw.tensor(key) for role, key in self.parts.items()}
+        out = self.decode(stored, self.index.dtype)
+        for key in self.parts.values():
+            st, k = self.index.raw[key]
+            st.release(k)
         return out
 
     def release(self, name: str) -> None:
@@ -74,15 +80,16 @@ class QuantizedIndex(dict):
     """A TensorIndex as the loader should see a quantized checkpoint: name -> (file or DecodedTensor, name), without
     the scales. `raw` is the checkpoint's own index; `dtype` (set by the loader) what quantized weights decode to."""
 
-    def __init__(self, raw, quant: Quantization, decoded: dict[str, str], hidden: set[str]):
+    def __init__(self, raw, quant: Quantization, decoded: dict[str, tuple[dict[str, str], tuple[int, ...], object]],
+                 hidden: set[str]):
         super().__init__()
         self.raw, self.quant, self.path = raw, quant, raw.path
         self.dtype = torch.bfloat16
         for name, entry in raw.items():
-            if name in decoded:
-                self[name] = (DecodedTensor(self, name, decoded[name]), name)
-            elif name not in hidden:
+            if name not in hidden and name not in decoded:
                 self[name] = entry
+        for name, (parts, shape, decode) in decoded.items():
+            self[name] = (DecodedTensor(self, parts, shape, decode), name)
         self.decoded = set(decoded)
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -142,7 +149,9 @@ def decoded_index(raw, config, where: Path | str = ""):
             raise CheckpointError(f"{raw[scale][0].path}: tensor '{scale}' is a quantization scale but {cfg} has no "
                                   "'quantization_config'")
         return raw
-    decoded: dict[str, str] = {}
+    if quant.method != "fp8":
+        return QuantizedIndex(raw, quant, *packed_entries(raw, quant))
+    decoded: dict = {}
     hidden: set[str] = set()
     for name, (st, key) in raw.items():
         if name.endswith(ACTIVATION_SUFFIXES):
@@ -185,8 +194,81 @@ def decoded_index(raw, config, where: Path | str = ""):
         if sst.dtype(skey) not in SCALE_DTYPES:
             raise CheckpointError(f"{sst.path}: scale '{scale}' is {_dt(sst.dtype(skey))}; expected float32, "
                                   "bfloat16 or float16")
-        decoded[name] = scale
+        block = quant.block
+        decoded[name] = ({"weight": name, "scale": scale}, shape,
+                         lambda t, dtype, block=block: dequantize_fp8(t["weight"], t["scale"], block, dtype))
     return QuantizedIndex(raw, quant, decoded, hidden)
+
+
+def packed_entries(raw, quant: Quantization) -> tuple[dict, set[str]]:
+    """GPTQ / AWQ: each `X.qweight` with `X.qzeros`, `X.scales` (and GPTQ's optional `X.g_idx`) -> one decoded entry
+    `X.weight` [N, K] (model/packed.py); every shape, dtype and g_idx value checked here, from the headers (and the
+    small g_idx tensors). Returns (decoded entries, the stored names they hide)."""
+    decoded: dict = {}
+    hidden: set[str] = set()
+    what = f"{quant.method} ({quant.bits}-bit)"
+    for name, (st, key) in raw.items():
+        if st.dtype(key) in FP8:
+            raise CheckpointError(f"{st.path}: tensor '{name}' is {_dt(st.dtype(key))} but the config says {quant.method}")
+        base, _, role = name.rpartition(".")
+        if role in PACKED_PARTS:
+            if base + ".qweight" not in raw:
+                raise CheckpointError(f"{st.path}: tensor '{name}' has no '{base}.qweight' it belongs to ({what})")
+            continue
+        if role != "qweight":
+            continue
+        weight = base + ".weight"
+        if weight in raw:
+            raise CheckpointError(f"{st.path}: module '{base}' holds both a float '{weight}' and a quantized '{name}'")
+        parts = {"qweight": name}
+        for part in PACKED_PARTS:
+            if base + "." + part in raw:
+                parts[part] = base + "." + part
+            elif part != "g_idx":
+                raise CheckpointError(f"{st.path}: tensor '{name}' has no '{base}.{part}' ({what} weights need their "
+                                      "zero points and scales)")
+        if "g_idx" in parts and quant.method == "awq":
+            raise CheckpointError(f"{st.path}: tensor '{parts['g_idx']}' is a GPTQ act-order index, but the config says awq")
+        pattern = quant.excluded_by(base)
+        if pattern is not None:
+            raise CheckpointError(f"{st.path}: tensor '{name}' is quantized but module '{base}' is excluded by "
+                                  f"quantization_config.modules_to_not_convert pattern '{pattern}'")
+        shapes = {role: tuple(raw[k][0].shape(k)) for role, k in parts.items()}
+        for role, k in parts.items():
+            dt = raw[k][0].dtype(k)
+            ok = dt == torch.int32 if role in ("qweight", "qzeros") else dt in SCALE_DTYPES if role == "scales" else dt in INT_DTYPES
+            if not ok or len(shapes[role]) != (1 if role == "g_idx" else 2):
+                raise CheckpointError(f"{raw[k][0].path}: tensor '{k}' is {_dt(dt)} {list(shapes[role])}; {what} stores "
+                                      + {"qweight": "int32 [rows, cols]", "qzeros": "int32 [groups, cols]",
+                                         "scales": "float [groups, outputs]", "g_idx": "int [inputs]"}[role])
+        per = 32 // quant.bits
+        if quant.method == "gptq":
+            K, N = shapes["qweight"][0] * per, shapes["qweight"][1]
+            zeros = (-(-N // per),)
+        else:
+            K, N = shapes["qweight"][0], shapes["qweight"][1] * per
+            zeros = (shapes["qweight"][1],)
+        G = -(-K // quant.group) if quant.group else 1
+        want = {"scales": (G, N), "qzeros": (G, *zeros), "g_idx": (K,)}
+        for role, shape in want.items():
+            if role in parts and shapes[role] != shape:
+                group = f"group_size {quant.group}" if quant.group else "one group"
+                raise CheckpointError(f"{raw[parts[role]][0].path}: tensor '{parts[role]}' has shape {list(shapes[role])} but "
+                                      f"'{name}' {list(shapes['qweight'])} ({what}: weight [{N}, {K}], {group}) needs "
+                                      f"{list(shape)}")
+        if "g_idx" in parts:
+            g = raw.tensor(parts["g_idx"])
+            if g.numel() and (int(g.min()) < 0 or int(g.max()) >= G):
+                raise CheckpointError(f"{raw[parts['g_idx']][0].path}: tensor '{parts['g_idx']}' holds group "
+                                      f"{int(g.max()) if int(g.max()) >= G else int(g.min())}, outside 0..{G - 1}")
+        if quant.method == "gptq":
+            decode = lambda t, dtype, q=quant: gptq_weight(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"),  # noqa: E731
+                                                           q.bits, q.group, q.zero_offset, dtype)
+        else:
+            decode = lambda t, dtype, q=quant: awq_weight(t["qweight"], t["qzeros"], t["scales"], q.group, dtype)  # noqa: E731
+        decoded[weight] = (parts, (N, K), decode)
+        hidden |= set(parts.values())
+    return decoded, hidden
 
 
 def dequantize_fp8(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
