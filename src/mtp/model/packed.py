@@ -54,8 +54,12 @@ def gptq_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
     K = q.shape[0]
     # v1 stores z - 1 in `bits` bits (z = 0 wraps to 2^bits - 1): add the offset back within the same bits
     z = (unpack_cols(qzeros, bits)[:, : q.shape[1]] + zero_offset) & ((1 << bits) - 1)  # [G, N]
-    g = g_idx.long() if g_idx is not None else torch.arange(K) // (group or K)
-    w = (q.float() - z[g].float()) * scales.float()[g]
+    if g_idx is None and K % (group or K) == 0:  # groups are contiguous runs of inputs: broadcast, no gather
+        G = z.shape[0]
+        w = (q.view(G, K // G, -1).float() - z[:, None].float()).mul_(scales.float()[:, None]).view(K, -1)
+    else:
+        g = g_idx.long() if g_idx is not None else torch.arange(K) // (group or K)
+        w = (q.float() - z[g].float()).mul_(scales.float()[g])
     return w.t().to(dtype).contiguous()
 
 
@@ -64,8 +68,12 @@ def awq_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     """AWQ GEMM tensors (module docstring) -> the float weight [N, K] in `dtype`, computed in fp32."""
     q = _awq_unorder(unpack_cols(qweight, 4))  # [K, N]
     z = _awq_unorder(unpack_cols(qzeros, 4))  # [G, N]
-    g = torch.arange(q.shape[0]) // group
-    w = (q.float() - z[g].float()) * scales.float()[g]
+    K, G = q.shape[0], z.shape[0]
+    if K % group == 0:
+        w = (q.view(G, group, -1).float() - z[:, None].float()).mul_(scales.float()[:, None]).view(K, -1)
+    else:
+        g = torch.arange(K) // group
+        w = (q.float() - z[g].float()).mul_(scales.float()[g])
     return w.t().to(dtype).contiguous()
 
 

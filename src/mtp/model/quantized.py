@@ -285,11 +285,14 @@ def dequantize_fp8(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] 
     for r in range(0, N, step):
         rows = w[..., r : r + step, :].float()
         if block is None:
-            sr = s[..., r : r + step, :] if s.shape[-2] == N else s
-        else:  # the tiles' scales expanded to every row and column of these rows
+            rows.mul_(s[..., r : r + step, :] if s.shape[-2] == N else s)
+        else:  # the tiles' scales of these rows, broadcast over each tile's columns (a view: no weight-sized copy)
             sr = s[..., r // b0 : -(-(r + rows.shape[-2]) // b0), :].repeat_interleave(b0, -2)[..., : rows.shape[-2], :]
-            sr = sr.repeat_interleave(b1, -1)[..., :K]
-        out[..., r : r + step, :] = rows.mul_(sr).to(dtype)
+            full = K // b1
+            rows[..., : full * b1].unflatten(-1, (full, b1)).mul_(sr[..., :full, None])
+            if full * b1 < K:  # the last, partial tile
+                rows[..., full * b1 :].mul_(sr[..., full:])
+        out[..., r : r + step, :] = rows.to(dtype)
     return out
 
 
