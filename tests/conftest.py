@@ -150,6 +150,6 @@ def assert_greedy_agrees(model, prompt: list[int], ours: list[int], reference: l
     if n is None:
         assert len(ours) == len(reference), (len(ours), len(reference))
         return
-    logits = model(torch.tensor([list(prompt) + list(ours[:n])]))[0, -1].float()
+    logits = model(torch.tensor([list(prompt) + list(ours[:n])], device=model.device))[0, -1].float()
     gap = abs(float(logits[ours[n]] - logits[reference[n]]))
     assert gap <= tie, f"greedy outputs part at new token {n} ({ours[n]} vs {reference[n]}) with a logit gap of {gap:.3g}"

@@ -171,11 +171,12 @@ def test_bench_reports_a_failing_configuration_as_failed(model_dir, tmp_path, mo
 def test_bench_variants_are_checked_against_their_own_plain_decoding(model_dir, tmp_path):
     out = tmp_path / "bench"
     rc = main(["bench", "--model", str(model_dir), "--quick", "--out", str(out), "--no-transformers", "--no-cost-model",
-               "--draft-tokens", "2", "--max-new-tokens", "8", "--repeats", "1", "--variants", "bf16,int8+vocab64",
+               "--draft-tokens", "2", "--max-new-tokens", "8", "--repeats", "1", "--variants", "bf16,int8+vocab64,int4",
                "--no-profile"])
     report = json.loads((out / "report.json").read_text())
     assert rc == 0, report["mismatches"]
     code = report["summary"]["code"]
     assert {"mtp plain", "mtp k=2", "mtp bf16 plain", "mtp bf16 k=2", "mtp int8+vocab64 plain", "mtp int8+vocab64 k=2"} <= set(code)
     assert code["mtp int8+vocab64 k=2"]["variant"] == "int8+vocab64"
+    assert {"mtp int4 plain", "mtp int4 k=2"} <= set(code)
     assert report["best_fixed_k"]["code"]["config"] == "mtp k=2"  # the default variant's

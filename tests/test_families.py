@@ -476,7 +476,6 @@ def test_yarn_table_and_softmax_scale_match_transformers():
     (DeepseekV3Config, DEEPSEEK_V3_CONFIG, dict(num_nextn_predict_layers=-1), "num_nextn_predict_layers"),
     (DeepseekV3Config, DEEPSEEK_V3_CONFIG, dict(rope_scaling={"type": "longrope", "factor": 2}), "rope_scaling.rope_type"),
     (DeepseekV3Config, DEEPSEEK_V3_CONFIG, dict(qk_rope_head_dim=63), "qk_rope_head_dim"),
-    (DeepseekV3Config, DEEPSEEK_V3_CONFIG, dict(quantization_config={"quant_method": "fp8"}), "quantization_config"),
     (Glm4MoeConfig, GLM45_CONFIG, dict(num_key_value_heads=7), "num_key_value_heads"),
     (Glm4MoeConfig, GLM45_CONFIG, dict(partial_rotary_factor=1.5), "partial_rotary_factor"),
     (MiMoConfig, MIMO_CONFIG, dict(use_sliding_window=True), "use_sliding_window"),

@@ -39,7 +39,7 @@ def exact_joint(model, params: SamplingParams) -> dict[tuple, float]:
     return out
 
 
-def chi2_pvalue(model, params: SamplingParams, k: int, draft_vocab=None, seeded: bool = True) -> float:
+def chi2_pvalue(model, params: SamplingParams, k: int, draft_vocab=None, seeded: bool = True, compile: bool = False) -> float:
     """Seeded runs sample by the Gumbel-max coupling, unseeded ones by Leviathan's rule (from torch's global RNG,
     seeded here so the test itself is reproducible)."""
     counts = {}
@@ -47,7 +47,7 @@ def chi2_pvalue(model, params: SamplingParams, k: int, draft_vocab=None, seeded:
     for i in range(N):
         r = mtp.generate(model, PROMPT, max_new_tokens=4, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                          repetition_penalty=params.repetition_penalty, seed=10_000 * k + i if seeded else None,
-                         draft_tokens=k, draft_vocab=draft_vocab)
+                         draft_tokens=k, draft_vocab=draft_vocab, compile=compile)
         key = tuple(r.tokens[:3])
         counts[key] = counts.get(key, 0) + 1
     exact = exact_joint(model, params)

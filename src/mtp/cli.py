@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TextIO
 
 from .bench.cli import register as register_bench
+from .check import register as register_check
 from .cli_common import add_compile_arg, add_model_args, add_sampling_args, load_from_args, sampling_kwargs
 from .data.cli import register as register_data
 from .serve.cli import register as register_serve
@@ -143,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(g)
     add_compile_arg(g)
     g.set_defaults(func=cmd_generate)
-    for register in (register_data, register_train, register_bench, register_serve):
+    for register in (register_data, register_train, register_bench, register_serve, register_check):
         register(sub)
     return parser
 

@@ -61,8 +61,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) when --model is a hub id")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and activations (auto: the checkpoint's)")
-    p.add_argument("--quantize", default=None, choices=["int8"],
-                   help="int8: weight-only int8 linear layers (per-channel scales, bf16 activations; the MTP's fc stays bf16)")
+    p.add_argument("--quantize", default=None, choices=["int8", "int4"],
+                   help="weight-only quantization of the linear layers and experts, bf16 activations (the MTP's input "
+                        "projection stays bf16): int8 (per-channel scales) or int4 (groups of 128, asymmetric). A "
+                        "checkpoint already quantized (FP8, GPTQ, AWQ) loads decoded with no flag")
     p.add_argument("--device", default="auto", choices=DEVICES, help="auto: cuda when available, else cpu")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: chosen from the cores that are free now, see `auto_threads`)")

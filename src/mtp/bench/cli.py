@@ -74,7 +74,7 @@ def register(subparsers) -> None:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for report.json, report.md and plots")
     add_draft_vocab_arg(p)
     p.add_argument("--variants", type=lambda v: [Variant.parse(x) for x in v.split(",")], default=[],
-                   help="more variants measured beside the default one, interleaved: comma list of fp32, bf16, fp16, int8, "
+                   help="more variants measured beside the default one, interleaved: comma list of fp32, bf16, fp16, int8, int4, "
                         "each optionally +vocabN (e.g. bf16,int8,int8+vocab4096); each is checked against its own plain decoding")
     p.add_argument("--quick", action="store_true", help="a CI-sized run: 1 prompt per kind, few tokens, 2 repeats")
     p.add_argument("--no-transformers", action="store_true", help="leave transformers' generate out")

@@ -26,8 +26,8 @@ HF = "transformers"
 
 @dataclass(frozen=True)
 class Variant:
-    """How the model runs: weights' dtype, int8 quantization, reduced draft vocabulary, compiled rounds. `name` ""
-    is the default (the command line's --dtype / --quantize / --draft-vocab / --compile)."""
+    """How the model runs: weights' dtype, int8/int4 quantization, reduced draft vocabulary, compiled rounds. `name`
+    "" is the default (the command line's --dtype / --quantize / --draft-vocab / --compile)."""
 
     name: str = ""
     dtype: str = "auto"
@@ -52,10 +52,10 @@ class Variant:
                 vocab = int(extra[5:])
             else:
                 raise ValueError(f"bench variant {spec!r}: '+{extra}' is neither '+vocabN' nor '+compile'")
-        if head == "int8":
-            return cls(spec, "bfloat16", "int8", vocab, compiled)
+        if head in ("int8", "int4"):
+            return cls(spec, "bfloat16", head, vocab, compiled)
         if head not in dtypes:
-            raise ValueError(f"bench variant {spec!r}: expected fp32, bf16, fp16, int8 or auto, optionally +vocabN, +compile")
+            raise ValueError(f"bench variant {spec!r}: expected fp32, bf16, fp16, int8, int4 or auto, optionally +vocabN, +compile")
         return cls(spec, dtypes[head], None, vocab, compiled)
 
 

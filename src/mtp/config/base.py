@@ -183,12 +183,14 @@ class HFConfig:
         if value not in choices:
             raise ConfigError(f"config key '{name}' is {short(value)}; supported: {', '.join(map(repr, choices))}")
 
-    def refuse_quantized(self) -> None:
+    @property
+    def quantization_config(self) -> Any:
+        """config.json's `quantization_config` as written (None: a float checkpoint), from the top level of a
+        multimodal file too; parsed and checked by `config.quantization.parse_quantization`."""
         qc = self.extra.get("quantization_config")
-        if qc is not None:  # e.g. DeepSeek-V3's fp8 blocks: the weights would load without their scales
-            method = qc.get("quant_method") if isinstance(qc, dict) else qc
-            raise ConfigError(f"config key 'quantization_config' ({short(method)}): quantized checkpoints are not "
-                              "supported; use the bf16 weights")
+        if qc is None and self.outer is not None:
+            qc = self.outer.get("quantization_config")
+        return qc
 
     # ------------------------------------------------------------------ derived
     @property
@@ -347,7 +349,6 @@ class DecoderConfig(HFConfig):
         return [eos] if isinstance(eos, int) else list(eos)
 
     def validate(self) -> None:
-        self.refuse_quantized()
         self.positive("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                       "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta")
         self.non_negative("initializer_range")

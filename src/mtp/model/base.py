@@ -32,10 +32,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .cache import Cache, KVCache, Positions
+from .linear import int4_group_for, int4_supported
 from .linear import prepare_for_inference as prepare_linears
-from .moe import group_experts, split_experts
+from .moe import Experts, group_experts, split_experts
 from .rope import RotaryTable
 
+# Weight-only quantizations `prepare_for_inference` (and `load_model(quantize=...)`) apply.
+QUANTIZE = ("int8", "int4")
 # Our name of MTP layer i's parameters, in every family: `mtp.layers.{i}.<rest>`.
 MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 
@@ -164,8 +167,10 @@ class CausalLM(nn.Module, ABC):
     def prepare_for_inference(self, quantize: str | None = None) -> None:
         """Swap the linear layers for row-invariant CPU inference kernels (`model/linear.py`): bf16 weights use
         oneDNN's packed layout, fp32 weights a row-by-row product; `quantize` "int8" (weight-only, per-channel scales)
-        quantizes every linear layer but `keep_precision` (bf16). Parameters and the state dict stay as they are; a
-        no-op off CPU. The decoder calls it once on a model that was not prepared (`prepared`)."""
+        or "int4" (weight-only, groups of 128, `linear.Int4Weight`) quantizes every linear layer and every routed
+        expert but `keep_precision` (bf16); a layer the int4 kernel cannot run (outputs not a multiple of 16, inputs
+        not of 32) gets int8. Parameters and the state dict stay as they are; a no-op off CPU. The decoder calls it
+        once on a model that was not prepared (`prepared`)."""
         self.prepared = True
         if self.device.type != "cpu":
             return
@@ -175,12 +180,24 @@ class CausalLM(nn.Module, ABC):
             if self.__dict__.get("masks") is not None:  # its LoRA hooks need each projection's own forward
                 self.masks.unfuse(self)
             return
+        if quantize not in QUANTIZE:
+            raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
         if self.dtype != torch.bfloat16:
             raise ValueError(f"quantize={quantize!r} needs a bfloat16 model (load it with dtype='bfloat16'), got {self.dtype}")
-        prepare_linears(self, quantize, skip=self.keep_precision)
+        keep = tuple(self.keep_precision)
+        if quantize == "int4":
+            unfit = [n for n, m in self.named_modules() if isinstance(m, nn.Linear) and not _int4_fits(m)
+                     and not any(n.endswith(s) for s in keep)]
+            prepare_linears(self, "int4", skip=keep + tuple(unfit))
+            for name in unfit:
+                prepare_linears(self.get_submodule(name), "int8")
+        else:
+            prepare_linears(self, quantize, skip=keep)
         for name, m in self.named_modules():
-            if any(name.endswith(s) for s in self.keep_precision) and isinstance(m, nn.Linear):
+            if any(name.endswith(s) for s in keep) and isinstance(m, nn.Linear):
                 prepare_linears(m, "bf16")
+            elif isinstance(m, Experts) and "_kernels" not in m.__dict__ and not any(name.endswith(s) for s in keep):
+                m.prepare(quantize)
         if self.__dict__.get("masks") is not None:
             self.masks.unfuse(self)
 
@@ -373,6 +390,12 @@ class CausalLM(nn.Module, ABC):
     def mtp_logits(self, ids: torch.Tensor, depth: int | None = None) -> list[torch.Tensor]:
         """List over d = 1..depth of [B, T-d, V]: position i predicts token i+d+1 (teacher forcing)."""
         return [self.mtp_head(h, d) for d, h in enumerate(self.mtp_hidden_states(ids, depth), start=1)]
+
+
+def _int4_fits(linear: nn.Linear) -> bool:
+    """Can the int4 kernel run this layer (`linear.int4_supported`)?"""
+    group = int4_group_for(linear.in_features)
+    return group is not None and int4_supported(linear.out_features, linear.in_features, group)
 
 
 def init_weights_(model: CausalLM, std: float | None = None, seed: int | None = None) -> None:

@@ -30,6 +30,7 @@ from .budget import BUILD_ERRORS, TooLargeError, build_on_meta
 from .families import config_from_json, model_class_for
 from .masks import MASKS_CONFIG, load_adapter
 from .moe import Stack
+from .quantized import QuantizedIndex, decoded_index
 
 log = logging.getLogger("mtp")
 # Files that travel with the weights: the tokenizer, the chat template, the default sampling parameters, and the
@@ -81,12 +82,14 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
     """Load a checkpoint folder or hub id (`org/name`, optional `revision`) -> model in eval mode.
 
     dtype "auto" keeps the checkpoint's (bf16 stays bf16, and the weights stay memory-mapped). On the CPU a bf16
-    model's linear layers get oneDNN-packed copies for inference; `quantize="int8"` quantizes them (weight-only,
-    per-channel; the model is then bf16) - see `model/linear.py`. Errors (CheckpointError, ConfigError) name the file
-    and the tensor or key: missing, unexpected, wrong shape, wrong dtype, truncated or corrupt, a config that asks for
-    more layers or a wider embedding than the tensors hold, a model larger than the memory available. A config with
-    MTP layers but no MTP tensors loads with a MissingMTPWarning and `model.has_mtp == False` (never random heads).
-    A tensor holding NaN or Inf gives a NonFiniteWeightsWarning naming it; `strict=True` refuses the checkpoint."""
+    model's linear layers get oneDNN-packed copies for inference; `quantize="int8"` (per-channel) or "int4" (groups
+    of 128) quantizes them and the routed experts (weight-only; the model is then bf16) - see `model/linear.py`. A
+    quantized checkpoint (FP8: `model/quantized.py`) is decoded at load to `dtype` (auto: bf16).
+    Errors (CheckpointError, ConfigError) name the file and the tensor or key: missing, unexpected, wrong shape,
+    wrong dtype, truncated or corrupt, a quantized tensor without its scale, a config that asks for more layers
+    or a wider embedding than the tensors hold, a model larger than the memory available. A config with MTP layers
+    but no MTP tensors loads with a MissingMTPWarning and `model.has_mtp == False` (never random heads). A tensor
+    holding NaN or Inf gives a NonFiniteWeightsWarning naming it; `strict=True` refuses the checkpoint."""
     path = resolve_checkpoint(path, revision=revision)
     want_dtype = parse_dtype(dtype)
     if quantize is not None and want_dtype is None:
@@ -98,7 +101,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
             raise CheckpointError(f"{path}: no config.json")
         config = config_from_json(path / "config.json")
     cls = model_class_for(config)
-    with TensorIndex(path) as files:
+    with TensorIndex(path) as raw:
+        files = decoded_index(raw, config, path)  # a quantized checkpoint's weights read as floats (model/quantized.py)
         shape = lambda key: files[key][0].shape(key)  # noqa: E731
         config = cls.checkpoint_config(config, list(files))
         sources, layout = cls.checkpoint_sources(list(files), shape, config)
@@ -114,6 +118,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
             warnings.warn(msg, MissingMTPWarning, stacklevel=2)
             log.warning(msg)
         dtype_ = want_dtype or _checkpoint_dtype(files, [k for k in files if cls.internal_name(k, config) is not None])
+        if isinstance(files, QuantizedIndex):
+            files.dtype = dtype_
         try:
             model = build_on_meta(cls, config, dtype_, device, str(path / "config.json"), with_mtp=with_mtp)
         except TooLargeError:
@@ -331,6 +337,7 @@ def save_model(model: CausalLM, path: str | Path, max_shard_size: int | None = N
     if model.mtp is None and config.mtp_num_hidden_layers > 0:
         log.warning("saving a model without MTP weights: config keeps %s=%d", config.mtp_layers_key,
                     config.mtp_num_hidden_layers)
+    config.extra.pop("quantization_config", None)  # a quantized checkpoint was decoded at load: it saves as floats
     saved_dtype = next(iter(state.values())).dtype
     config.extra["dtype"] = str(saved_dtype).removeprefix("torch.")
     config.extra.pop("torch_dtype", None)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, read_config_file
+from ..config.quantization import parse_quantization
 from .base import CausalLM
 from .deepseek_v3 import DeepseekV3ForCausalLM
 from .glm4_moe import Glm4MoeForCausalLM
@@ -52,8 +53,10 @@ def model_class(data: dict[str, Any]) -> type[CausalLM]:
 
 
 def config_from_dict(data: dict[str, Any]):
-    """Parse a HF config dict into its family's config dataclass."""
-    return model_class(data).config_class.from_hf_dict(data)
+    """Parse a HF config dict into its family's config dataclass (its `quantization_config` checked too)."""
+    config = model_class(data).config_class.from_hf_dict(data)
+    parse_quantization(config.quantization_config)
+    return config
 
 
 def config_from_json(path: str | Path):

@@ -12,6 +12,11 @@ that runs it):
   weights only on CPUs with AVX-512 (bw/vl/dq) or AVX-NE-CONVERT; on an AVX2-only CPU (AMD EPYC Zen 3, say) the
   kernel is `F.linear` on the bf16 weight, which is row-invariant there.
 - "int8": weight-only int8 with per-output-channel scales (`_weight_int8pack_mm`, bf16 activations).
+- "int4": weight-only int4 with group-wise affine scales (`Int4Weight`; torch's CPU kernel
+  `_weight_int4pack_mm_for_cpu`, bf16 activations; torchao's CPU int4 weight-only tensor calls the same kernel).
+  Prepared from a float weight (round to nearest, asymmetric, groups of 128 input features); a layer whose shape
+  the kernel cannot run (outputs not a multiple of 16, inputs not of 32) gets int8. Measured on an AVX2 EPYC
+  (docs/decisions.md, 2026-12-01, issue 19): row-invariant (1..64 rows, 1 and 2 threads), faster than bf16.
 - "fp32": `F.linear`, one row at a time in decode rounds (`linear_rows` within `row_invariant()`). MKL's fp32 GEMM
   is not row-invariant (a 1-row product takes its GEMV path, several rows its blocked GEMM, and they round
   differently), so a verify block multiplies row by row: each row reads the weights again (fp32 is not the fast
@@ -30,12 +35,17 @@ import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-KERNELS = ("bf16", "int8", "fp32")
+KERNELS = ("bf16", "int8", "int4", "fp32")
+# Group sizes torch's CPU int4 kernel takes (a larger group is split into these).
+INT4_KERNEL_GROUPS = (32, 64, 128, 256)
+# The group size `--quantize int4` uses (the common GPTQ/AWQ choice; the kernel's fastest at 4 rows, decisions.md).
+INT4_GROUP = 128
 
 _PACKED_BF16: bool | None = None
 
@@ -50,6 +60,82 @@ def packed_bf16_supported() -> bool:
         except RuntimeError:
             _PACKED_BF16 = False
     return _PACKED_BF16
+
+
+@dataclass
+class Int4Weight:
+    """A weight [N, K] as 4-bit codes with group-wise affine scales, the form every int4 checkpoint format decodes to:
+    w[n, perm[j]] = (codes[n, j] - zero[n, j // group]) * scale[n, j // group], with perm the identity when None
+    (act-order checkpoints store the input features permuted so that each group is contiguous).
+
+    codes uint8 [N, K] in 0..15; scale float [N, K / group]; zero uint8 [N, K / group] in 0..15; perm long [K]."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    group: int
+    perm: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [N, K] in `dtype`, input features in their natural order (computed in fp32)."""
+        N, K = self.codes.shape
+        q = self.codes.float().view(N, K // self.group, self.group)
+        w = ((q - self.zero.float()[..., None]) * self.scale.float()[..., None]).view(N, K)
+        if self.perm is not None:
+            w = torch.empty_like(w).index_copy_(1, self.perm, w)
+        return w.to(dtype)
+
+    @staticmethod
+    def quantize(w: torch.Tensor, group: int = INT4_GROUP) -> Int4Weight:
+        """Round to nearest, asymmetric per group of `group` input features (min..max onto 0..15, an integer zero
+        point): w [N, K] -> Int4Weight. The codes, scales and zero points are those a GPTQ/compressed-tensors
+        asymmetric int4 checkpoint stores, so the result can be written in those formats unchanged."""
+        N, K = w.shape
+        g = w.detach().float().reshape(N, K // group, group)
+        lo = g.amin(-1).clamp(max=0.0)
+        hi = g.amax(-1).clamp(min=0.0)
+        scale = ((hi - lo) / 15).clamp_min(1e-10)
+        zero = (-lo / scale).round().clamp(0, 15)
+        codes = (g / scale[..., None]).round().add_(zero[..., None]).clamp_(0, 15)
+        return Int4Weight(codes.reshape(N, K).to(torch.uint8), scale, zero.to(torch.uint8), group)
+
+
+def int4_group_for(in_features: int) -> int | None:
+    """The group size `--quantize int4` uses for a layer of this input width (None: no kernel group divides it)."""
+    for g in (INT4_GROUP, 64, 32):
+        if in_features % g == 0:
+            return g
+    return None
+
+
+def int4_supported(out_features: int, in_features: int, group: int) -> bool:
+    """Can torch's CPU int4 kernel run this shape? (N a multiple of 16; the group, or a split of it, a kernel size.)"""
+    return out_features % 16 == 0 and in_features % group == 0 and _kernel_group(group) is not None
+
+
+def _kernel_group(group: int) -> int | None:
+    """The kernel group size a checkpoint group splits into exactly (a 512-wide group is two 256-wide ones with the
+    same scale), or None."""
+    for g in reversed(INT4_KERNEL_GROUPS):
+        if group % g == 0:
+            return g
+    return None
+
+
+def _int4_pack(wq: Int4Weight) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Int4Weight -> (packed codes uint8 [N, K/2] in the kernel's CPU-specific layout, scales and zeros bf16 [K/g, N, 2],
+    kernel group g). The kernel computes (q - 8) * s + z, so z = (8 - zero) * s."""
+    g = _kernel_group(wq.group)
+    repeat = wq.group // g
+    scale = wq.scale.float().repeat_interleave(repeat, dim=1)
+    offset = (8.0 - wq.zero.float().repeat_interleave(repeat, dim=1)) * scale
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(wq.codes.to(torch.int32), 1)
+    sz = torch.stack([scale.t(), offset.t()], dim=-1).to(torch.bfloat16).contiguous()
+    return packed, sz, g
 
 
 class FastLinear(nn.Linear):
@@ -82,12 +168,27 @@ class FastLinear(nn.Linear):
         elif kernel == "bf16":
             w = w.to(torch.bfloat16)
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w, 1) if packed_bf16_supported() else w.contiguous()
+        elif kernel == "int4":
+            group = int4_group_for(self.in_features)
+            if group is None or not int4_supported(self.out_features, self.in_features, group):
+                raise ValueError(f"int4 needs out_features % 16 == 0 and in_features % 32 == 0, got {list(w.shape)}")
+            self._set_int4(Int4Weight.quantize(w, group))
         else:
             scale = (w.float().abs().amax(dim=1) / 127).clamp_min(1e-12)
             self._packed = (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
             self._scale = scale.to(torch.bfloat16)
         if not hasattr(self, "_slot"):
             self._slot = _register(self)
+
+    def _set_int4(self, wq: Int4Weight) -> None:
+        self._packed, self._sz, self._group = _int4_pack(wq)
+        self._perm = wq.perm
+
+    def int4_weight(self) -> Int4Weight:
+        """The int4 codes, scales and zero points `prepare("int4")` ran (an "int4" layer only)."""
+        if self.kernel != "int4":
+            raise ValueError(f"not an int4 layer (kernel {self.kernel})")
+        return Int4Weight.quantize(self.weight.detach(), int4_group_for(self.in_features))  # as `prepare` did: same codes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -109,6 +210,12 @@ class FastLinear(nn.Linear):
             y = F.linear(x2, self._packed, bias)
         elif self.kernel == "bf16":
             y = torch.ops.mkldnn._linear_pointwise(x2, self._packed, bias, "none", [None], "")
+        elif self.kernel == "int4":
+            if self._perm is not None:  # act order: the codes' columns are the input features in this order
+                x2 = x2.index_select(1, self._perm)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self._packed, self._group, self._sz)
+            if bias is not None:
+                y = y + bias
         else:
             y = torch._weight_int8pack_mm(x2.contiguous(), self._packed, self._scale)
             if bias is not None:

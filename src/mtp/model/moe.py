@@ -20,7 +20,7 @@ from torch import nn
 
 from ..io.safetensors_mmap import CheckpointError
 from .layer import MLP
-from .linear import linear_rows
+from .linear import FastLinear, int4_group_for, int4_supported, linear_rows
 from .rowwise import rowwise
 
 
@@ -58,8 +58,26 @@ class Experts(nn.Module):
         return out
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        kernels = self.__dict__.get("_kernels")
+        if kernels is not None:  # quantized: expert e's prepared layers (`prepare`)
+            gate_up, down = kernels[e]
+            gate, up = gate_up(x).chunk(2, dim=-1)
+            return down(rowwise(F.silu, gate) * up)
         gate, up = linear_rows(x, self.gate_up_proj[e]).chunk(2, dim=-1)
         return linear_rows(rowwise(F.silu, gate) * up, self.down_proj[e])
+
+    def prepare(self, kernel: str) -> None:
+        """Quantize each expert for inference (`linear.FastLinear`, kernel "int8" or "int4"), as the model's linear
+        layers are: expert e then runs two prepared layers over views of its slices of the parameters (int8 where
+        the int4 kernel cannot run the shape), which are unchanged (used again, through `linear_rows`, while training)."""
+        def layer(w: torch.Tensor) -> FastLinear:
+            lin = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+            lin.weight = nn.Parameter(w, requires_grad=False)
+            group = int4_group_for(w.shape[1])
+            fits = group is not None and int4_supported(w.shape[0], w.shape[1], group)
+            return FastLinear.wrap(lin, "int8" if kernel == "int4" and not fits else kernel)  # as the linears do
+
+        self.__dict__["_kernels"] = [(layer(self.gate_up_proj[e]), layer(self.down_proj[e])) for e in range(self.num_experts)]
 
 
 class SparseMoE(nn.Module):

@@ -1,0 +1,114 @@
+"""What loading a quantized release costs next to the bf16 one of the same model: wall time and peak RSS of
+`mtp.load_model` in a fresh process, for a random-weight model of a named shape saved as bf16, as an FP8 release
+(128x128 block scales) and as a GPTQ 4-bit release (groups of 128, asymmetric, v1 zero points). Used for
+docs/decisions.md, 2026-12-01 (issue 19).
+
+    python scripts/quantized_load.py [--shape qwen3.5-0.8b] [--dir /tmp/mtp-qload] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+KEEP = ("embed_tokens", "lm_head", "mlp.gate.weight", "shared_expert_gate", "conv1d", "in_proj_a", "in_proj_b")
+
+
+def quantizable(name: str, t: torch.Tensor) -> bool:
+    return t.dim() == 2 and name.endswith(".weight") and not any(k in name for k in KEEP) and t.shape[0] % 8 == 0 \
+        and t.shape[1] % 128 == 0
+
+
+def to_fp8(src: Path, dst: Path) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128]}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    out = {}
+    for name, t in load_file(src / "model.safetensors").items():
+        if not quantizable(name, t):
+            out[name] = t
+            continue
+        N, K = t.shape
+        n0, n1 = -(-N // 128), -(-K // 128)
+        padded = torch.zeros(n0 * 128, n1 * 128)
+        padded[:N, :K] = t.float()
+        s = (padded.reshape(n0, 128, n1, 128).abs().amax((1, 3)) / 448).clamp_min(1e-12)
+        full = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:N, :K]
+        out[name], out[name + "_scale_inv"] = (t.float() / full).to(torch.float8_e4m3fn), s
+    save_file(out, dst / "model.safetensors")
+
+
+def to_gptq(src: Path, dst: Path) -> None:
+    from mtp.model.packed import pack_cols, pack_rows
+
+    dst.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": False, "desc_act": False,
+                                  "checkpoint_format": "gptq"}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    out = {}
+    for name, t in load_file(src / "model.safetensors").items():
+        if not quantizable(name, t):
+            out[name] = t
+            continue
+        N, K = t.shape
+        g = t.float().reshape(N, K // 128, 128)
+        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+        s = ((hi - lo) / 15).clamp_min(1e-8).half().float()
+        z = (-lo / s).round().clamp(0, 15)
+        q = (g / s[..., None] + z[..., None]).round().clamp(0, 15).to(torch.int32).reshape(N, K)
+        base = name[: -len(".weight")]
+        out[base + ".qweight"] = pack_rows(q.t().contiguous(), 4)
+        out[base + ".qzeros"] = pack_cols(((z.to(torch.int32) - 1) & 15).t().contiguous(), 4)
+        out[base + ".scales"] = s.t().contiguous().half()
+    save_file(out, dst / "model.safetensors")
+
+
+PROBE = """
+import resource, sys, time, torch
+torch.set_num_threads(int(sys.argv[2]))
+import mtp
+t0 = time.perf_counter()
+m = mtp.load_model(sys.argv[1])
+t = time.perf_counter() - t0
+print(f"{t:.2f} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} {m.dtype}")
+"""
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen3.5-0.8b")
+    p.add_argument("--dir", type=Path, default=Path("/tmp/mtp-qload"))
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    import mtp
+    from mtp.bench.costmodel import build_shape_model
+
+    bf16 = args.dir / "bf16"
+    if not (bf16 / "model.safetensors").exists():
+        mtp.save_model(build_shape_model(args.shape, torch.bfloat16), bf16)
+    for name, fn in (("fp8", to_fp8), ("gptq4", to_gptq)):
+        if not (args.dir / name / "model.safetensors").exists():
+            fn(bf16, args.dir / name)
+    print(f"{args.shape}, {args.threads} thread(s): load_model in a fresh process (after one warm-up read of the files)")
+    for name in ("bf16", "fp8", "gptq4"):
+        path = args.dir / name
+        size = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e9
+        subprocess.run([sys.executable, "-c", PROBE, str(path), str(args.threads)], capture_output=True, check=True)
+        r = subprocess.run([sys.executable, "-c", PROBE, str(path), str(args.threads)], capture_output=True, text=True,
+                           check=True)
+        t, rss, dtype = r.stdout.split()
+        print(f"  {name:6s} files {size:5.2f} GB   load {float(t):6.2f} s   peak RSS {float(rss) / 1024:5.2f} GB   ({dtype})")
+
+
+if __name__ == "__main__":
+    main()

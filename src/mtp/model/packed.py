@@ -1,0 +1,88 @@
+"""GPTQ and AWQ integer weights: their int32 packings, and the float weight they stand for.
+
+Both store, for a linear layer with weight [N out, K in], `qweight` (codes), `qzeros` (zero points, packed), and
+`scales` [G, N] (G groups of `group` inputs; fp16 as released), with w[n, k] = (q[k, n] - z[g(k), n]) * s[g(k), n].
+
+- GPTQ (AutoGPTQ / GPTQModel): qweight int32 [K * bits / 32, N], 32 / bits codes per word along the inputs (input
+  k is word k // (32 / bits), bits (k % (32 / bits)) * bits); qzeros int32 [G, N * bits / 32] packed the same way
+  along the outputs; g(k) = g_idx[k] when the checkpoint has `g_idx` (act order: desc_act), else k // group. The
+  v1 format (checkpoint_format "gptq", the common one) stores z - 1: `zero_offset` 1 adds it back.
+- AWQ (GEMM): qweight int32 [K, N / 8] and qzeros int32 [G, N / 8], 8 codes per word along the outputs in AWQ's
+  interleaved order: nibble i of word c holds output 8c + AWQ_ORDER[i]; g(k) = k // group.
+
+The packers are the exact inverses (tests build checkpoints with them; a writer of such checkpoints would too).
+"""
+
+from __future__ import annotations
+
+import torch
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds output AWQ_ORDER[i] of its eight
+AWQ_REVERSE = tuple(AWQ_ORDER.index(c) for c in range(8))  # output c of a word's eight is nibble AWQ_REVERSE[c]
+
+
+def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [R, C] with 32 / bits codes per word along dim 0 -> int32 codes [R * 32 / bits, C] in 0..2^bits - 1."""
+    per = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    codes = (packed[:, None, :] >> shifts[None, :, None]) & ((1 << bits) - 1)
+    return codes.reshape(packed.shape[0] * per, packed.shape[1])
+
+
+def unpack_cols(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [R, C] with 32 / bits codes per word along dim 1 -> int32 codes [R, C * 32 / bits]."""
+    return unpack_rows(packed.t().contiguous(), bits).t()
+
+
+def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of `unpack_rows`: codes [R, C] (R a multiple of 32 / bits) -> int32 [R * bits / 32, C]."""
+    per = 32 // bits
+    c = codes.to(torch.int64).reshape(codes.shape[0] // per, per, codes.shape[1])
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
+    words = (c << shifts[None, :, None]).sum(1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits, as int32
+
+
+def pack_cols(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    return pack_rows(codes.t().contiguous(), bits).t().contiguous()
+
+
+def gptq_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
+                bits: int, group: int | None, zero_offset: int, dtype: torch.dtype) -> torch.Tensor:
+    """GPTQ tensors (module docstring) -> the float weight [N, K] in `dtype`, computed in fp32."""
+    q = unpack_rows(qweight, bits)  # [K, N]
+    K = q.shape[0]
+    # v1 stores z - 1 in `bits` bits (z = 0 wraps to 2^bits - 1): add the offset back within the same bits
+    z = (unpack_cols(qzeros, bits)[:, : q.shape[1]] + zero_offset) & ((1 << bits) - 1)  # [G, N]
+    if g_idx is None and K % (group or K) == 0:  # groups are contiguous runs of inputs: broadcast, no gather
+        G = z.shape[0]
+        w = (q.view(G, K // G, -1).float() - z[:, None].float()).mul_(scales.float()[:, None]).view(K, -1)
+    else:
+        g = g_idx.long() if g_idx is not None else torch.arange(K) // (group or K)
+        w = (q.float() - z[g].float()).mul_(scales.float()[g])
+    return w.t().to(dtype).contiguous()
+
+
+def awq_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """AWQ GEMM tensors (module docstring) -> the float weight [N, K] in `dtype`, computed in fp32."""
+    q = _awq_unorder(unpack_cols(qweight, 4))  # [K, N]
+    z = _awq_unorder(unpack_cols(qzeros, 4))  # [G, N]
+    K, G = q.shape[0], z.shape[0]
+    if K % group == 0:
+        w = (q.view(G, group, -1).float() - z[:, None].float()).mul_(scales.float()[:, None]).view(K, -1)
+    else:
+        g = torch.arange(K) // group
+        w = (q.float() - z[g].float()).mul_(scales.float()[g])
+    return w.t().to(dtype).contiguous()
+
+
+def _awq_unorder(codes: torch.Tensor) -> torch.Tensor:
+    R, C = codes.shape
+    return codes.reshape(R, C // 8, 8)[..., list(AWQ_REVERSE)].reshape(R, C)
+
+
+def awq_pack(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [R, C] (outputs along dim 1) -> AWQ's int32 [R, C / 8] (the inverse of the unpacking above)."""
+    R, C = codes.shape
+    return pack_cols(codes.reshape(R, C // 8, 8)[..., list(AWQ_ORDER)].reshape(R, C), 4)

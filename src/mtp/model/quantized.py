@@ -1,0 +1,307 @@
+"""Quantized checkpoints (FP8, GPTQ, AWQ), decoded once at load: the loader sees every quantized weight as the float
+tensor it stands for.
+
+`decoded_index(files, config)` wraps a checkpoint's `TensorIndex`: for a checkpoint whose config.json has a
+`quantization_config` (config/quantization.py), each float8 weight and its scale become one entry under the
+weight's name that reads as a float tensor (`DecodedTensor`); the scales and the activation scales (unused: the
+activations stay in the model's dtype) leave the index. Everything downstream - the family's name mapping, both
+expert layouts (per-expert tensors stacked, or the fused `experts.gate_up_proj` / `down_proj` with a leading expert
+dim), the shape and dtype checks, `materialize` - is unchanged. What is quantized follows the checkpoint: MTP layers
+load in whatever form they are stored (FP8 releases often quantize them like the rest; others exclude them).
+
+FP8 (DeepSeek-V3 / Qwen / GLM layout): `X.weight` float8 [..., N, K] with `X.weight_scale_inv` float32 (a fused
+expert tensor `X` has `X_scale_inv`), the multiplier w = q * s of each [b0, b1] tile of `weight_block_size`
+(shape [..., ceil(N / b0), ceil(K / b1)]), or with no block size one per tensor ([] or [1]) or per output channel
+([..., N, 1] or [..., N]); `X.weight_scale` is read the same way (per-tensor / per-channel releases name it so).
+Decoding is done in fp32, 128 rows at a time into the model's dtype: the weight is exactly
+(q.float() * s.float()).to(dtype), and the temporaries stay small next to the weight.
+
+GPTQ / AWQ (model/packed.py for the packings): `X.qweight` + `X.qzeros` + `X.scales` (+ GPTQ's `X.g_idx`) become
+`X.weight` [N, K], decoded in fp32 into the model's dtype; per-expert layouts only (the releases' own).
+
+Every rule is checked on the headers before anything is read or allocated, and an error names the tensor and the
+rule: a float8 tensor without its scale (or in a checkpoint with no quantization_config), a scale without its
+tensor or on a tensor that is not float8, a scale whose shape does not match the weight's, a quantized tensor in a
+module the config excludes (`modules_to_not_convert`); for GPTQ / AWQ a missing qzeros or scales, shapes that do
+not fit the bit width and group size, a g_idx outside the groups, a float and a quantized copy of one module.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..config.quantization import Quantization, parse_quantization
+from ..io.safetensors_mmap import CheckpointError
+from .packed import awq_weight, gptq_weight
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+SCALE_SUFFIXES = ("_scale_inv", "_scale")  # the weight's own name + suffix (X.weight_scale_inv, X.gate_up_proj_scale_inv)
+ACTIVATION_SUFFIXES = ("input_scale", "activation_scale")  # static activation scales: not used (activations stay float)
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ROWS = 128  # rows decoded at a time
+PACKED_PARTS = ("qzeros", "scales", "g_idx")  # GPTQ / AWQ: X.qweight's companions (g_idx: GPTQ, optional)
+INT_DTYPES = (torch.int32, torch.int64, torch.int16)
+
+
+class DecodedTensor:
+    """One quantized weight read as a float tensor, with the calls the loader makes on a stored one (`path`,
+    `shape`, `dtype`, `tensor`, `release`). `parts` are the stored tensors it decodes from (role -> checkpoint name),
+    `decode(parts, dtype)` the format's decoder; `index.dtype` is the dtype it decodes to (the model's)."""
+
+    def __init__(self, index: QuantizedIndex, parts: dict[str, str], shape: tuple[int, ...], decode):
+        self.index, self.parts, self._shape, self.decode = index, parts, shape, decode
+        self.path = index.raw[next(iter(parts.values()))][0].path
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.index.dtype
+
+    def nbytes(self, name: str) -> int:
+        return _prod(self._shape) * self.index.dtype.itemsize
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The decoded weight (the file pages of its stored parts are dropped once read)."""
+        stored = {role: self.index.raw.tensor(key) for role, key in self.parts.items()}
+        out = self.decode(stored, self.index.dtype)
+        for key in self.parts.values():
+            st, k = self.index.raw[key]
+            st.release(k)
+        return out
+
+    def release(self, name: str) -> None:
+        """Nothing to drop: `tensor` released the stored pages already."""
+
+
+class QuantizedIndex(dict):
+    """A TensorIndex as the loader should see a quantized checkpoint: name -> (file or DecodedTensor, name), without
+    the scales. `raw` is the checkpoint's own index; `dtype` (set by the loader) what quantized weights decode to."""
+
+    def __init__(self, raw, quant: Quantization, decoded: dict[str, tuple[dict[str, str], tuple[int, ...], object]],
+                 hidden: set[str]):
+        super().__init__()
+        self.raw, self.quant, self.path = raw, quant, raw.path
+        self.dtype = torch.bfloat16
+        for name, entry in raw.items():
+            if name not in hidden and name not in decoded:
+                self[name] = entry
+        for name, (parts, shape, decode) in decoded.items():
+            self[name] = (DecodedTensor(self, parts, shape, decode), name)
+        self.decoded = set(decoded)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        src, key = self[name]
+        return src.tensor(key)
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+def scale_of(name: str, names) -> str | None:
+    """The scale tensor stored for weight `name`, if any."""
+    for suffix in SCALE_SUFFIXES:
+        if name + suffix in names:
+            return name + suffix
+    return None
+
+
+def weight_of_scale(name: str) -> str | None:
+    """The weight a scale tensor's name belongs to (None: not a scale's name)."""
+    for suffix in SCALE_SUFFIXES:
+        if name.endswith(suffix) and not name.endswith(ACTIVATION_SUFFIXES):
+            return name[: -len(suffix)]
+    return None
+
+
+def module_of(name: str) -> str:
+    """The module a tensor belongs to: `X.weight` -> X; a fused expert tensor `X.experts.gate_up_proj` -> X.experts."""
+    return name.rsplit(".", 1)[0] if "." in name else name
+
+
+def expected_scale_shapes(shape: tuple[int, ...], block: tuple[int, int] | None) -> list[tuple[int, ...]]:
+    """The scale shapes a weight of `shape` [..., N, K] may have: one per tile of `block`, else per tensor or per
+    output channel (and, for stacked experts, per expert)."""
+    *lead, N, K = shape
+    lead = tuple(lead)
+    if block is not None:
+        return [(*lead, -(-N // block[0]), -(-K // block[1]))]
+    out = [(), (1,), (*lead, N, 1), (*lead, N)]
+    if lead:
+        out += [(*lead, 1, 1), lead]
+    return out
+
+
+def decoded_index(raw, config, where: Path | str = ""):
+    """The checkpoint index the loader reads: `raw` itself for a float checkpoint, a QuantizedIndex for a quantized
+    one. Checks every quantization rule on the headers (see the module docstring); errors name the file and tensor."""
+    quant = parse_quantization(config.quantization_config)
+    cfg = Path(where) / "config.json"
+    if quant is None:
+        fp8 = next((name for name, (st, key) in raw.items() if st.dtype(key) in FP8), None)
+        if fp8 is not None:
+            raise CheckpointError(f"{raw[fp8][0].path}: tensor '{fp8}' is {_dt(raw[fp8][0].dtype(fp8))} but {cfg} has no "
+                                  "'quantization_config' (its scales would be ignored)")
+        scale = next((name for name in raw if name.endswith("_scale_inv") and weight_of_scale(name) in raw), None)
+        if scale is not None:
+            raise CheckpointError(f"{raw[scale][0].path}: tensor '{scale}' is a quantization scale but {cfg} has no "
+                                  "'quantization_config'")
+        return raw
+    if quant.method != "fp8":
+        return QuantizedIndex(raw, quant, *packed_entries(raw, quant))
+    decoded: dict = {}
+    hidden: set[str] = set()
+    for name, (st, key) in raw.items():
+        if name.endswith(ACTIVATION_SUFFIXES):
+            hidden.add(name)
+            continue
+        weight = weight_of_scale(name)
+        if weight is not None:
+            hidden.add(name)
+            if weight not in raw:
+                raise CheckpointError(f"{st.path}: scale '{name}' has no tensor '{weight}' to scale")
+            if raw[weight][0].dtype(weight) not in FP8:
+                raise CheckpointError(f"{st.path}: tensor '{weight}' has a scale '{name}' but is "
+                                      f"{_dt(raw[weight][0].dtype(weight))}; fp8 scales go with float8 weights")
+            continue
+        dtype = st.dtype(key)
+        if dtype not in FP8:
+            continue
+        scale = scale_of(name, raw)
+        if scale is None:
+            raise CheckpointError(f"{st.path}: tensor '{name}' is {_dt(dtype)} but has no scale "
+                                  f"'{name}{SCALE_SUFFIXES[0]}' (quantization_config: fp8 weights need their scales)")
+        pattern = quant.excluded_by(module_of(name))
+        if pattern is not None:
+            raise CheckpointError(f"{st.path}: tensor '{name}' is quantized ({_dt(dtype)}) but module "
+                                  f"'{module_of(name)}' is excluded by quantization_config.modules_to_not_convert "
+                                  f"pattern '{pattern}'")
+        shape = tuple(st.shape(key))
+        if len(shape) < 2:
+            raise CheckpointError(f"{st.path}: tensor '{name}' is {_dt(dtype)} with shape {list(shape)}; quantized "
+                                  "weights are matrices [out, in] (or stacked experts [E, out, in])")
+        sst, skey = raw[scale]
+        sshape = tuple(sst.shape(skey))
+        allowed = expected_scale_shapes(shape, quant.block)
+        if sshape not in allowed:
+            rule = (f"one per {quant.block[0]}x{quant.block[1]} block (weight_block_size)" if quant.block is not None
+                    else "per tensor or per output channel (no weight_block_size)")
+            want = " or ".join(str(list(a)) for a in (allowed[:1] if quant.block else allowed))
+            raise CheckpointError(f"{sst.path}: scale '{scale}' has shape {list(sshape)} but weight '{name}' "
+                                  f"{list(shape)} needs {want} ({rule})")
+        if sst.dtype(skey) not in SCALE_DTYPES:
+            raise CheckpointError(f"{sst.path}: scale '{scale}' is {_dt(sst.dtype(skey))}; expected float32, "
+                                  "bfloat16 or float16")
+        block = quant.block
+        decoded[name] = ({"weight": name, "scale": scale}, shape,
+                         lambda t, dtype, block=block: dequantize_fp8(t["weight"], t["scale"], block, dtype))
+    return QuantizedIndex(raw, quant, decoded, hidden)
+
+
+def packed_entries(raw, quant: Quantization) -> tuple[dict, set[str]]:
+    """GPTQ / AWQ: each `X.qweight` with `X.qzeros`, `X.scales` (and GPTQ's optional `X.g_idx`) -> one decoded entry
+    `X.weight` [N, K] (model/packed.py); every shape, dtype and g_idx value checked here, from the headers (and the
+    small g_idx tensors). Returns (decoded entries, the stored names they hide)."""
+    decoded: dict = {}
+    hidden: set[str] = set()
+    what = f"{quant.method} ({quant.bits}-bit)"
+    for name, (st, key) in raw.items():
+        if st.dtype(key) in FP8:
+            raise CheckpointError(f"{st.path}: tensor '{name}' is {_dt(st.dtype(key))} but the config says {quant.method}")
+        base, _, role = name.rpartition(".")
+        if role in PACKED_PARTS:
+            if base + ".qweight" not in raw:
+                raise CheckpointError(f"{st.path}: tensor '{name}' has no '{base}.qweight' it belongs to ({what})")
+            continue
+        if role != "qweight":
+            continue
+        weight = base + ".weight"
+        if weight in raw:
+            raise CheckpointError(f"{st.path}: module '{base}' holds both a float '{weight}' and a quantized '{name}'")
+        parts = {"qweight": name}
+        for part in PACKED_PARTS:
+            if base + "." + part in raw:
+                parts[part] = base + "." + part
+            elif part != "g_idx":
+                raise CheckpointError(f"{st.path}: tensor '{name}' has no '{base}.{part}' ({what} weights need their "
+                                      "zero points and scales)")
+        if "g_idx" in parts and quant.method == "awq":
+            raise CheckpointError(f"{st.path}: tensor '{parts['g_idx']}' is a GPTQ act-order index, but the config says awq")
+        pattern = quant.excluded_by(base)
+        if pattern is not None:
+            raise CheckpointError(f"{st.path}: tensor '{name}' is quantized but module '{base}' is excluded by "
+                                  f"quantization_config.modules_to_not_convert pattern '{pattern}'")
+        shapes = {role: tuple(raw[k][0].shape(k)) for role, k in parts.items()}
+        for role, k in parts.items():
+            dt = raw[k][0].dtype(k)
+            ok = dt == torch.int32 if role in ("qweight", "qzeros") else dt in SCALE_DTYPES if role == "scales" else dt in INT_DTYPES
+            if not ok or len(shapes[role]) != (1 if role == "g_idx" else 2):
+                raise CheckpointError(f"{raw[k][0].path}: tensor '{k}' is {_dt(dt)} {list(shapes[role])}; {what} stores "
+                                      + {"qweight": "int32 [rows, cols]", "qzeros": "int32 [groups, cols]",
+                                         "scales": "float [groups, outputs]", "g_idx": "int [inputs]"}[role])
+        per = 32 // quant.bits
+        if quant.method == "gptq":
+            K, N = shapes["qweight"][0] * per, shapes["qweight"][1]
+            zeros = (-(-N // per),)
+        else:
+            K, N = shapes["qweight"][0], shapes["qweight"][1] * per
+            zeros = (shapes["qweight"][1],)
+        G = -(-K // quant.group) if quant.group else 1
+        want = {"scales": (G, N), "qzeros": (G, *zeros), "g_idx": (K,)}
+        for role, shape in want.items():
+            if role in parts and shapes[role] != shape:
+                group = f"group_size {quant.group}" if quant.group else "one group"
+                raise CheckpointError(f"{raw[parts[role]][0].path}: tensor '{parts[role]}' has shape {list(shapes[role])} but "
+                                      f"'{name}' {list(shapes['qweight'])} ({what}: weight [{N}, {K}], {group}) needs "
+                                      f"{list(shape)}")
+        if "g_idx" in parts:
+            g = raw.tensor(parts["g_idx"])
+            if g.numel() and (int(g.min()) < 0 or int(g.max()) >= G):
+                raise CheckpointError(f"{raw[parts['g_idx']][0].path}: tensor '{parts['g_idx']}' holds group "
+                                      f"{int(g.max()) if int(g.max()) >= G else int(g.min())}, outside 0..{G - 1}")
+        if quant.method == "gptq":
+            decode = lambda t, dtype, q=quant: gptq_weight(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"),  # noqa: E731
+                                                           q.bits, q.group, q.zero_offset, dtype)
+        else:
+            decode = lambda t, dtype, q=quant: awq_weight(t["qweight"], t["qzeros"], t["scales"], q.group, dtype)  # noqa: E731
+        decoded[weight] = (parts, (N, K), decode)
+        hidden |= set(parts.values())
+    return decoded, hidden
+
+
+def dequantize_fp8(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+                   dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """float8 w [..., N, K] and its scale (see `expected_scale_shapes`) -> w * scale in `dtype` [..., N, K],
+    computed in fp32 (exactly (q.float() * s.float()).to(dtype)), ROWS rows at a time."""
+    *lead, N, K = w.shape
+    s = scale.float()
+    if block is None:  # per tensor / per channel / per expert: a multiplier per row, broadcast over the columns
+        s = s.reshape(1, 1) if s.numel() == 1 else s.reshape(*lead, N, 1) if s.numel() == _prod(lead) * N else s.reshape(*lead, 1, 1)
+    out = torch.empty(w.shape, dtype=dtype)
+    b0, b1 = block if block is not None else (ROWS, K)
+    step = b0 * max(1, ROWS // b0)  # whole tiles of rows
+    for r in range(0, N, step):
+        rows = w[..., r : r + step, :].float()
+        if block is None:
+            rows.mul_(s[..., r : r + step, :] if s.shape[-2] == N else s)
+        else:  # the tiles' scales of these rows, broadcast over each tile's columns (a view: no weight-sized copy)
+            sr = s[..., r // b0 : -(-(r + rows.shape[-2]) // b0), :].repeat_interleave(b0, -2)[..., : rows.shape[-2], :]
+            full = K // b1
+            rows[..., : full * b1].unflatten(-1, (full, b1)).mul_(sr[..., :full, None])
+            if full * b1 < K:  # the last, partial tile
+                rows[..., full * b1 :].mul_(sr[..., full:])
+        out[..., r : r + step, :] = rows.to(dtype)
+    return out
+
+
+def _prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= x
+    return n
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
