@@ -41,7 +41,8 @@ def int4_pack(w: torch.Tensor, group: int):
 def kernels(w: torch.Tensor):
     """name -> fn(x bf16 [M, K]) for one weight w [N, K] (bf16)."""
     N, K = w.shape
-    out = {"bf16 F.linear": lambda x, w=w.contiguous(): F.linear(x, w)}
+    wc = w.contiguous()
+    out = {"bf16 F.linear": lambda x: F.linear(x, wc)}
     scale = (w.float().abs().amax(1) / 127).clamp_min(1e-12)
     w8 = (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
     s8 = scale.to(torch.bfloat16)
