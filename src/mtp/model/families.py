@@ -12,7 +12,9 @@ from typing import Any
 from ..config import ConfigError, read_config_file
 from .base import CausalLM
 from .deepseek_v3 import DeepseekV3ForCausalLM
+from .deepseek_v32 import DeepseekV32ForCausalLM
 from .glm4_moe import Glm4MoeForCausalLM
+from .glm_moe_dsa import GlmMoeDsaForCausalLM
 from .mimo import MiMoForCausalLM
 from .qwen3_5 import Qwen35ForCausalLM, Qwen35MoeForCausalLM
 
@@ -24,11 +26,16 @@ FAMILIES: dict[str, type[CausalLM]] = {
     "deepseek_v3": DeepseekV3ForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
     "mimo": MiMoForCausalLM,
+    # DeepSeek Sparse Attention (issue 20)
+    "deepseek_v32": DeepseekV32ForCausalLM,
+    "glm_moe_dsa": GlmMoeDsaForCausalLM,
 }
 # Families whose MTP we know but whose backbone we do not run: model_type -> what is missing.
 UNSUPPORTED = {
-    "deepseek_v32": "DeepSeek-V3.2 uses DeepSeek Sparse Attention (its lightning indexer), which mtp does not implement",
-    "glm_moe_dsa": "GLM-5 uses DeepSeek Sparse Attention (its lightning indexer), which mtp does not implement",
+    "mimo_v2_flash": "MiMo-V2-Flash (hybrid sliding-window attention, three MTP layers) is not implemented yet",
+    "deepseek_v4": "DeepSeek-V4 (hyper-connections, MTP at mtp.{i}.*) is not implemented yet",
+    "step3p7": "Step-3.5/3.7 is not implemented yet",
+    "nemotron_h": "Nemotron-H (hybrid Mamba-2) is not implemented yet",
 }
 
 
