@@ -23,7 +23,8 @@ class Positions:
     decode forward (`decoding`): `index` [B, T] (long, on the device) holds every token's position (cos/sin
     [B, 1, T, R]), and `starts` optionally each row's first position on the host (eager attention then reads exactly
     each row's keys). `router_logits`: when a list, every MoE layer of this forward appends its router logits
-    [B*T, E] to it."""
+    [B*T, E] to it. `key_selection`: layer index -> the keys that sparse-attention layer's indexer chose for each
+    query, [B, T, S] bool (GLM-5's IndexShare layers reuse an earlier layer's; `dsa.py`)."""
 
     start: int
     length: int
@@ -32,6 +33,7 @@ class Positions:
     router_logits: list | None = None
     starts: list[int] | None = None
     index: torch.Tensor | None = None
+    key_selection: dict[int, torch.Tensor] | None = None
 
     @property
     def decoding(self) -> bool:

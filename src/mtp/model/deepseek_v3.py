@@ -34,7 +34,7 @@ LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 class NextNMoeForCausalLM(CausalLM):
     """What DeepSeek-V3 and GLM-4.5 share: the backbone but its attention, the MoE, the MTP layers stored after the
-    backbone's, names, init. A subclass supplies `attention(config)` and `rotary_head_dim(config)`.
+    backbone's, names, init. A subclass supplies `attention(config, layer)` and `rotary_head_dim(config)`.
 
     Checkpoints hold the routed experts per expert (as transformers writes them) or fused, per layer; they are read
     into the fused form and written back as read (`experts_key`, see `base.CausalLM.checkpoint_sources`). The
@@ -46,7 +46,8 @@ class NextNMoeForCausalLM(CausalLM):
     keep_precision = ("eh_proj",)  # the MTP input projection stays unquantised (`base.prepare_for_inference`)
 
     @staticmethod
-    def attention(config: NextNMoeConfig) -> nn.Module:
+    def attention(config: NextNMoeConfig, layer: int) -> nn.Module:
+        """Layer `layer`'s attention (MTP layers continue the numbering)."""
         raise NotImplementedError
 
     @staticmethod
@@ -92,7 +93,7 @@ class NextNMoeForCausalLM(CausalLM):
     def __init__(self, config: NextNMoeConfig, with_mtp: bool | None = None):
         super().__init__()
         self.config = c = config
-        layers = [DecoderLayer("self_attn", self.attention(c), self.feed_forward(i), self.norm_factory())
+        layers = [DecoderLayer("self_attn", self.attention(c, i), self.feed_forward(i), self.norm_factory())
                   for i in range(c.num_hidden_layers)]
         self.model = Backbone(nn.Embedding(c.vocab_size, c.hidden_size), layers, PlainRMSNorm(c.hidden_size, c.rms_norm_eps))
         self.lm_head = self.output_head(c.tie_word_embeddings)
@@ -114,7 +115,8 @@ class NextNMoeForCausalLM(CausalLM):
     def new_mtp_module(self) -> NextNMTP:
         """A fresh MTP module for this config (training heads onto a checkpoint that has none)."""
         c = self.config
-        return NextNMTP([NextNLayer(self.attention(c), self.feed_forward(c.num_hidden_layers + i), self.norm_factory(),
+        L = c.num_hidden_layers
+        return NextNMTP([NextNLayer(self.attention(c, L + i), self.feed_forward(L + i), self.norm_factory(),
                                     c.hidden_size, c.vocab_size, c.mtp_embed_tokens, c.mtp_shared_head)
                          for i in range(c.num_nextn_predict_layers)])
 
@@ -139,7 +141,7 @@ class DeepseekV3ForCausalLM(NextNMoeForCausalLM):
     config_class = DeepseekV3Config
 
     @staticmethod
-    def attention(config: DeepseekV3Config) -> nn.Module:
+    def attention(config: DeepseekV3Config, layer: int) -> nn.Module:
         return MLAttention(config)
 
     @staticmethod

@@ -13,7 +13,9 @@ from ..config import ConfigError, read_config_file
 from ..config.quantization import parse_quantization
 from .base import CausalLM
 from .deepseek_v3 import DeepseekV3ForCausalLM
+from .deepseek_v32 import DeepseekV32ForCausalLM
 from .glm4_moe import Glm4MoeForCausalLM
+from .glm_moe_dsa import GlmMoeDsaForCausalLM
 from .hf_causal import REFUSED as HF_REFUSED
 from .hf_causal import SUPPORTED as HF_SUPPORTED
 from .hf_causal import HFCausalLM
@@ -28,13 +30,18 @@ FAMILIES: dict[str, type[CausalLM]] = {
     "deepseek_v3": DeepseekV3ForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
     "mimo": MiMoForCausalLM,
+    # DeepSeek Sparse Attention (issue 20)
+    "deepseek_v32": DeepseekV32ForCausalLM,
+    "glm_moe_dsa": GlmMoeDsaForCausalLM,
     **dict.fromkeys(HF_SUPPORTED, HFCausalLM),  # any transformers causal LM with attention-only layers (hf_causal.py)
 }
 # Families whose MTP we know but whose backbone we do not run: model_type -> what is missing.
 UNSUPPORTED = {
-    "deepseek_v32": "DeepSeek-V3.2 uses DeepSeek Sparse Attention (its lightning indexer), which mtp does not implement",
-    "glm_moe_dsa": "GLM-5 uses DeepSeek Sparse Attention (its lightning indexer), which mtp does not implement",
     **HF_REFUSED,  # transformers architectures the generic family refuses, with the reason
+    "mimo_v2_flash": "MiMo-V2-Flash (hybrid sliding-window attention, three MTP layers) is not implemented yet",
+    "deepseek_v4": "DeepSeek-V4 (hyper-connections, MTP at mtp.{i}.*) is not implemented yet",
+    "step3p7": "Step-3.5/3.7 is not implemented yet",
+    "nemotron_h": "Nemotron-H (hybrid Mamba-2) is not implemented yet",
 }
 
 

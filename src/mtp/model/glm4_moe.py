@@ -16,7 +16,7 @@ class Glm4MoeForCausalLM(NextNMoeForCausalLM):
     config_class = Glm4MoeConfig
 
     @staticmethod
-    def attention(config: Glm4MoeConfig) -> nn.Module:
+    def attention(config: Glm4MoeConfig, layer: int) -> nn.Module:
         c = config
         return GroupedQueryAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                                      c.attention_bias, c.rms_norm_eps if c.use_qk_norm else None)

@@ -52,11 +52,14 @@ class MLAttention(nn.Module):
             factor = rope.get("factor") or c.max_position_embeddings / rope["original_max_position_embeddings"]
             self.scale *= yarn_mscale(factor, rope["mscale_all_dim"]) ** 2
 
-    def forward(self, x: torch.Tensor, pos: Positions, cache: KVCache | None = None) -> tuple[torch.Tensor, None]:
-        """x [B, T, H] at positions pos.start.. -> ([B, T, H], None); writes K/V into `cache` at those positions."""
+    def project(self, x: torch.Tensor, pos: Positions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x [B, T, H] at positions pos -> q [B, A, T, qk], k [B, A, T, qk] (RoPE applied), v [B, A, T, v_head_dim], and
+        the query latent q_a_layernorm(q_a_proj(x)) [B, T, q_lora_rank] (None without q-LoRA; the sparse-attention
+        indexer reads it, `dsa.py`)."""
         B, T, _ = x.shape
         A = self.num_heads
-        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        latent_q = None if hasattr(self, "q_proj") else self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_proj(x) if latent_q is None else self.q_b_proj(latent_q)
         q_nope, q_rot = q.view(B, T, A, self.nope + self.rope).transpose(1, 2).split([self.nope, self.rope], dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
         kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, A, self.nope + self.v_dim).transpose(1, 2)
@@ -65,8 +68,14 @@ class MLAttention(nn.Module):
         k_rot = self.rope_fn(k_rot.view(B, 1, T, self.rope), pos.cos, pos.sin)
         q = torch.cat([q_nope, q_rot], dim=-1)
         k = torch.cat([k_nope, k_rot.expand(B, A, T, self.rope)], dim=-1)
+        return q, k, v, latent_q
+
+    def forward(self, x: torch.Tensor, pos: Positions, cache: KVCache | None = None) -> tuple[torch.Tensor, None]:
+        """x [B, T, H] at positions pos.start.. -> ([B, T, H], None); writes K/V into `cache` at those positions."""
+        B, T, _ = x.shape
+        q, k, v, _ = self.project(x, pos)
         out = attend(q, k, v, cache, pos, self.scale)  # [B, A, T, v_head_dim]
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, A * self.v_dim)), None
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.v_dim)), None
 
     def new_state(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:
         return KVCache.allocate(batch, self.num_heads, max_len, self.nope + self.rope, self.v_dim, dtype, device)

@@ -40,9 +40,9 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         N, k = idx.shape
         out = torch.zeros_like(x)
-        if N == 1:  # decoding one token: its k experts, added in expert order as the grouped path adds them
+        if N == 1:  # decoding one token: its k experts, added in expert order and rounded as the grouped path adds them
             for e, j in sorted(zip(idx[0].tolist(), range(k))):
-                out += self._expert(e, x) * weights[:, j : j + 1]
+                out += (self._expert(e, x) * weights[:, j : j + 1]).to(out.dtype)
             return out
         flat = idx.reshape(-1)
         order = flat.argsort(stable=True)
