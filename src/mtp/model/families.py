@@ -15,6 +15,7 @@ from .deepseek_v3 import DeepseekV3ForCausalLM
 from .glm4_moe import Glm4MoeForCausalLM
 from .mimo import MiMoForCausalLM
 from .qwen3_5 import Qwen35ForCausalLM, Qwen35MoeForCausalLM
+from .qwen3_next import Qwen3NextForCausalLM
 
 FAMILIES: dict[str, type[CausalLM]] = {
     "qwen3_5": Qwen35ForCausalLM,
@@ -24,6 +25,7 @@ FAMILIES: dict[str, type[CausalLM]] = {
     "deepseek_v3": DeepseekV3ForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
     "mimo": MiMoForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,  # issue 20 (i-families)
 }
 # Families whose MTP we know but whose backbone we do not run: model_type -> what is missing.
 UNSUPPORTED = {
