@@ -1,13 +1,14 @@
 """Model configs as dataclasses that round-trip HF `config.json`: Qwen3.5 (both checkpoint shapes), Qwen3.5-MoE,
-DeepSeek-V3/R1, GLM-4.5/4.6/4.7 (MoE), MiMo-7B and Qwen3-Next. `base.py` holds the one round trip and the validators every
-family shares; one file per group of families."""
+DeepSeek-V3/R1, GLM-4.5/4.6/4.7 (MoE), MiMo-7B, Qwen3-Next and Llama with Meta's heads. `base.py` holds the one round
+trip and the validators every family shares; one file per group of families."""
 
 from .base import ROPE_TYPES, ConfigError, ConfigWarning, DecoderConfig, HFConfig, read_config_file
+from .llama import LlamaConfig
 from .nextn import DeepseekV3Config, Glm4MoeConfig, MiMoConfig, NextNConfig, NextNMoeConfig
 from .qwen3_5 import LAYER_TYPES, MTP_STYLES, Qwen35Config, Qwen35MoeConfig
 from .qwen3_next import Qwen3NextConfig
 
 __all__ = ["LAYER_TYPES", "MTP_STYLES", "ROPE_TYPES", "ConfigError", "ConfigWarning", "DecoderConfig", "DeepseekV3Config",
-           "Glm4MoeConfig", "HFConfig", "MiMoConfig", "NextNConfig", "NextNMoeConfig", "Qwen35Config", "Qwen35MoeConfig",
-           "Qwen3NextConfig",
+           "Glm4MoeConfig", "HFConfig", "LlamaConfig", "MiMoConfig", "NextNConfig", "NextNMoeConfig", "Qwen35Config",
+           "Qwen35MoeConfig", "Qwen3NextConfig",
            "read_config_file"]

@@ -13,6 +13,7 @@ from ..config import ConfigError, read_config_file
 from .base import CausalLM
 from .deepseek_v3 import DeepseekV3ForCausalLM
 from .glm4_moe import Glm4MoeForCausalLM
+from .llama import LlamaForCausalLM
 from .mimo import MiMoForCausalLM
 from .qwen3_5 import Qwen35ForCausalLM, Qwen35MoeForCausalLM
 from .qwen3_next import Qwen3NextForCausalLM
@@ -26,6 +27,7 @@ FAMILIES: dict[str, type[CausalLM]] = {
     "glm4_moe": Glm4MoeForCausalLM,
     "mimo": MiMoForCausalLM,
     "qwen3_next": Qwen3NextForCausalLM,  # issue 20 (i-families)
+    "llama": LlamaForCausalLM,  # issue 20 (i-families): Meta's multi-token heads (`mtp convert`)
 }
 # Families whose MTP we know but whose backbone we do not run: model_type -> what is missing.
 UNSUPPORTED = {
