@@ -1,4 +1,4 @@
-"""`mtp` command line: generate, and the subcommands of the other parts (data, train, heal, bench, serve)."""
+"""`mtp` command line: generate, and the subcommands of the other parts (data, train, heal, bench, serve, convert)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import TextIO
 
 from .bench.cli import register as register_bench
 from .cli_common import add_model_args, add_sampling_args, load_from_args, sampling_kwargs
+from .convert import register as register_convert
 from .data.cli import register as register_data
 from .serve.cli import register as register_serve
 from .train.cli import register as register_train
@@ -142,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "backbone's correction (red), bonus token (cyan); piped output stays plain text")
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
-    for register in (register_data, register_train, register_bench, register_serve):
+    for register in (register_data, register_train, register_bench, register_serve, register_convert):
         register(sub)
     return parser
 
