@@ -100,3 +100,31 @@ def test_greedy_use_mtp_generate_agrees_with_ours(peers):
     for k in (1, "auto"):
         assert mtp.generate(ours, prompt[0].tolist(), max_new_tokens=14, draft_tokens=k).tokens == want, k
     assert_greedy_agrees(ours, prompt[0].tolist(), want, theirs)
+
+
+def test_bench_measures_transformers_use_mtp_and_checks_it(tmp_path, capsys):
+    """`mtp bench` adds transformers' `generate(use_mtp=True)` as a configuration where the family has it, its
+    output checked equal to transformers' plain greedy (and the family without it gets a note instead)."""
+    from mtp.cli import main
+    from test_bench import byte_tokenizer
+
+    fam = FAMILIES["deepseek_v3"]
+    path = tmp_path / "model"
+    path.mkdir()
+    build_reference(Family(fam.model_type, fam.hf_config, fam.hf_model, {**fam.kw, "vocab_size": 300, "num_hidden_layers": 61}),
+                    path)
+    state = load_file(path / "model.safetensors")
+    state["model.layers.61.embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+    state["model.layers.61.shared_head.head.weight"] = state["lm_head.weight"].clone()
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    byte_tokenizer(300).save(str(path / "tokenizer.json"))
+    out = tmp_path / "bench"
+    rc = main(["bench", "--model", str(path), "--quick", "--out", str(out), "--threads", "1", "--no-cost-model",
+               "--draft-tokens", "1", "--max-new-tokens", "10", "--max-prompts", "1"])
+    report = __import__("json").loads((out / "report.json").read_text())
+    assert rc == 0 and report["identical_outputs"] and report["failed"] == {}, report["mismatches"]
+    code = report["summary"]["code"]
+    assert {"mtp plain", "mtp k=1", "transformers", "transformers use_mtp"} <= set(code)
+    assert code["transformers use_mtp"]["new_tokens"] == 10 and code["transformers use_mtp"]["engine"] == "transformers"
+    assert "checked equal to its plain generate" in report["meta"]["notes"]["transformers use_mtp"]
+    assert "transformers use_mtp" in capsys.readouterr().out
