@@ -108,6 +108,8 @@ def test_bench_quick_writes_report(model_dir, tmp_path, capsys):
         name = f"mtp k={k}"
         assert len(code[name]["acceptance_per_position"]) >= 1 and "time_split" in code[name]
     assert "transformers" in code  # the test extra installs it
+    # transformers has no MTP for Qwen3.5: no use_mtp configuration, a note saying why
+    assert "transformers use_mtp" not in code and "num_mtp_layers" in report["meta"]["notes"]["transformers use_mtp"]
     assert report["best_fixed_k"]["code"]["config"] in code
     assert report["cost_model"]["c_verify"]["1"] > 0
     prof = report["round_profile"]  # where a round's time goes: plain and k=3, eager

@@ -1,4 +1,4 @@
-"""`mtp` command line: generate, and the subcommands of the other parts (data, train, heal, bench, serve)."""
+"""`mtp` command line: generate, and the subcommands of the other parts (data, train, heal, bench, serve, convert)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import TextIO
 from .bench.cli import register as register_bench
 from .check import register as register_check
 from .cli_common import add_compile_arg, add_model_args, add_sampling_args, load_from_args, sampling_kwargs
+from .convert import register as register_convert
 from .data.cli import register as register_data
 from .serve.cli import register as register_serve
 from .train.cli import register as register_train
@@ -144,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(g)
     add_compile_arg(g)
     g.set_defaults(func=cmd_generate)
-    for register in (register_data, register_train, register_bench, register_serve, register_check):
+    for register in (register_data, register_train, register_bench, register_serve, register_check, register_convert):
         register(sub)
     return parser
 

@@ -1,4 +1,5 @@
-"""`mtp bench` (the command): plain greedy vs MTP speculative decoding vs transformers, side by side in one run.
+"""`mtp bench` (the command): plain greedy vs MTP speculative decoding vs transformers (and transformers' own MTP
+decoding, `generate(use_mtp=True)`, where the family has it), side by side in one run.
 
 Everything runs on the same weights, prompts and thread count, interleaved (A B C … C B A …, several
 repeats, medians). Greedy outputs must be identical in every configuration: the command fails loudly
@@ -42,7 +43,17 @@ from .costmodel import (
     plain_step_seconds,
     speedup_table,
 )
-from .measure import HF, Variant, check_identical, configs_for, load_transformers, plain_name, run_interleaved
+from .measure import (
+    HF,
+    HF_MTP,
+    Variant,
+    check_identical,
+    configs_for,
+    load_transformers,
+    plain_name,
+    run_interleaved,
+    transformers_mtp_note,
+)
 from .profile import format_profile, round_profile
 from .prompts import DEFAULT_PROMPTS, Prompt, load_prompts
 from .report import ACCEPTED_LENGTH_NOTE, best_fixed_k, markdown_report, plot, summarize
@@ -251,6 +262,11 @@ def cmd_bench(args) -> int:
         notes["transformers"] = "runs in fp32; its output is not compared here (add --variants fp32 to compare it)"
     if hf_note:
         notes["transformers"] = hf_note
+    hf_mtp_note = transformers_mtp_note(hf_model) if hf_model is not None else None
+    if hf_model is not None:
+        notes[HF_MTP] = hf_mtp_note or ("transformers' own MTP decoding (fp32, one draft per MTP layer a round, its MTP "
+                                        "layers loaded again on each call as its generate does); checked equal to its "
+                                        "plain generate")
     tok = model.tokenizer
     pad = model.config.pad_token_id
     if pad is None:
@@ -263,11 +279,12 @@ def cmd_bench(args) -> int:
         costs = measure_costs(model, q_max=max(ks) + 1 if ks else 5, context=min(128, model.context_length - max_new - 16),
                               iters=3 if args.quick else 15)
 
-    configs = configs_for(drafts, hf_model is not None, variants)
+    configs = configs_for(drafts, hf_model is not None, variants, with_transformers_mtp=hf_mtp_note is None)
     with tqdm(total=repeats * len(prompts) * len(configs), unit="run", file=sys.stderr, dynamic_ncols=True) as bar:
         runs, failed = run_interleaved(models, hf_model, configs, prompts, prompt_ids, max_new, repeats, pad, bar)
     references = {c.name: c.reference for c in configs if c.engine == "mtp"}
     references[HF] = hf_reference or "(not compared)"
+    references[HF_MTP] = HF  # lossless: transformers' greedy MTP decoding must give its own plain output
     problems = check_identical(runs, references) + [f"{name}: FAILED: {why}" for name, why in failed.items()]
     summary = summarize(runs, prompts, configs, costs)
     meta = bench_meta(args, model, prompts, prompt_ids, drafts, max_new, repeats, notes)

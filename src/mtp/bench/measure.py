@@ -22,6 +22,7 @@ from .prompts import Prompt
 
 PLAIN = "mtp plain"
 HF = "transformers"
+HF_MTP = "transformers use_mtp"  # transformers' own MTP speculative decoding (`generate(use_mtp=True)`)
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class BenchConfig:
     engine: str  # "mtp" or "transformers"
     draft_tokens: int | str | None = None
     variant: Variant = field(default_factory=Variant)
+    use_mtp: bool = False  # transformers only: its `generate(use_mtp=True)`
 
     @property
     def reference(self) -> str:
@@ -94,8 +96,9 @@ class Run:
 
 
 def configs_for(draft_tokens: list[int | str], with_transformers: bool,
-                variants: list[Variant] | None = None) -> list[BenchConfig]:
-    """Per variant (the default first): plain, then one per draft setting; then transformers (when available)."""
+                variants: list[Variant] | None = None, with_transformers_mtp: bool = False) -> list[BenchConfig]:
+    """Per variant (the default first): plain, then one per draft setting; then transformers (when available), and
+    its MTP decoding where the family has one."""
     out = []
     for v in variants or [Variant()]:
         label = f"mtp {v.name} " if v.name else "mtp "
@@ -103,6 +106,8 @@ def configs_for(draft_tokens: list[int | str], with_transformers: bool,
         out += [BenchConfig(f"{label}k={k}", "mtp", k, v) for k in draft_tokens]
     if with_transformers:
         out.append(BenchConfig(HF, "transformers"))
+        if with_transformers_mtp:
+            out.append(BenchConfig(HF_MTP, "transformers", use_mtp=True))
     return out
 
 
@@ -155,6 +160,22 @@ def load_transformers(path: str | Path, dtype: torch.dtype, device: torch.device
     return model.eval(), None
 
 
+def transformers_mtp_note(hf_model) -> str | None:
+    """None when transformers can decode `hf_model` with its own MTP (`generate(use_mtp=True)`: its `MtpModel`
+    finds the MTP tensors in the folder), else why not - a note in the report, not an error."""
+    try:
+        from transformers.modeling_layers import MtpModel
+    except ImportError:
+        return "this transformers has no MTP generation (transformers.modeling_layers.MtpModel)"
+    if getattr(hf_model.config.get_text_config(), "num_mtp_layers", None) is None:
+        return f"transformers has no MTP for {type(hf_model).__name__} (its config has no num_mtp_layers)"
+    try:  # what generate(use_mtp=True) does first: load the MTP layers (it fails if the folder has none it knows)
+        MtpModel.from_pretrained(hf_model, device_map={"": hf_model.device})
+    except Exception as e:  # noqa: BLE001 - e.g. the MTP tensors at a layer index transformers does not look at
+        return f"transformers cannot load the MTP of this folder: {type(e).__name__}: {str(e)[:200]}"
+    return None
+
+
 def make_generate_fn(models: dict, hf_model, cfg: BenchConfig, max_new_tokens: int, pad_token_id: int) -> Callable:
     """A function prompt_ids -> (new token ids, mtp stats or None, k history), greedy, EOS stops disabled.
     `models`: the loaded model of each variant's (dtype, quantize)."""
@@ -173,7 +194,8 @@ def make_generate_fn(models: dict, hf_model, cfg: BenchConfig, max_new_tokens: i
     # eos_token_id=None: run to max_new_tokens like the mtp runs. attention_mask and pad_token_id are passed
     # explicitly: otherwise transformers infers a padding mask from pad_token_id occurrences in the prompt.
     gen_config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
-                                  pad_token_id=pad_token_id, bos_token_id=None, repetition_penalty=1.0)
+                                  pad_token_id=pad_token_id, bos_token_id=None, repetition_penalty=1.0,
+                                  **({"use_mtp": True} if cfg.use_mtp else {}))
 
     def run_hf(ids: list[int]):
         x = torch.tensor([ids], device=hf_model.device)

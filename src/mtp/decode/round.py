@@ -56,7 +56,7 @@ class RoundState:
         if mtp:
             st.mtp_cache = model.new_mtp_cache(rows, max_len)
             st.mtp_pos, st.pend_n, st.pend_next = zeros(rows), zeros(rows), zeros(rows, PENDING)
-            st.pend_h = torch.zeros(rows, PENDING, model.config.hidden_size, dtype=model.dtype, device=dev)
+            st.pend_h = torch.zeros(rows, PENDING, model.hidden_width, dtype=model.dtype, device=dev)
         if penalty:
             st.seen = torch.zeros(rows, model.config.vocab_size, dtype=torch.bool, device=dev)
         return st

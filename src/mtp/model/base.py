@@ -13,7 +13,8 @@ It may override, each declared here with the default most families use:
   own embedding); `experts_key`: the config key counting routed experts, for families whose checkpoints may store
   experts one tensor per expert (read fused, written back as read: `checkpoint_sources` / `checkpoint_state`);
 - `fp32_parameters` (name suffixes kept in fp32 whatever the dtype), `keep_precision` (linears `quantize` skips);
-- `final_hidden(x)` / `head(h)` (MiMo's MTP reads the pre-norm state), `router_aux_loss` (MoE families).
+- `final_hidden(x)` / `head(h)` (MiMo's MTP reads the pre-norm state), `hidden_width` (Meta's heads read another state
+  than the head: `llama.py`), `router_aux_loss` (MoE families).
 Everything else - the prefill/training forward, the decode forward (a plain step, a verify, a batch), the
 teacher-forced MTP hidden states, the checkpoint state - is written once here. docs/architecture.md tables the seam
 and draws one speculative round.
@@ -276,6 +277,12 @@ class CausalLM(nn.Module, ABC):
     @property
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
+
+    @property
+    def hidden_width(self) -> int:
+        """The last dim of the hidden states `hidden()` / `decode()` return (the decoder sizes the states it keeps by
+        it): hidden_size, unless the head and the MTP read different states (Meta's heads, `llama.py`: 2 x hidden)."""
+        return self.config.hidden_size
 
     @property
     def context_length(self) -> int:

@@ -109,10 +109,7 @@ class GatedDeltaNet(nn.Module):
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel = c.linear_conv_kernel_dim
-        self.in_proj_qkv = nn.Linear(c.hidden_size, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(c.hidden_size, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(c.hidden_size, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(c.hidden_size, self.num_v_heads, bias=False)
+        self.input_projections(c.hidden_size)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim,
                                 padding=self.kernel - 1, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
@@ -127,7 +124,7 @@ class GatedDeltaNet(nn.Module):
         if pos.decoding:
             return self.decode(x, cache)
         B, T, _ = x.shape
-        qkv, z, b, a = project(self, x, "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+        qkv, z, b, a = self.projections(x)
         qkv = qkv.transpose(1, 2)  # [B, C, T]
         weight = self.conv1d.weight  # [C, 1, kernel]
         if cache is None:
@@ -150,11 +147,23 @@ class GatedDeltaNet(nn.Module):
         """A decode forward of T tokens per row continuing from `cache` (static shapes): ([B, T, H], the conv window
         and the state before and after every token). The cache is not changed: `DeltaState.keep_at` selects."""
         T = x.shape[1]
-        qkv, z, b, a = project(self, x, "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+        qkv, z, b, a = self.projections(x)
         window = torch.cat([cache.conv, qkv.transpose(1, 2).to(cache.conv.dtype)], dim=-1)  # [B, C, kernel-1+T]
         q, k, v, g, beta = self._heads(self._short_conv(window, T), b, a)
         o, _, states = recurrent_gated_delta_rule(q, k, v, g, beta, cache.ssm, keep_states=True)
         return self._out(o, z, x.dtype), DeltaSteps(window, torch.cat([cache.ssm[:, :, None], states], dim=2))
+
+    def input_projections(self, hidden: int) -> None:
+        """The input projections, under the checkpoint's names (Qwen3-Next fuses them differently)."""
+        self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+
+    def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [B, T, H] -> the conv inputs qkv [B, T, C] (all q heads, all k heads, all v heads), the gate z
+        [B, T, value_dim], b and a [B, T, Hv]."""
+        return project(self, x, "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
     def _short_conv(self, window: torch.Tensor, T: int) -> torch.Tensor:
         """The causal depthwise conv of the last T inputs of window [B, C, kernel-1+T] -> [B, C, T]: the taps summed

@@ -19,8 +19,10 @@ from .glm_moe_dsa import GlmMoeDsaForCausalLM
 from .hf_causal import REFUSED as HF_REFUSED
 from .hf_causal import SUPPORTED as HF_SUPPORTED
 from .hf_causal import HFCausalLM
+from .llama import LlamaForCausalLM
 from .mimo import MiMoForCausalLM
 from .qwen3_5 import Qwen35ForCausalLM, Qwen35MoeForCausalLM
+from .qwen3_next import Qwen3NextForCausalLM
 
 FAMILIES: dict[str, type[CausalLM]] = {
     "qwen3_5": Qwen35ForCausalLM,
@@ -34,7 +36,12 @@ FAMILIES: dict[str, type[CausalLM]] = {
     "deepseek_v32": DeepseekV32ForCausalLM,
     "glm_moe_dsa": GlmMoeDsaForCausalLM,
     **dict.fromkeys(HF_SUPPORTED, HFCausalLM),  # any transformers causal LM with attention-only layers (hf_causal.py)
+    "qwen3_next": Qwen3NextForCausalLM,  # issue 20
 }
+# `llama` is two families: transformers' own Llama through the generic family (any HF Llama checkpoint, and what
+# `mtp retrofit` writes on one), and Meta's multi-token models as `mtp convert` writes them (model/meta.py), which
+# declare our key `mtp_style` ("parallel"); that key decides.
+META_LLAMA = LlamaForCausalLM
 # Families whose MTP we know but whose backbone we do not run: model_type -> what is missing.
 UNSUPPORTED = {
     **HF_REFUSED,  # transformers architectures the generic family refuses, with the reason
@@ -56,6 +63,8 @@ def model_class(data: dict[str, Any]) -> type[CausalLM]:
         raise ConfigError(f"config key 'model_type' is {model_type!r}: not supported: {UNSUPPORTED[model_type]}")
     if model_type not in FAMILIES:
         raise ConfigError(f"config key 'model_type' is {model_type!r}; supported: {', '.join(sorted(FAMILIES))}")
+    if model_type == "llama" and "mtp_style" in data:
+        return META_LLAMA
     return FAMILIES[model_type]
 
 
@@ -77,7 +86,7 @@ def config_from_json(path: str | Path):
 
 def model_class_for(config) -> type[CausalLM]:
     """The model class of a parsed config."""
-    for cls in FAMILIES.values():
+    for cls in [*FAMILIES.values(), META_LLAMA]:
         if type(config) is cls.config_class:
             return cls
     raise ConfigError(f"no model family for config type {type(config).__name__}")

@@ -81,14 +81,16 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """The Qwen3.5-MoE block (`mlp`): router `gate` [E, H] -> softmax (fp32) -> top-k -> renormalised weights;
-    the routed experts; plus `shared_expert` (SwiGLU) times sigmoid(`shared_expert_gate`(x)).
+    """The Qwen3.5-MoE block (`mlp`): router `gate` [E, H] -> softmax (fp32) -> top-k -> weights renormalised to sum 1
+    (Qwen3.5-MoE always; Qwen3-Next when `norm_topk_prob`); the routed experts; plus `shared_expert` (SwiGLU) times
+    sigmoid(`shared_expert_gate`(x)).
 
     x [B, T, H] -> (out [B, T, H], router logits [B*T, E]) - the logits feed the load-balancing loss."""
 
-    def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int, shared_intermediate: int):
+    def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int, shared_intermediate: int,
+                 norm_topk_prob: bool = True):
         super().__init__()
-        self.top_k = top_k
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.experts = Experts(num_experts, hidden, intermediate)
         self.shared_expert = MLP(hidden, shared_intermediate)
@@ -99,7 +101,8 @@ class SparseMoE(nn.Module):
         logits = self.gate(x)  # a prepared linear: row-invariant, the choice of experts must not depend on the batch
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, idx = torch.topk(probs, self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
         return logits, idx, weights.to(logits.dtype)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -61,15 +61,17 @@ class Qwen35TextModel(nn.Module):
 class Qwen35MTP(MTPModule):
     """The MTP module `mtp.*` (both schools; see the module docstring)."""
 
-    def __init__(self, config: Qwen35Config):
+    def __init__(self, config: Qwen35Config, layer=None):
+        """`layer(i)`: MTP layer i (default: a Qwen3.5 full-attention decoder layer with the config's MLP)."""
         super().__init__()
         c = config
+        layer = layer or (lambda i: decoder_layer(c, "full_attention"))
         self.style = c.mtp_style
         if self.style == "sequential":
             self.pre_fc_norm_embedding = RMSNorm(c.hidden_size, c.rms_norm_eps)
             self.pre_fc_norm_hidden = RMSNorm(c.hidden_size, c.rms_norm_eps)
             self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
-        self.layers = nn.ModuleList([decoder_layer(c, "full_attention") for _ in range(c.mtp_num_hidden_layers)])
+        self.layers = nn.ModuleList([layer(i) for i in range(c.mtp_num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         own = c.mtp_use_dedicated_embeddings
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size) if own else None
