@@ -5,6 +5,8 @@ each (step, draft length, batch bucket, sampling flags) is one graph, compiled o
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -16,6 +18,12 @@ from mtp.decode.sampling import SamplingParams
 from mtp.decode.session import Session
 
 SMALL = dict(num_hidden_layers=2, full_attention_interval=2, max_position_embeddings=256)
+
+# Compiling is minutes per graph on a 2-core CPU (docs/decisions.md, issue 18: this file took ~40 min on a loaded
+# machine), more than the whole suite's budget: these tests run with MTP_TEST_COMPILE=1 (and on a GPU machine, where
+# tests/test_gpu.py checks the captured rounds too).
+pytestmark = pytest.mark.skipif(os.environ.get("MTP_TEST_COMPILE") != "1",
+                                reason="compiles graphs for minutes: set MTP_TEST_COMPILE=1 to run")
 
 
 @pytest.fixture(scope="module")

@@ -148,7 +148,6 @@ class HFCausalConfig(HFConfig):
         if self.model_type in REFUSED:
             raise ConfigError(f"config key 'model_type' is {self.model_type!r}: not supported: {REFUSED[self.model_type]}")
         self.one_of("model_type", tuple(SUPPORTED))
-        self.refuse_quantized()
         self.positive("vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings")
         self.non_negative("mtp_num_hidden_layers")
         for key in ("num_local_experts", "num_experts", "n_routed_experts"):
