@@ -305,7 +305,7 @@ def cmd_bench(args) -> int:
         for v in variants:
             for k in [None] + ([k_prof] if k_prof else []):
                 name = plain_name(v) if k is None else f"mtp {v.name + ' ' if v.name else ''}k={k}"
-                profiles[name] = round_profile(models[v.model_key], prompt_ids[0], k, v.compiled, min(64, max_new))
+                profiles[name] = round_profile(models[v.model_key], prompt_ids[0], k, v.compiled, min(16, max_new))
     report["round_profile"] = profiles
     md = markdown_report(summary, meta) + ("\n\n" + format_costs(costs, "cost model (this model)") if costs else "")
     if profiles:

@@ -59,9 +59,10 @@ def _outermost_linear_us(events) -> float:
     return total
 
 
-def round_profile(model, ids: list[int], draft_tokens: int | str | None, compiled: bool, max_new_tokens: int = 64) -> dict:
+def round_profile(model, ids: list[int], draft_tokens: int | str | None, compiled: bool, max_new_tokens: int = 16) -> dict:
     """Profile one greedy generation of `max_new_tokens` from `ids`; returns per-round figures (see the module
-    docstring) and `rounds`, `tokens_per_round`."""
+    docstring) and `rounds`, `tokens_per_round`. Keep `max_new_tokens` small: torch's profiler takes seconds per
+    thousand operations to assemble its events (an eager round is ~1,000-2,000 of them)."""
     kw = dict(max_new_tokens=max_new_tokens, temperature=0.0, draft_tokens=draft_tokens, eos_token_ids=[],
               compile=compiled)
     generate(model, ids, **kw)  # warm-up (and compilation)
