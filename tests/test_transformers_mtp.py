@@ -120,7 +120,7 @@ def test_bench_measures_transformers_use_mtp_and_checks_it(tmp_path, capsys):
     byte_tokenizer(300).save(str(path / "tokenizer.json"))
     out = tmp_path / "bench"
     rc = main(["bench", "--model", str(path), "--quick", "--out", str(out), "--threads", "1", "--no-cost-model",
-               "--draft-tokens", "1", "--max-new-tokens", "10", "--max-prompts", "1"])
+               "--draft-tokens", "1", "--max-new-tokens", "10", "--max-prompts", "1", "--repeats", "1", "--no-profile"])
     report = __import__("json").loads((out / "report.json").read_text())
     assert rc == 0 and report["identical_outputs"] and report["failed"] == {}, report["mismatches"]
     code = report["summary"]["code"]
