@@ -172,7 +172,7 @@ def test_save_load_round_trip_and_transformers_reads_the_backbone(tmp_path):
 
 
 @pytest.mark.parametrize("model_type, words", [("mixtral", "mixture-of-experts"), ("mamba", "recurrent"),
-                                               ("qwen3_next", "recurrent"), ("gemma2", "soft-capping"),
+                                               ("jamba", "recurrent"), ("gemma2", "soft-capping"),
                                                ("bloom", "ALiBi"), ("totally_new", "supported:")])
 def test_refused_architectures_say_why(tmp_path, model_type, words):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, "hidden_size": 8}))
