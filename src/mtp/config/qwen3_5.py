@@ -12,6 +12,18 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 MTP_STYLES = ("sequential", "parallel")
 
 
+def warn_layer_types_vs_interval(kwargs: dict[str, Any]) -> None:
+    """Warn when an explicit `layer_types` disagrees with `full_attention_interval` (the hybrid families' two ways of
+    saying the same thing); transformers lets the explicit list win (it writes such configs for all-attention models)."""
+    types, interval = kwargs.get("layer_types"), kwargs.get("full_attention_interval")
+    if (isinstance(types, list) and all(t in LAYER_TYPES for t in types) and isinstance(interval, int)
+            and not isinstance(interval, bool) and interval > 0):
+        expect = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(len(types))]
+        if expect != types:
+            warnings.warn(f"config key 'layer_types' disagrees with 'full_attention_interval' ({interval}); "
+                          "using 'layer_types'", ConfigWarning, stacklevel=5)
+
+
 @dataclass
 class Qwen35Config(DecoderConfig):
     """Qwen3.5 (dense) text config. Without `layer_types`, layer i is full attention when (i + 1) is a multiple of
@@ -88,14 +100,7 @@ class Qwen35Config(DecoderConfig):
     @classmethod
     def read_keys(cls, kwargs: dict[str, Any], extra: dict[str, Any]) -> None:
         super().read_keys(kwargs, extra)
-        types, interval = kwargs.get("layer_types"), kwargs.get("full_attention_interval")
-        if (isinstance(types, list) and all(t in LAYER_TYPES for t in types) and isinstance(interval, int)
-                and not isinstance(interval, bool) and interval > 0):
-            expect = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(len(types))]
-            if expect != types:
-                # transformers lets an explicit layer_types win (it writes such configs for all-attention models)
-                warnings.warn(f"config key 'layer_types' disagrees with 'full_attention_interval' ({interval}); "
-                              "using 'layer_types'", ConfigWarning, stacklevel=4)
+        warn_layer_types_vs_interval(kwargs)
 
 
 @dataclass

@@ -4,13 +4,12 @@ transformers' (`Qwen3NextConfig`); docs/families.md, "Qwen3-Next"."""
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from .base import ConfigError, ConfigWarning
+from .base import ConfigError
 from .nextn import NextNConfig
-from .qwen3_5 import LAYER_TYPES
+from .qwen3_5 import LAYER_TYPES, warn_layer_types_vs_interval
 
 
 @dataclass
@@ -95,10 +94,4 @@ class Qwen3NextConfig(NextNConfig):
     @classmethod
     def read_keys(cls, kwargs: dict[str, Any], extra: dict[str, Any]) -> None:
         super().read_keys(kwargs, extra)
-        types, interval = kwargs.get("layer_types"), kwargs.get("full_attention_interval")
-        if (isinstance(types, list) and all(t in LAYER_TYPES for t in types) and isinstance(interval, int)
-                and not isinstance(interval, bool) and interval > 0):
-            expect = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(len(types))]
-            if expect != types:
-                warnings.warn(f"config key 'layer_types' disagrees with 'full_attention_interval' ({interval}); "
-                              "using 'layer_types'", ConfigWarning, stacklevel=4)
+        warn_layer_types_vs_interval(kwargs)
