@@ -277,7 +277,7 @@ def test_batched_greedy_equals_solo(release):
             assert s.new_tokens == mtp.generate(model, prompt, max_new_tokens=max_new, draft_tokens=k).tokens, k
 
 TINY = dict(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, mtp_num_hidden_layers=3)
+            num_key_value_heads=2, max_position_embeddings=256, mtp_num_hidden_layers=3, mtp_style="parallel")
 
 
 def tiny(seed: int = 0, std: float = 0.2, **over):

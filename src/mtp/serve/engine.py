@@ -92,7 +92,10 @@ class Job:
 
     def deliver(self, item) -> None:
         """From the worker thread: tokens (a list), an exception, or the end."""
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop that asked for this job has closed: nobody is listening, so drop it
+            self.engine.cancel(self)
 
     async def steps(self) -> AsyncIterator[list[int]]:
         """The tokens emitted at each round; the stream's `result` is set once this is exhausted."""
