@@ -87,3 +87,15 @@ def test_compiled_sampling_keeps_the_target_law(seeded):
     tests/test_sampling_stats.py, on a two-layer model)."""
     model = tiny_model(vocab_size=4, seed=11, std=0.15, **SMALL)
     assert stats.chi2_pvalue(model, SamplingParams(temperature=1.0, top_p=0.9), 2, seeded=seeded, compile=True) > 1e-3
+
+
+def test_the_round_compiles_without_graph_breaks(models):
+    """Every step traces whole: a graph break would run the rest of the step eagerly (correct, but as slow as
+    eager or slower). Last in the file: it drops the graphs compiled so far to trace afresh."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    for k in (None, 2):
+        mtp.generate(models["bf16"], prompts(1, seed=3)[0], max_new_tokens=8, draft_tokens=k, compile=True)
+    assert not counters["graph_break"], dict(counters["graph_break"])

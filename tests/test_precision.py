@@ -130,3 +130,24 @@ def test_int4_moe_experts_run_int4_and_decode_losslessly(family, monkeypatch):
     seen = set().union(*(scripted_drafts_patterns(model, prompt, monkeypatch, p, max_new=20, ks=(3,))
                          for p in ("none", "all", "mixed")))
     assert seen == {"none", "some", "all"}
+
+
+def test_prepared_layers_compile_whole_and_are_renewed_after_in_place_changes():
+    """A fused projection (q|k|v as one matmul) traces into one graph (fullgraph: a graph break raises), and a
+    compiled decoder renews prepared copies whose weights changed in place (a graph cannot check them)."""
+    from mtp.model.linear import project, renew_prepared
+
+    model = trained_tiny_model(steps=2).to(torch.bfloat16)
+    model.prepare_for_inference()
+    attn = next(m for m in model.modules() if m.__dict__.get("_fused") is not None)
+    names = attn.fused_projections
+    x = torch.randn(3, getattr(attn, names[0]).in_features, dtype=torch.bfloat16)
+    step = torch.compile(lambda x: project(attn, x, *names), fullgraph=True, backend="eager")
+    with torch.no_grad():
+        for got, want in zip(step(x), [getattr(attn, n)(x) for n in names], strict=True):
+            assert torch.equal(got, want)
+        assert renew_prepared(model) == 0
+        getattr(attn, names[0]).weight.mul_(2.0)
+        assert renew_prepared(model) == 2  # the layer and its fusion
+        for got, want in zip(step(x), [getattr(attn, n)(x) for n in names], strict=True):
+            assert torch.equal(got, want)

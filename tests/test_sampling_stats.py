@@ -2,6 +2,7 @@
 exact joint distribution of the first three tokens, and the same test catches a wrong acceptance rule."""
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,8 +11,10 @@ from scipy.stats import chisquare
 import mtp
 import mtp.decode.accept as accept
 from conftest import tiny_model
+from mtp.decode.decoder import Decoder
 from mtp.decode.draft_vocab import DraftVocab
 from mtp.decode.sampling import SamplingParams, apply_repetition_penalty, probs_from_logits
+from mtp.decode.session import Session
 
 PROMPT = [1, 3, 0, 2, 2]
 N = 1500
@@ -39,17 +42,31 @@ def exact_joint(model, params: SamplingParams) -> dict[tuple, float]:
     return out
 
 
-def chi2_pvalue(model, params: SamplingParams, k: int, draft_vocab=None, seeded: bool = True, compile: bool = False) -> float:
-    """Seeded runs sample by the Gumbel-max coupling, unseeded ones by Leviathan's rule (from torch's global RNG,
-    seeded here so the test itself is reproducible)."""
-    counts = {}
-    torch.manual_seed(1234 + k)
-    for i in range(N):
-        r = mtp.generate(model, PROMPT, max_new_tokens=4, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                         repetition_penalty=params.repetition_penalty, seed=10_000 * k + i if seeded else None,
-                         draft_tokens=k, draft_vocab=draft_vocab, compile=compile)
-        key = tuple(r.tokens[:3])
+def sample_first_three(model, params: SamplingParams, k, draft_vocab=None, seeded: bool = True, compile: bool = False,
+                       rows: int = 50, seed_base: int | None = None) -> dict[tuple, int]:
+    """N generations of 3 tokens from PROMPT, `rows` at a time through one decoder (rows of a batch are sampled
+    independently: tests/test_batch.py): counts of their first three tokens. Seeded runs sample by the Gumbel-max
+    coupling (one seed per generation), unseeded ones by Leviathan's rule (from torch's global RNG, seeded here so
+    the test itself is reproducible)."""
+    kk = k if isinstance(k, int) else 9
+    torch.manual_seed(1234 + kk)
+    base = 10_000 * kk if seed_base is None else seed_base
+    dec = Decoder(model, rows, len(PROMPT) + 8, k, draft_vocab, compile=compile)
+    sessions = [Session(model, PROMPT, 3, replace(params, seed=base + i if seeded else None), None, None) for i in range(N)]
+    for s in sessions:
+        dec.add(s)
+    while not all(s.done for s in sessions):
+        dec.step()
+    counts: dict[tuple, int] = {}
+    for s in sessions:
+        key = tuple(s.new_tokens[:3])
         counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def chi2_of_counts(model, params: SamplingParams, counts: dict[tuple, int]) -> float:
+    """p-value of the counts of the first three tokens against the backbone's exact joint law."""
+    n = sum(counts.values())
     exact = exact_joint(model, params)
     assert sum(counts.get(c, 0) for c, p in exact.items() if p == 0) == 0  # never a token the target forbids
     cells = sorted((p, counts.get(c, 0)) for c, p in exact.items() if p > 0)
@@ -57,21 +74,24 @@ def chi2_pvalue(model, params: SamplingParams, k: int, draft_vocab=None, seeded:
     obs, exp, acc_p, acc_o = [], [], 0.0, 0
     for p, o in cells:
         acc_p, acc_o = acc_p + p, acc_o + o
-        if acc_p * N >= 5:
-            exp.append(acc_p * N)
+        if acc_p * n >= 5:
+            exp.append(acc_p * n)
             obs.append(acc_o)
             acc_p, acc_o = 0.0, 0
-    exp[-1] += acc_p * N
+    exp[-1] += acc_p * n
     obs[-1] += acc_o
     scale = sum(obs) / sum(exp)
     return float(chisquare(obs, [e * scale for e in exp]).pvalue)
 
 
+def chi2_pvalue(model, params: SamplingParams, k, draft_vocab=None, seeded: bool = True, compile: bool = False) -> float:
+    return chi2_of_counts(model, params, sample_first_three(model, params, k, draft_vocab, seeded, compile))
+
+
+# temperature 1 with k = 2, seeded and unseeded, is tests/test_batch.py's chi-square (through staggered arrivals)
 @pytest.mark.parametrize("params, k, seeded", [
-    (SamplingParams(temperature=1.0), 2, False),
     (SamplingParams(temperature=0.7, top_k=3), 3, False),
     (SamplingParams(temperature=1.3, top_p=0.8, repetition_penalty=1.3), 2, False),
-    (SamplingParams(temperature=1.0), 2, True),
     (SamplingParams(temperature=1.3, top_p=0.8, repetition_penalty=1.3), 3, True),
 ])
 def test_speculative_sampling_matches_the_target_distribution(model, params, k, seeded):

@@ -25,7 +25,9 @@ that runs it):
 with one scale per call, so it is not row-invariant: not used, docs/decisions.md.)
 
 The prepared kernel is used only under no_grad/inference mode and only while the weight is unchanged (its version
-counter is checked), so a model that trains afterwards silently goes back to `F.linear`.
+counter is checked at each eager call), so a model that trains afterwards silently goes back to `F.linear`. Compiled
+graphs cannot read a version counter without breaking the graph: they call the prepared kernels unchecked, and
+decode/compiled.py renews whatever changed (`renew_prepared`) as each decoder starts.
 """
 
 from __future__ import annotations
@@ -291,8 +293,24 @@ class FusedProjections:
         self.versions = [p.weight._version for p in parts]
 
     def usable(self) -> bool:
-        return (not torch.is_grad_enabled() and all(p.kernel == self.fused.kernel for p in self.parts)
-                and [p.weight._version for p in self.parts] == self.versions)
+        if not torch.is_grad_enabled() and all(p.kernel == self.fused.kernel for p in self.parts):
+            # a tensor's version is a host counter that a compiled graph cannot guard on (reading it breaks the
+            # graph): compiled code trusts the fused weights, and decode/compiled.py checks `fresh` before each step
+            return torch.compiler.is_compiling() or self.fresh()
+        return False
+
+    def fresh(self) -> bool:
+        """No part's weight was changed in place since the fusion."""
+        return [p.weight._version for p in self.parts] == self.versions
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Fuse the parts' current weights again (after an in-place change), into the same prepared layer."""
+        self.fused.weight.copy_(torch.cat([p.weight.detach() for p in self.parts], dim=0))
+        if self.fused.bias is not None:
+            self.fused.bias.copy_(torch.cat([p.bias.detach() for p in self.parts]))
+        self.fused.prepare(self.fused.kernel)
+        self.versions = [p.weight._version for p in self.parts]
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x [..., in] -> one output per part, [..., out_i]."""
@@ -325,4 +343,20 @@ def prepare_for_inference(model: nn.Module, kernel: str, skip: tuple[str, ...] =
         names = getattr(m, "fused_projections", None)
         if names and all(isinstance(getattr(m, x), FastLinear) and getattr(m, x).kernel == kernel for x in names):
             m.__dict__["_fused"] = FusedProjections([getattr(m, x) for x in names])
+    return n
+
+
+def renew_prepared(model: nn.Module) -> int:
+    """Prepare again every layer and fusion of `model` whose weights changed in place since they were prepared.
+    Eager calls check this at each call; compiled graphs cannot (a tensor's version is a host counter), so they trust
+    the prepared copies and decode/compiled.py calls this as each decoder starts. Returns how many were renewed."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, FastLinear) and m.kernel is not None and m.weight._version != m._version:
+            m.prepare(m.kernel)
+            n += 1
+        fused = m.__dict__.get("_fused")
+        if fused is not None and not fused.fresh():
+            fused.refresh()
+            n += 1
     return n
