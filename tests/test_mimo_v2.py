@@ -247,6 +247,10 @@ def test_greedy_speculative_equals_plain(monkeypatch):
         for k in (1, 2, 3, 4, 5, 6, "auto"):
             assert mtp.generate(model, prompt, max_new_tokens=24, draft_tokens=k).tokens == want, k
     assert scripted_drafts_patterns(model, prompt, monkeypatch) == {"none", "some", "all"}
+    model.to(torch.bfloat16).prepare_for_inference()  # bf16 kernels on the same decode path
+    want = mtp.generate(model, prompt, max_new_tokens=24).tokens
+    for k in (1, 3, 6, "auto"):
+        assert mtp.generate(model, prompt, max_new_tokens=24, draft_tokens=k).tokens == want, ("bf16", k)
 
 
 def test_batched_decoding_equals_solo():
