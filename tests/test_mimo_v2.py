@@ -149,21 +149,16 @@ def test_backbone_logits_match_transformers_prefill_cached_and_decode(reference,
         torch.testing.assert_close(torch.cat(got, 1), want, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
 @torch.no_grad()
-def test_three_mtp_layers_follow_the_equations(reference, name):
-    """Depths 1..3 by hand around transformers' sliding-window decoder layers (holding MTP layer d's weights): the
-    embedding of the token d ahead first, h the backbone's post-norm state, the post-norm output fed back, layer d
-    for depth d, the shared embedding and lm_head."""
-    ref = reference(name)
-    ours = load(ref.path)
+def reference_mtp_logits(ref: Reference, ids: torch.Tensor) -> list[torch.Tensor]:
+    """MTP logits of depths 1..3 for ids [1, T] by the equations, around transformers' sliding-window decoder layers
+    (holding MTP layer d's weights): the embedding of the token d ahead first, h the backbone's post-norm state, the
+    post-norm output fed back, layer d for depth d, the shared embedding and lm_head. List of [T - d, V]."""
     with read_tensors(ref.path) as t:
         sd = {k: t.tensor(k).clone() for k in t}
-    ids = torch.randint(0, 64, (1, 20), generator=torch.Generator().manual_seed(2))  # MTP contexts > the window
     T = ids.shape[1]
     prev = ref.hf.model(ids).last_hidden_state[0]
-    got = ours.mtp_logits(ids, N_MTP)
-    assert len(got) == N_MTP
+    out_logits = []
     for d in range(1, N_MTP + 1):
         n, p = T - d, f"model.mtp.layers.{d - 1}."
         e = sd["model.embed_tokens.weight"][ids[0, d:]]
@@ -172,7 +167,20 @@ def test_three_mtp_layers_follow_the_equations(reference, name):
         out = ref.mtp_ref.model.layers[d - 1](x[None], attention_mask=window_mask(n), position_embeddings=pe)
         out = out[0] if isinstance(out, tuple) else out
         prev = rms(out[0], sd[p + "final_layernorm.weight"])
-        torch.testing.assert_close(got[d - 1][0], prev @ sd["lm_head.weight"].T, atol=1e-4, rtol=0)
+        out_logits.append(prev @ sd["lm_head.weight"].T)
+    return out_logits
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+@torch.no_grad()
+def test_three_mtp_layers_follow_the_equations(reference, name):
+    ref = reference(name)
+    ours = load(ref.path)
+    ids = torch.randint(0, 64, (1, 20), generator=torch.Generator().manual_seed(2))  # MTP contexts > the window
+    got = ours.mtp_logits(ids, N_MTP)
+    assert len(got) == N_MTP
+    for d, want in enumerate(reference_mtp_logits(ref, ids), start=1):
+        torch.testing.assert_close(got[d - 1][0], want, atol=1e-4, rtol=0)
     assert [ours.mtp.layer_for_depth(d) for d in range(1, 7)] == [0, 1, 2, 0, 1, 2]  # own layers, then reused
 
 
