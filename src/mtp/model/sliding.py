@@ -24,20 +24,24 @@ def attend_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCa
                   scale: float, window: int, sinks: torch.Tensor | None) -> torch.Tensor:
     """q [B, A, T, D] at positions pos.start.. (or pos.index [B, T], a decode forward) over k/v [B, Hk, T, D/Dv];
     with a cache, k/v are stored there first and the queries also see the earlier positions inside their window.
-    sinks [A] or None. Returns [B, A, T, Dv]."""
+    sinks [A] or None. Returns [B, A, T, Dv]. A prefill builds an additive bias [A, T, keys] (the sink differs per
+    head): a prompt read in chunks (`decode/prefill.py`) keeps it at T x (T + window); one forward over a whole
+    long sequence (training) holds T x T per head, as transformers' eager attention does."""
     if pos.decoding:
         cache.write_at(k, v, pos.index)
         if pos.starts is not None and not torch.compiler.is_compiling():
             return torch.cat([window_rows(q[b : b + 1], cache.k[b : b + 1], cache.v[b : b + 1], s, scale, window, sinks)
                               for b, s in enumerate(pos.starts)])
         return window_masked(q, cache.k, cache.v, pos.index, scale, window, sinks)
-    start = 0
+    start = lo = 0
     if cache is not None:
         start = pos.start
         k, v = cache.write(k, v, start)
+        lo = max(0, start - window + 1)  # the first key any of these queries sees: a chunk reads T + window keys at most
+        k, v = k[:, :, lo:], v[:, :, lo:]
     T, S = q.shape[2], k.shape[2]
     qpos = torch.arange(T, device=q.device)[:, None] + start
-    kpos = torch.arange(S, device=q.device)[None, :]
+    kpos = torch.arange(S, device=q.device)[None, :] + lo
     return sdpa_sinks(q, k, v, (kpos <= qpos) & (kpos > qpos - window), scale, sinks)
 
 
