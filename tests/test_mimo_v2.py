@@ -319,7 +319,9 @@ def test_heal_grafts_the_mtp_layers_back(tmp_path):
 
 
 # ---------------------------------------------------------------------- configs
-RELEASED = {  # MiMo-V2-Flash's config.json keys in the release's (SGLang's) spelling, as the engines read them
+# A config.json in the release's spelling (the keys SGLang and vLLM read), with the values transformers' defaults give
+# as the release's (the hub file itself is not reachable from the tests).
+RELEASED = {
     "architectures": ["MiMoV2FlashForCausalLM"], "model_type": "mimo_v2_flash", "vocab_size": 152576, "hidden_size": 4096,
     "intermediate_size": 16384, "num_hidden_layers": 48, "num_attention_heads": 64, "num_key_value_heads": 4,
     "head_dim": 192, "v_head_dim": 128, "swa_num_attention_heads": 64, "swa_num_key_value_heads": 8, "swa_head_dim": 192,
