@@ -392,3 +392,22 @@ def test_bad_mtp_tensors_are_named(reference, tmp_path):
     (tmp_path / "two" / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 2}))
     with pytest.raises(mtp.CheckpointError, match="'num_nextn_predict_layers' is 2"):
         mtp.load_model(tmp_path / "two")
+
+
+def test_fp8_release_loads_exactly_and_decodes_losslessly(tmp_path, monkeypatch):
+    """Block-wise FP8 (as the release ships), the MTP layers quantized too: every tensor loads as its codes times its
+    scales, and greedy speculative decoding equals plain."""
+    from test_quantized import assert_loads_as, close_logits, greedy_spec_equals_plain, release_fp8
+
+    src = tiny(std=0.02).to(torch.bfloat16)
+    mtp.save_model(src, tmp_path)
+    reference = release_fp8(tmp_path, (16, 16), exclude=["lm_head"])
+    stored = load_file(tmp_path / "model.safetensors")
+    assert stored["model.mtp.layers.2.eh_proj.weight"].dtype == torch.float8_e4m3fn
+    assert stored["model.layers.1.self_attn.attention_sink_bias"].dtype == torch.bfloat16
+    model = mtp.load_model(tmp_path)
+    assert model.has_mtp and model.mtp.num_layers == N_MTP
+    assert_loads_as(model, reference)
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(1))
+    assert close_logits(model, src, ids) < 0.1
+    greedy_spec_equals_plain(model, monkeypatch, 64)
