@@ -14,7 +14,8 @@ It may override, each declared here with the default most families use:
   experts one tensor per expert (read fused, written back as read: `checkpoint_sources` / `checkpoint_state`);
 - `fp32_parameters` (name suffixes kept in fp32 whatever the dtype), `keep_precision` (linears `quantize` skips);
 - `final_hidden(x)` / `head(h)` (MiMo's MTP reads the pre-norm state), `hidden_width` (Meta's heads read another state
-  than the head: `llama.py`), `router_aux_loss` (MoE families).
+  than the head: `llama.py`), `router_aux_loss` (MoE families), `positions` / `decode_positions` / `prepare_decode`
+  (one rotary table per layer kind: `mimo_v2.py`).
 Everything else - the prefill/training forward, the decode forward (a plain step, a verify, a batch), the
 teacher-forced MTP hidden states, the checkpoint state - is written once here. docs/architecture.md tables the seam
 and draws one speculative round.

@@ -24,7 +24,9 @@ class Positions:
     [B, 1, T, R]), and `starts` optionally each row's first position on the host (eager attention then reads exactly
     each row's keys). `router_logits`: when a list, every MoE layer of this forward appends its router logits
     [B*T, E] to it. `key_selection`: layer index -> the keys that sparse-attention layer's indexer chose for each
-    query, [B, T, S] bool (GLM-5's IndexShare layers reuse an earlier layer's; `dsa.py`)."""
+    query, [B, T, S] bool (GLM-5's IndexShare layers reuse an earlier layer's; `dsa.py`). `rotary_by_kind`: for a
+family whose layer kinds use different RoPE tables (MiMo-V2-Flash: global vs sliding-window attention), layer kind
+-> (cos, sin) shaped as `cos` / `sin`; None: every layer reads `cos` / `sin`."""
 
     start: int
     length: int
@@ -34,6 +36,7 @@ class Positions:
     starts: list[int] | None = None
     index: torch.Tensor | None = None
     key_selection: dict[int, torch.Tensor] | None = None
+    rotary_by_kind: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def decoding(self) -> bool:

@@ -21,6 +21,7 @@ from .hf_causal import SUPPORTED as HF_SUPPORTED
 from .hf_causal import HFCausalLM
 from .llama import LlamaForCausalLM
 from .mimo import MiMoForCausalLM
+from .mimo_v2 import MiMoV2FlashForCausalLM
 from .qwen3_5 import Qwen35ForCausalLM, Qwen35MoeForCausalLM
 from .qwen3_next import Qwen3NextForCausalLM
 
@@ -37,6 +38,7 @@ FAMILIES: dict[str, type[CausalLM]] = {
     "glm_moe_dsa": GlmMoeDsaForCausalLM,
     **dict.fromkeys(HF_SUPPORTED, HFCausalLM),  # any transformers causal LM with attention-only layers (hf_causal.py)
     "qwen3_next": Qwen3NextForCausalLM,  # issue 20
+    "mimo_v2_flash": MiMoV2FlashForCausalLM,  # issue 20
 }
 # `llama` is two families: transformers' own Llama through the generic family (any HF Llama checkpoint, and what
 # `mtp retrofit` writes on one), and Meta's multi-token models as `mtp convert` writes them (model/meta.py), which
@@ -46,7 +48,6 @@ META_LLAMA = LlamaForCausalLM
 UNSUPPORTED = {
     # transformers architectures the generic family refuses, with the reason (unless a family of ours runs them)
     **{k: why for k, why in HF_REFUSED.items() if k not in FAMILIES},
-    "mimo_v2_flash": "MiMo-V2-Flash (hybrid sliding-window attention, three MTP layers) is not implemented yet",
     "deepseek_v4": "DeepSeek-V4 (hyper-connections, MTP at mtp.{i}.*) is not implemented yet",
     "step3p7": "Step-3.5/3.7 is not implemented yet",
     "nemotron_h": "Nemotron-H (hybrid Mamba-2) is not implemented yet",
