@@ -59,6 +59,7 @@ class Runner:
 
     def __init__(self, compiled: bool, device: torch.device):
         self.compiled = compiled
+        self.called: set[tuple] = set()  # the graph keys called so far (decoder.py: a first call compiles)
         if not compiled:  # looked up at each call (tests wrap them)
             self.draft = lambda *a, **kw: rnd.draft(*a, **kw)
             self.verify = lambda *a, **kw: rnd.verify(*a, **kw)

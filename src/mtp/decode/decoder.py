@@ -351,7 +351,11 @@ class Decoder:
         other = time.perf_counter() - t
         for s in seqs:
             s.session.stats.time_other += other
-        self.policy.update(D, k, [(ks[b], out[b][K + 1]) for b in range(D)], time.perf_counter() - t0)
+        # a compiled graph's first call compiles it (or reads it from the disk cache): not a round time to learn from
+        graph = (B, K, None if rs is None else (rs.use_penalty, rs.use_top_k, rs.use_top_p, rs.any_sampled, rs.any_unseeded))
+        first = self.runner.compiled and graph not in self.runner.called
+        self.runner.called.add(graph)
+        self.policy.update(D, k, [(ks[b], out[b][K + 1]) for b in range(D)], None if first else time.perf_counter() - t0)
         self.last_round = [(s, ks[b], out[b][K + 1]) for b, s in enumerate(seqs)]
         return emitted
 

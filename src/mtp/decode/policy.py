@@ -140,8 +140,11 @@ class DraftPolicy:
             return best_k - 1
         return best_k
 
-    def update(self, batch: int, k: int, rows: list[tuple[int, int]], seconds: float) -> None:
-        """After a round of `batch` sequences with draft length k: rows = (drafts made, accepted) per sequence."""
+    def update(self, batch: int, k: int, rows: list[tuple[int, int]], seconds: float | None) -> None:
+        """After a round of `batch` sequences with draft length k: rows = (drafts made, accepted) per sequence;
+        seconds None: the round's time says nothing about later rounds (it compiled a graph)."""
         self.counts.record(rows)
+        if seconds is None:
+            return
         old = self.times.get((batch, k))
         self.times[(batch, k)] = seconds if old is None else 0.8 * old + 0.2 * seconds
