@@ -91,11 +91,18 @@ def test_compiled_sampling_keeps_the_target_law(seeded):
 
 def test_the_round_compiles_without_graph_breaks(models):
     """Every step traces whole: a graph break would run the rest of the step eagerly (correct, but as slow as
-    eager or slower). Last in the file: it drops the graphs compiled so far to trace afresh."""
+    eager or slower); generations of other lengths reuse the graphs. Last in the file: it drops the graphs compiled
+    so far to trace afresh."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
+    short, longer = prompts(2, seed=3)  # 10 and 17 tokens
     for k in (None, 2):
-        mtp.generate(models["bf16"], prompts(1, seed=3)[0], max_new_tokens=8, draft_tokens=k, compile=True)
+        mtp.generate(models["bf16"], short, max_new_tokens=8, draft_tokens=k, compile=True)
     assert not counters["graph_break"], dict(counters["graph_break"])
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0
+    for k in (None, 2):  # another length, within the same cache bucket (decoder.cache_slots): no new graph
+        mtp.generate(models["bf16"], longer, max_new_tokens=20, draft_tokens=k, compile=True)
+    assert counters["stats"]["unique_graphs"] == graphs

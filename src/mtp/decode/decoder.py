@@ -38,6 +38,18 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # batch sizes the round runs at (a comp
 SLOT_ALIGN = 64  # cache lengths are a multiple of this (compiled attention reduces over whole vector blocks)
 
 
+def cache_slots(max_len: int, compiled: bool, context: int) -> int:
+    """Cache length for sequences of up to max_len (<= context) positions. The verify and chain steps write up to
+    PENDING + MAX_DRAFT slots past a sequence's last position; lengths are multiples of SLOT_ALIGN. A compiled graph
+    has its cache length baked in, so compiled decoders round up to a power of two (at least 256; at most the whole
+    context's length): generations of other lengths reuse the same few graphs instead of compiling new ones
+    (compiled attention then reads at most twice the slots it needs)."""
+    aligned = lambda n: -(-(n + PENDING + MAX_DRAFT + 2) // SLOT_ALIGN) * SLOT_ALIGN  # noqa: E731
+    if compiled:
+        return min(max(256, 1 << (aligned(max_len) - 1).bit_length()), aligned(context))
+    return aligned(max_len)
+
+
 def bucket(n: int) -> int:
     return next((b for b in BUCKETS if b >= n), n)
 
@@ -86,8 +98,7 @@ class Decoder:
             limit = min(MAX_DRAFT, model.masks.config.masks)
         self.policy = DraftPolicy.from_arg(draft_tokens if use_mtp or use_masks else None, limit)
         self.max_len = min(max_len, model.context_length)
-        # verify and chain steps write up to PENDING + MAX_DRAFT slots past a sequence's last position
-        slots = -(-(self.max_len + PENDING + MAX_DRAFT + 2) // SLOT_ALIGN) * SLOT_ALIGN
+        slots = cache_slots(self.max_len, compile, model.context_length)
         model.prepare_decode(slots)
         self.max_batch = max_batch
         self.state = RoundState.allocate(model, bucket(max_batch), slots, use_mtp, penalty=False)
