@@ -10,6 +10,9 @@ Both store, for a linear layer with weight [N out, K in], `qweight` (codes), `qz
 - AWQ (GEMM): qweight int32 [K, N / 8] and qzeros int32 [G, N / 8], 8 codes per word along the outputs in AWQ's
   interleaved order: nibble i of word c holds output 8c + AWQ_ORDER[i]; g(k) = k // group.
 
+`dequantize_codes` is the same formula in the [N, K] layout (codes and one scale / zero point per group of inputs
+of each output row), which compressed-tensors stores and `linear.Int4Weight` holds.
+
 The packers are the exact inverses (tests build checkpoints with them; a writer of such checkpoints would too).
 """
 
@@ -75,6 +78,21 @@ def awq_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
         g = torch.arange(K) // group
         w = (q.float() - z[g].float()).mul_(scales.float()[g])
     return w.t().to(dtype).contiguous()
+
+
+def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int,
+                     dtype: torch.dtype, perm: torch.Tensor | None = None) -> torch.Tensor:
+    """Integer codes [N, K] with a scale and zero point per group of `group` inputs (scale float [N, K / group], zero
+    int [N, K / group], None: 0) -> the weight [N, K] in `dtype`, w[n, perm[j]] = (codes[n, j] - zero) * scale
+    computed in fp32 (perm None: the identity; act-order weights store their inputs permuted, groups contiguous)."""
+    N, K = codes.shape
+    q = codes.float().view(N, K // group, group)
+    if zero is not None:
+        q = q - zero.float()[..., None]
+    w = q.mul_(scale.float()[..., None]).view(N, K)
+    if perm is not None:
+        w = torch.empty_like(w).index_copy_(1, perm, w)
+    return w.to(dtype)
 
 
 def _awq_unorder(codes: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Quantized checkpoints (FP8, GPTQ, AWQ), decoded once at load: the loader sees every quantized weight as the float
-tensor it stands for.
+"""Quantized checkpoints (FP8, GPTQ, AWQ, compressed-tensors: model/compressed_tensors.py), decoded once at load:
+the loader sees every quantized weight as the float tensor it stands for.
 
 `decoded_index(files, config)` wraps a checkpoint's `TensorIndex`: for a checkpoint whose config.json has a
 `quantization_config` (config/quantization.py), each float8 weight and its scale become one entry under the
@@ -149,6 +149,10 @@ def decoded_index(raw, config, where: Path | str = ""):
             raise CheckpointError(f"{raw[scale][0].path}: tensor '{scale}' is a quantization scale but {cfg} has no "
                                   "'quantization_config'")
         return raw
+    if quant.method == "compressed-tensors":
+        from .compressed_tensors import ct_entries  # (imports this module's decoders)
+
+        return QuantizedIndex(raw, quant, *ct_entries(raw, quant.ct))
     if quant.method != "fp8":
         return QuantizedIndex(raw, quant, *packed_entries(raw, quant))
     decoded: dict = {}
@@ -196,7 +200,7 @@ def decoded_index(raw, config, where: Path | str = ""):
                                   "bfloat16 or float16")
         block = quant.block
         decoded[name] = ({"weight": name, "scale": scale}, shape,
-                         lambda t, dtype, block=block: dequantize_fp8(t["weight"], t["scale"], block, dtype))
+                         lambda t, dtype, block=block: dequantize_scaled(t["weight"], t["scale"], block, dtype))
     return QuantizedIndex(raw, quant, decoded, hidden)
 
 
@@ -271,10 +275,10 @@ def packed_entries(raw, quant: Quantization) -> tuple[dict, set[str]]:
     return decoded, hidden
 
 
-def dequantize_fp8(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-                   dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """float8 w [..., N, K] and its scale (see `expected_scale_shapes`) -> w * scale in `dtype` [..., N, K],
-    computed in fp32 (exactly (q.float() * s.float()).to(dtype)), ROWS rows at a time."""
+def dequantize_scaled(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+                      dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Codes w [..., N, K] (float8, or symmetric int8) and their scale (see `expected_scale_shapes`) -> w * scale in
+    `dtype` [..., N, K], computed in fp32 (exactly (q.float() * s.float()).to(dtype)), ROWS rows at a time."""
     *lead, N, K = w.shape
     s = scale.float()
     if block is None:  # per tensor / per channel / per expert: a multiplier per row, broadcast over the columns
