@@ -1,5 +1,5 @@
 """compressed-tensors checkpoints (llm-compressor / vLLM's format): their stored tensors, checked on the headers and
-decoded once at load into the float weight they stand for, as model/quantized.py decodes FP8, GPTQ and AWQ (it
+decoded once at load into the float weight they stand for, as model/quantized.py decodes FP8, GPTQ and AWQ (which
 wraps the checkpoint index with the entries built here); and the packing, for `mtp quantize` (quantize.py), which
 writes such checkpoints.
 
@@ -29,8 +29,8 @@ import torch
 
 from ..config.compressed_tensors import CompressedTensors, Scheme
 from ..io.safetensors_mmap import CheckpointError
-from .packed import dequantize_codes, pack_cols, unpack_cols
-from .quantized import SCALE_DTYPES, _dt, dequantize_scaled
+from .linear import Int4Weight
+from .packed import SCALE_DTYPES, dequantize_codes, dequantize_scaled, pack_cols, unpack_cols
 
 PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
 # Static activation / KV-cache quantization parameters: not applied (activations and the cache stay float).
@@ -52,6 +52,28 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
     """The inverse of `pack`: int32 [R, W] -> signed codes q int32 [R, cols] (stored value - 2^(bits-1))."""
     return unpack_cols(packed, bits)[:, :cols] - (1 << (bits - 1))
+
+
+def encode_int4(wq: Int4Weight, symmetric: bool = False, scale_dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """An int4 weight (groups, `linear.Int4Weight`, no act order) -> its pack-quantized tensors, relative names
+    (weight_packed, weight_scale, weight_shape, and asymmetric: weight_zero_point). The stored codes and zero points
+    are Int4Weight's own (its 0..15 are q + 8 and z + 8 of the signed convention): w = (codes - zero) * scale,
+    unchanged. `symmetric`: wq's zero points are all 8 (`Int4Weight.quantize(symmetric=True)`) and are not stored."""
+    N, K = wq.shape
+    out = {"weight_packed": pack(wq.codes, 4), "weight_scale": wq.scale.to(scale_dtype), "weight_shape": torch.tensor([N, K])}
+    if symmetric:
+        if bool((wq.zero != 8).any()):
+            raise ValueError("a symmetric int4 weight has zero points 8 (Int4Weight.quantize(symmetric=True))")
+    else:
+        out["weight_zero_point"] = pack(wq.zero.t().contiguous(), 4).t().contiguous()
+    return out
+
+
+def encode_int8(q: torch.Tensor, scale: torch.Tensor, scale_dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Symmetric per-channel int8 codes q [N, K] and scale [N] (`linear.quantize_int8`) -> pack-quantized tensors."""
+    N, K = q.shape
+    return {"weight_packed": pack(q.to(torch.int32) + 128, 8), "weight_scale": scale.reshape(N, 1).to(scale_dtype),
+            "weight_shape": torch.tensor([N, K])}
 
 
 def scale_shape(s: Scheme, N: int, K: int) -> tuple[int, ...]:
@@ -194,3 +216,7 @@ def _check_g_idx(raw, name: str, path, K: int, group: int) -> None:
         bad = int((counts != group).nonzero()[0])
         raise CheckpointError(f"{path}: tensor '{name}' gives group {bad} {int(counts[bad])} inputs; every group has "
                               f"group_size {group}")
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

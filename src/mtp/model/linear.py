@@ -87,16 +87,22 @@ class Int4Weight:
         return dequantize_codes(self.codes, self.scale, self.zero, self.group, dtype, self.perm)
 
     @staticmethod
-    def quantize(w: torch.Tensor, group: int = INT4_GROUP) -> Int4Weight:
-        """Round to nearest, asymmetric per group of `group` input features (min..max onto 0..15, an integer zero
-        point): w [N, K] -> Int4Weight. The codes, scales and zero points are those a GPTQ/compressed-tensors
-        asymmetric int4 checkpoint stores, so the result can be written in those formats unchanged."""
+    def quantize(w: torch.Tensor, group: int = INT4_GROUP, symmetric: bool = False) -> Int4Weight:
+        """Round to nearest per group of `group` input features: w [N, K] -> Int4Weight. Asymmetric (the default,
+        `--quantize int4`): min..max onto 0..15 with an integer zero point; symmetric: zero point 8, scale
+        max |w| / 7 (codes 1..15, as symmetric int4 checkpoints store q + 8 with q in -8..7). The codes, scales and
+        zero points are those a GPTQ/compressed-tensors int4 checkpoint stores, so the result can be written in those
+        formats unchanged."""
         N, K = w.shape
         g = w.detach().float().reshape(N, K // group, group)
-        lo = g.amin(-1).clamp(max=0.0)
-        hi = g.amax(-1).clamp(min=0.0)
-        scale = ((hi - lo) / 15).clamp_min(1e-10)
-        zero = (-lo / scale).round().clamp(0, 15)
+        if symmetric:
+            scale = (g.abs().amax(-1) / 7).clamp_min(1e-10)
+            zero = torch.full_like(scale, 8.0)
+        else:
+            lo = g.amin(-1).clamp(max=0.0)
+            hi = g.amax(-1).clamp(min=0.0)
+            scale = ((hi - lo) / 15).clamp_min(1e-10)
+            zero = (-lo / scale).round().clamp(0, 15)
         codes = (g / scale[..., None]).round().add_(zero[..., None]).clamp_(0, 15)
         return Int4Weight(codes.reshape(N, K).to(torch.uint8), scale, zero.to(torch.uint8), group)
 
