@@ -40,8 +40,10 @@ def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_cols(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """int32 [R, C] with 32 / bits codes per word along dim 1 -> int32 codes [R, C * 32 / bits]."""
-    return unpack_rows(packed.t().contiguous(), bits).t()
+    """int32 [R, C] with 32 / bits codes per word along dim 1 -> int32 codes [R, C * 32 / bits] (contiguous)."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    codes = (packed[:, :, None] >> shifts[None, None, :]) & ((1 << bits) - 1)
+    return codes.reshape(packed.shape[0], -1)
 
 
 def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
