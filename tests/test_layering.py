@@ -11,7 +11,7 @@ PACKAGE = SRC / "mtp"
 
 # layer of each top-level part: a module may import only from its own layer or lower ones
 LAYERS = {"config": 0, "io": 0, "data": 0, "model": 1, "decode": 2, "train": 3, "bench": 3, "serve": 3,
-          "cli_common": 3, "check": 3, "convert": 3, "cli": 4}
+          "cli_common": 3, "check": 3, "convert": 3, "quantize": 3, "cli": 4}
 
 
 def module_name(path: Path) -> str:

@@ -256,7 +256,7 @@ def test_fp8_tensors_without_a_quantization_config_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("qc, message", [
-    ({"quant_method": "compressed-tensors"}, r"'quantization_config.quant_method' is 'compressed-tensors' \(not supported yet"),
+    ({"quant_method": "bitsandbytes"}, r"'quantization_config.quant_method' is 'bitsandbytes' \(not supported yet"),
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, r"'quantization_config.bits' is 3; gptq supports 2, 4, 8"),
     ({"quant_method": "awq", "bits": 8, "group_size": 128}, r"'quantization_config.bits' is 8; awq supports 4"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 0}, r"'quantization_config.group_size' must be a positive integer or -1"),

@@ -74,7 +74,7 @@ def describe(path: Path) -> dict:
     return {
         "model": str(path), "family": config.model_types[0], "architecture": cls.__name__,
         "multimodal_nesting": config.outer is not None,
-        "quantization": None if qc is None else {k: qc.get(k) for k in ("quant_method", "bits", "group_size",
+        "quantization": None if qc is None else {k: qc.get(k) for k in ("quant_method", "format", "bits", "group_size",
                                                                          "weight_block_size", "modules_to_not_convert")
                                                  if qc.get(k) is not None},
         "mtp_expected": config.mtp_num_hidden_layers, "mtp_found": len(mtp_found), "mtp_layers_key": config.mtp_layers_key,

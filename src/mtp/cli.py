@@ -1,4 +1,5 @@
-"""`mtp` command line: generate, and the subcommands of the other parts (data, train, heal, bench, serve, convert)."""
+"""`mtp` command line: generate, and the subcommands of the other parts (data, train, heal, bench, serve, convert,
+quantize)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from .check import register as register_check
 from .cli_common import add_compile_arg, add_model_args, add_sampling_args, load_from_args, sampling_kwargs
 from .convert import register as register_convert
 from .data.cli import register as register_data
+from .quantize import register as register_quantize
 from .serve.cli import register as register_serve
 from .train.cli import register as register_train
 
@@ -145,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(g)
     add_compile_arg(g)
     g.set_defaults(func=cmd_generate)
-    for register in (register_data, register_train, register_bench, register_serve, register_check, register_convert):
+    for register in (register_data, register_train, register_bench, register_serve, register_check, register_convert,
+                     register_quantize):
         register(sub)
     return parser
 

@@ -9,6 +9,8 @@ Supported (the loader, model/quantized.py, decodes the weights once; this module
   points are the zero points minus one) or "gptq_v2" (stored as they are).
 - "awq" (AutoAWQ, `version` "gemm"): 4-bit codes packed in int32 along the outputs in AWQ's interleaved order,
   `group_size`, zero points.
+- "compressed-tensors" (llm-compressor): config groups of schemes, their targets and `ignore`
+  (config/compressed_tensors.py; `Quantization.ct`).
 Which modules stay unquantized is `modules_to_not_convert` (alias `ignored_layers`), matched against checkpoint
 module names as transformers matches them (`excluded_by`).
 """
@@ -20,10 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from .base import ConfigError, short
+from .compressed_tensors import CompressedTensors, parse_compressed_tensors
 
-METHODS = ("fp8", "gptq", "awq")
+METHODS = ("fp8", "gptq", "awq", "compressed-tensors")
 # Methods people ship that we name in the error, so the message says what is missing rather than "unknown".
-KNOWN_UNSUPPORTED = ("compressed-tensors", "bitsandbytes", "mxfp4", "fbgemm_fp8", "torchao", "hqq", "eetq")
+KNOWN_UNSUPPORTED = ("bitsandbytes", "mxfp4", "fbgemm_fp8", "torchao", "hqq", "eetq")
 # The fp8 formats' config keys we read; the others (activation_scheme, fmt, scale_fmt, ...) do not change how the
 # weights decode.
 FP8_FORMATS = ("e4m3", "e5m2", None)
@@ -35,9 +38,10 @@ GPTQ_FORMATS = ("gptq", "gptq_v2")
 
 @dataclass(frozen=True)
 class Quantization:
-    """method "fp8" | "gptq" | "awq"; block (rows, cols) of one fp8 scale, or None (a scale per tensor or per
-    output channel); bits / group (None: one group per row) / zero_offset (1 for GPTQ v1's stored zero - 1) of the
-    integer methods; exclude: the module-name patterns that are not quantized."""
+    """method "fp8" | "gptq" | "awq" | "compressed-tensors" (its schemes and ignore list: `ct`); block (rows, cols)
+    of one fp8 scale, or None (a scale per tensor or per output channel); bits / group (None: one group per row) /
+    zero_offset (1 for GPTQ v1's stored zero - 1) of the integer methods; exclude: the module-name patterns that are
+    not quantized."""
 
     method: str
     block: tuple[int, int] | None = None
@@ -45,6 +49,7 @@ class Quantization:
     bits: int = 8
     group: int | None = None
     zero_offset: int = 0
+    ct: CompressedTensors | None = None
 
     def excluded_by(self, module: str) -> str | None:
         """The `exclude` pattern that keeps checkpoint module `module` unquantized, or None. As transformers matches:
@@ -69,6 +74,8 @@ def parse_quantization(qc: Any) -> Quantization | None:
     if not isinstance(qc, dict):
         raise ConfigError(f"config key '{key}' must be an object, got {short(qc)}")
     method = qc.get("quant_method")
+    if method == "compressed-tensors":
+        return Quantization(method, ct=parse_compressed_tensors(qc, key))
     if method not in METHODS:
         hint = " (not supported yet; use the bf16 weights)" if method in KNOWN_UNSUPPORTED else ""
         raise ConfigError(f"config key '{key}.quant_method' is {short(method)}{hint}; supported: "

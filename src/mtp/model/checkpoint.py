@@ -324,21 +324,26 @@ def _retie(model: CausalLM) -> None:
 
 
 def save_model(model: CausalLM, path: str | Path, max_shard_size: int | None = None,
-               dtype: torch.dtype | str | None = None) -> None:
+               dtype: torch.dtype | str | None = None, state: dict[str, torch.Tensor] | None = None,
+               quantization_config: dict | None = None) -> None:
     """Write config.json + safetensors (the family's own names) + the tokenizer files to folder `path`. Every file is
     staged and fsynced first, then all are renamed into place and the previous checkpoint's weight files that are no
-    longer part of it are removed: a save that fails (a full disk: OSError ENOSPC) leaves the folder as it was."""
+    longer part of it are removed: a save that fails (a full disk: OSError ENOSPC) leaves the folder as it was.
+    `state` (checkpoint name -> tensor) replaces the model's own tensors and `quantization_config` goes into
+    config.json: how `mtp quantize` (quantize.py) writes a quantized checkpoint of the model."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    state = model.checkpoint_state()
+    state = model.checkpoint_state() if state is None else state
     if dtype is not None and (dt := parse_dtype(dtype)) is not None:
-        state = {k: v if model.keeps_fp32(k) else v.to(dt) for k, v in state.items()}
+        state = {k: v if model.keeps_fp32(k) or not v.is_floating_point() else v.to(dt) for k, v in state.items()}
     config = model.config.text_only()
     if model.mtp is None and config.mtp_num_hidden_layers > 0:
         log.warning("saving a model without MTP weights: config keeps %s=%d", config.mtp_layers_key,
                     config.mtp_num_hidden_layers)
     config.extra.pop("quantization_config", None)  # a quantized checkpoint was decoded at load: it saves as floats
-    saved_dtype = next(iter(state.values())).dtype
+    if quantization_config is not None:
+        config.extra["quantization_config"] = quantization_config
+    saved_dtype = next(v.dtype for v in state.values() if v.is_floating_point())
     config.extra["dtype"] = str(saved_dtype).removeprefix("torch.")
     config.extra.pop("torch_dtype", None)
     config.extra["architectures"] = [config.architecture]

@@ -43,6 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .packed import dequantize_codes
+
 KERNELS = ("bf16", "int8", "int4", "fp32")
 # Group sizes torch's CPU int4 kernel takes (a larger group is split into these).
 INT4_KERNEL_GROUPS = (32, 64, 128, 256)
@@ -84,26 +86,34 @@ class Int4Weight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [N, K] in `dtype`, input features in their natural order (computed in fp32)."""
-        N, K = self.codes.shape
-        q = self.codes.float().view(N, K // self.group, self.group)
-        w = ((q - self.zero.float()[..., None]) * self.scale.float()[..., None]).view(N, K)
-        if self.perm is not None:
-            w = torch.empty_like(w).index_copy_(1, self.perm, w)
-        return w.to(dtype)
+        return dequantize_codes(self.codes, self.scale, self.zero, self.group, dtype, self.perm)
 
     @staticmethod
-    def quantize(w: torch.Tensor, group: int = INT4_GROUP) -> Int4Weight:
-        """Round to nearest, asymmetric per group of `group` input features (min..max onto 0..15, an integer zero
-        point): w [N, K] -> Int4Weight. The codes, scales and zero points are those a GPTQ/compressed-tensors
-        asymmetric int4 checkpoint stores, so the result can be written in those formats unchanged."""
+    def quantize(w: torch.Tensor, group: int = INT4_GROUP, symmetric: bool = False) -> Int4Weight:
+        """Round to nearest per group of `group` input features: w [N, K] -> Int4Weight. Asymmetric (the default,
+        `--quantize int4`): min..max onto 0..15 with an integer zero point; symmetric: zero point 8, scale
+        max |w| / 7 (codes 1..15, as symmetric int4 checkpoints store q + 8 with q in -8..7). The codes, scales and
+        zero points are those a GPTQ/compressed-tensors int4 checkpoint stores, so the result can be written in those
+        formats unchanged."""
         N, K = w.shape
         g = w.detach().float().reshape(N, K // group, group)
-        lo = g.amin(-1).clamp(max=0.0)
-        hi = g.amax(-1).clamp(min=0.0)
-        scale = ((hi - lo) / 15).clamp_min(1e-10)
-        zero = (-lo / scale).round().clamp(0, 15)
+        if symmetric:
+            scale = (g.abs().amax(-1) / 7).clamp_min(1e-10)
+            zero = torch.full_like(scale, 8.0)
+        else:
+            lo = g.amin(-1).clamp(max=0.0)
+            hi = g.amax(-1).clamp(min=0.0)
+            scale = ((hi - lo) / 15).clamp_min(1e-10)
+            zero = (-lo / scale).round().clamp(0, 15)
         codes = (g / scale[..., None]).round().add_(zero[..., None]).clamp_(0, 15)
         return Int4Weight(codes.reshape(N, K).to(torch.uint8), scale, zero.to(torch.uint8), group)
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The "int8" kernel's weights: symmetric per output channel, round to nearest: w [N, K] -> (codes int8 [N, K] in
+    -127..127, scale fp32 [N]) with w ~ codes * scale[:, None] (a symmetric channel-wise int8 checkpoint stores them)."""
+    scale = (w.float().abs().amax(dim=1) / 127).clamp_min(1e-12)
+    return (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous(), scale
 
 
 def int4_group_for(in_features: int) -> int | None:
@@ -176,8 +186,7 @@ class FastLinear(nn.Linear):
                 raise ValueError(f"int4 needs out_features % 16 == 0 and in_features % 32 == 0, got {list(w.shape)}")
             self._set_int4(Int4Weight.quantize(w, group))
         else:
-            scale = (w.float().abs().amax(dim=1) / 127).clamp_min(1e-12)
-            self._packed = (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+            self._packed, scale = quantize_int8(w)
             self._scale = scale.to(torch.bfloat16)
         if not hasattr(self, "_slot"):
             self._slot = _register(self)

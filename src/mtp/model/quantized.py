@@ -1,5 +1,5 @@
-"""Quantized checkpoints (FP8, GPTQ, AWQ), decoded once at load: the loader sees every quantized weight as the float
-tensor it stands for.
+"""Quantized checkpoints (FP8, GPTQ, AWQ, compressed-tensors: model/compressed_tensors.py), decoded once at load:
+the loader sees every quantized weight as the float tensor it stands for.
 
 `decoded_index(files, config)` wraps a checkpoint's `TensorIndex`: for a checkpoint whose config.json has a
 `quantization_config` (config/quantization.py), each float8 weight and its scale become one entry under the
@@ -34,13 +34,12 @@ import torch
 
 from ..config.quantization import Quantization, parse_quantization
 from ..io.safetensors_mmap import CheckpointError
-from .packed import awq_weight, gptq_weight
+from .compressed_tensors import ct_entries
+from .packed import SCALE_DTYPES, awq_weight, dequantize_scaled, gptq_weight
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_SUFFIXES = ("_scale_inv", "_scale")  # the weight's own name + suffix (X.weight_scale_inv, X.gate_up_proj_scale_inv)
 ACTIVATION_SUFFIXES = ("input_scale", "activation_scale")  # static activation scales: not used (activations stay float)
-SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-ROWS = 128  # rows decoded at a time
 PACKED_PARTS = ("qzeros", "scales", "g_idx")  # GPTQ / AWQ: X.qweight's companions (g_idx: GPTQ, optional)
 INT_DTYPES = (torch.int32, torch.int64, torch.int16)
 
@@ -149,6 +148,8 @@ def decoded_index(raw, config, where: Path | str = ""):
             raise CheckpointError(f"{raw[scale][0].path}: tensor '{scale}' is a quantization scale but {cfg} has no "
                                   "'quantization_config'")
         return raw
+    if quant.method == "compressed-tensors":
+        return QuantizedIndex(raw, quant, *ct_entries(raw, quant.ct))
     if quant.method != "fp8":
         return QuantizedIndex(raw, quant, *packed_entries(raw, quant))
     decoded: dict = {}
@@ -196,7 +197,7 @@ def decoded_index(raw, config, where: Path | str = ""):
                                   "bfloat16 or float16")
         block = quant.block
         decoded[name] = ({"weight": name, "scale": scale}, shape,
-                         lambda t, dtype, block=block: dequantize_fp8(t["weight"], t["scale"], block, dtype))
+                         lambda t, dtype, block=block: dequantize_scaled(t["weight"], t["scale"], block, dtype))
     return QuantizedIndex(raw, quant, decoded, hidden)
 
 
@@ -269,31 +270,6 @@ def packed_entries(raw, quant: Quantization) -> tuple[dict, set[str]]:
         decoded[weight] = (parts, (N, K), decode)
         hidden |= set(parts.values())
     return decoded, hidden
-
-
-def dequantize_fp8(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-                   dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """float8 w [..., N, K] and its scale (see `expected_scale_shapes`) -> w * scale in `dtype` [..., N, K],
-    computed in fp32 (exactly (q.float() * s.float()).to(dtype)), ROWS rows at a time."""
-    *lead, N, K = w.shape
-    s = scale.float()
-    if block is None:  # per tensor / per channel / per expert: a multiplier per row, broadcast over the columns
-        s = s.reshape(1, 1) if s.numel() == 1 else s.reshape(*lead, N, 1) if s.numel() == _prod(lead) * N else s.reshape(*lead, 1, 1)
-    out = torch.empty(w.shape, dtype=dtype)
-    b0, b1 = block if block is not None else (ROWS, K)
-    step = b0 * max(1, ROWS // b0)  # whole tiles of rows
-    for r in range(0, N, step):
-        rows = w[..., r : r + step, :].float()
-        if block is None:
-            rows.mul_(s[..., r : r + step, :] if s.shape[-2] == N else s)
-        else:  # the tiles' scales of these rows, broadcast over each tile's columns (a view: no weight-sized copy)
-            sr = s[..., r // b0 : -(-(r + rows.shape[-2]) // b0), :].repeat_interleave(b0, -2)[..., : rows.shape[-2], :]
-            full = K // b1
-            rows[..., : full * b1].unflatten(-1, (full, b1)).mul_(sr[..., :full, None])
-            if full * b1 < K:  # the last, partial tile
-                rows[..., full * b1 :].mul_(sr[..., full:])
-        out[..., r : r + step, :] = rows.to(dtype)
-    return out
 
 
 def _prod(xs) -> int:
