@@ -144,10 +144,12 @@ def test_prepared_layers_compile_whole_and_are_renewed_after_in_place_changes():
     x = torch.randn(3, getattr(attn, names[0]).in_features, dtype=torch.bfloat16)
     step = torch.compile(lambda x: project(attn, x, *names), fullgraph=True, backend="eager")
     with torch.no_grad():
-        for got, want in zip(step(x), [getattr(attn, n)(x) for n in names], strict=True):
+        # against the eager fused form (fused vs separate layers may round apart on another CPU's kernels)
+        for got, want in zip(step(x), project(attn, x, *names), strict=True):
             assert torch.equal(got, want)
         assert renew_prepared(model) == 0
         getattr(attn, names[0]).weight.mul_(2.0)
         assert renew_prepared(model) == 2  # the layer and its fusion
-        for got, want in zip(step(x), [getattr(attn, n)(x) for n in names], strict=True):
+        assert attn.__dict__["_fused"].fresh()
+        for got, want in zip(step(x), project(attn, x, *names), strict=True):  # the graph reads the renewed weights
             assert torch.equal(got, want)

@@ -304,7 +304,8 @@ class FusedProjections:
     def usable(self) -> bool:
         if not torch.is_grad_enabled() and all(p.kernel == self.fused.kernel for p in self.parts):
             # a tensor's version is a host counter that a compiled graph cannot guard on (reading it breaks the
-            # graph): compiled code trusts the fused weights, and decode/compiled.py checks `fresh` before each step
+            # graph): compiled code trusts the fused weights, and decode/compiled.py renews stale ones (`renew_prepared`)
+            # as each decoder starts
             return torch.compiler.is_compiling() or self.fresh()
         return False
 
