@@ -17,6 +17,7 @@ from .check import register as register_check
 from .cli_common import add_compile_arg, add_model_args, add_sampling_args, load_from_args, sampling_kwargs
 from .convert import register as register_convert
 from .data.cli import register as register_data
+from .export import register as register_export
 from .quantize import register as register_quantize
 from .serve.cli import register as register_serve
 from .train.cli import register as register_train
@@ -148,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_compile_arg(g)
     g.set_defaults(func=cmd_generate)
     for register in (register_data, register_train, register_bench, register_serve, register_check, register_convert,
-                     register_quantize):
+                     register_quantize, register_export):
         register(sub)
     return parser
 
