@@ -80,10 +80,11 @@ class KVCache:
 @dataclass
 class DeltaSteps:
     """What a decode forward of T tokens per row keeps for one Gated DeltaNet layer: the conv window and the recurrent
-    state before and after each position, so `DeltaState.keep_at` selects the state after any n in 0..T."""
+    state after each position, so `DeltaState.keep_at` selects the state after any n in 1..T (n = 0: the cache's own,
+    which the forward did not change)."""
 
     window: torch.Tensor  # [B, C, kernel-1+T]
-    states: torch.Tensor  # [B, H, T+1, Kd, Vd] fp32; states[:, :, 0] is the state before the first token
+    states: torch.Tensor  # [B, H, T, Kd, Vd] fp32; states[:, :, t] is the state after token t
 
 
 @dataclass
@@ -95,7 +96,11 @@ class DeltaState:
         """Row b := its state after its first n[b] (0..T) positions of a decode forward; n [B] long, on the device."""
         width = self.conv.shape[-1]
         rows = torch.arange(n.shape[0], device=n.device)
-        self.ssm.copy_(steps.states[rows, :, n])
+        # [B, H, Kd, Vd]; one token per row (a plain step): a view, not a gather (a slow copy of megabytes at real size)
+        after = steps.states[:, :, 0] if steps.states.shape[2] == 1 else steps.states[rows, :, (n - 1).clamp(min=0)]
+        # no copy of the state before the forward was made (megabytes per layer at real size): a row that keeps
+        # nothing keeps its own
+        self.ssm.copy_(torch.where((n > 0)[:, None, None, None], after, self.ssm))
         idx = (n[:, None, None] + torch.arange(width, device=n.device)).expand(-1, self.conv.shape[1], -1)
         self.conv.copy_(steps.window.gather(2, idx))
 

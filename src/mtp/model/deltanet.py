@@ -94,7 +94,10 @@ def recurrent_gated_delta_rule(
         if keep_states:
             states.append(S)
         outs.append((q[t].unsqueeze(-2) @ S).squeeze(-2))
-    return torch.stack(outs, dim=2), S, torch.stack(states, dim=2) if keep_states else None
+    if not keep_states:
+        return torch.stack(outs, dim=2), S, None
+    # one token (a plain step): a view of the state, not a copy - at real size a state is megabytes per layer
+    return torch.stack(outs, dim=2), S, states[0].unsqueeze(2) if len(states) == 1 else torch.stack(states, dim=2)
 
 
 class GatedDeltaNet(nn.Module):
@@ -145,13 +148,13 @@ class GatedDeltaNet(nn.Module):
 
     def decode(self, x: torch.Tensor, cache: DeltaState) -> tuple[torch.Tensor, DeltaSteps]:
         """A decode forward of T tokens per row continuing from `cache` (static shapes): ([B, T, H], the conv window
-        and the state before and after every token). The cache is not changed: `DeltaState.keep_at` selects."""
+        and the state after every token). The cache is not changed: `DeltaState.keep_at` selects."""
         T = x.shape[1]
         qkv, z, b, a = self.projections(x)
         window = torch.cat([cache.conv, qkv.transpose(1, 2).to(cache.conv.dtype)], dim=-1)  # [B, C, kernel-1+T]
         q, k, v, g, beta = self._heads(self._short_conv(window, T), b, a)
         o, _, states = recurrent_gated_delta_rule(q, k, v, g, beta, cache.ssm, keep_states=True)
-        return self._out(o, z, x.dtype), DeltaSteps(window, torch.cat([cache.ssm[:, :, None], states], dim=2))
+        return self._out(o, z, x.dtype), DeltaSteps(window, states)
 
     def input_projections(self, hidden: int) -> None:
         """The input projections, under the checkpoint's names (Qwen3-Next fuses them differently)."""
