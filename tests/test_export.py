@@ -92,15 +92,14 @@ def speculators_logits(export, verifier, ids, hidden) -> torch.Tensor:
     if model_type != "qwen3":
         idx = max(i for i, t in enumerate(config.layer_types) if t == "full_attention")
     layer = SpeculatorsMTPLayer(config, decoder, norm, idx)
-    weights = {k.removeprefix("mtp_layers.0."): v for k, (f, n) in read_tensors(export).items()
-               for v in [f.tensor(n).float()]}
-    weights = {(k if k.split(".")[0] in ("input_proj", "hidden_layernorm", "token_layernorm", "final_layernorm")
-                else "layer." + k): v for k, v in weights.items()}
+    own = ("input_proj", "hidden_layernorm", "token_layernorm", "final_layernorm")  # the mixin's; the rest: the layer's
+    with read_tensors(export) as t:
+        weights = {(k if k.split(".")[0] in own else "layer." + k): t.tensor(name).float()
+                   for name in t for k in [name.removeprefix("mtp_layers.0.")]}
     layer.load_state_dict(weights, strict=True)
-    embed = read_tensors(verifier)["model.embed_tokens.weight"]
-    embed = embed[0].tensor(embed[1]).float()
-    head = read_tensors(verifier).get("lm_head.weight")
-    head = embed if head is None else head[0].tensor(head[1]).float()
+    with read_tensors(verifier) as t:  # the embedding and head, from the verifier as speculators takes them
+        embed = t.tensor("model.embed_tokens.weight").float()
+        head = t.tensor("lm_head.weight").float() if "lm_head.weight" in t else embed
     T = ids.shape[1] - 1
     pos = torch.arange(T)[None]
     rope_pos = pos[None].expand(3, -1, -1) if model_type.startswith("qwen3_5") else pos  # Qwen3.5's MRoPE sections
@@ -170,8 +169,13 @@ def test_refused_models_name_the_reason_and_write_nothing(tmp_path):
         export_speculators(retrofitted(tmp_path, arch="LlamaConfig"), out)
     with pytest.raises(ConfigError, match="exactly one MTP layer"):
         export_speculators(retrofitted(tmp_path, layers=2), out)
-    with pytest.raises(ConfigError, match="no MTP weights"):
+    with pytest.raises(ConfigError, match="has no MTP to export"):
         export_speculators(transformers_base(tmp_path), out)
+    lost = tiny_model(seed=0)
+    lost.mtp = None  # a fine-tune that dropped `mtp.*`: the config still declares the layer
+    mtp.save_model(lost, tmp_path / "lost")
+    with pytest.warns(mtp.MissingMTPWarning), pytest.raises(ConfigError, match="no MTP weights"):
+        export_speculators(tmp_path / "lost", out)
     with pytest.raises(ConfigError, match="draft-tokens"):
         export_speculators(retrofitted(tmp_path), out, draft_tokens=0)
     assert not out.exists() or not any(out.iterdir())

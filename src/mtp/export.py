@@ -67,39 +67,51 @@ def speculators_config(text: dict, verifier: str, architectures: list[str], draf
     }
 
 
-def export_speculators(model_path: str | Path, out: str | Path, verifier: str | None = None,
-                       draft_tokens: int = 3, dtype: str | None = None) -> dict:
-    """Write the MTP of the model at `model_path` as a speculators MTP draft in folder `out`; returns its config.
-    Checked before anything is read beyond the headers: the model type, one MTP layer, its tensors present."""
-    from .io.files import FolderWriter, save_tensors
-    from .model import load_model
-    from .model.checkpoint import parse_dtype
-
-    if draft_tokens < 1:
-        raise ConfigError(f"--draft-tokens must be >= 1, got {draft_tokens}")
-    model = load_model(model_path, dtype=dtype or "auto")
-    config = model.config.text_only()
-    text = config.to_hf_dict()  # the verifier's text config with HF keys: the draft layer's config
+def check_exportable(config, model_path: str | Path) -> dict:
+    """The config's text part with HF keys (the draft layer's config) if speculators has a draft type for it and it
+    declares one MTP layer; else ConfigError naming the rule."""
+    text = config.to_hf_dict()
     for key in ("architectures", "dtype", "torch_dtype"):
         text.pop(key, None)
-    renames = SPECULATORS_RENAMES.get(text["model_type"])
-    if renames is None:
+    if text["model_type"] not in SPECULATORS_RENAMES:
         raise ConfigError(
             f"{model_path}: model_type {text['model_type']!r} has no MTP draft type in speculators "
             f"{SPECULATORS_VERSION} (it builds the draft layer for {', '.join(sorted(SPECULATORS_RENAMES))}); "
             "mtp loads this model's MTP in its own layout")
-    if model.mtp is None:
-        raise ConfigError(f"{model_path}: the checkpoint has no MTP weights to export (`mtp check` says more)")
+    if config.mtp_num_hidden_layers == 0:
+        raise ConfigError(f"{model_path}: {config.mtp_layers_key}=0: the model has no MTP to export "
+                          "(`mtp retrofit --style head` adds one)")
     if config.mtp_num_hidden_layers != 1:
         raise ConfigError(f"{model_path}: {config.mtp_layers_key}={config.mtp_num_hidden_layers}; speculators' "
                           "MTPDraftModel holds exactly one MTP layer")
+    return text
+
+
+def export_speculators(model_path: str | Path, out: str | Path, verifier: str | None = None,
+                       draft_tokens: int = 3, dtype: str | None = None) -> dict:
+    """Write the MTP of the model at `model_path` as a speculators MTP draft in folder `out`; returns its config.
+    The model type and the MTP layer count are checked on config.json before any weight is read; the model is then
+    loaded whole (`load_model`: its checks, any quantized format decoded, experts fused) and only `mtp.*` written."""
+    from .io.files import FolderWriter, save_tensors
+    from .io.safetensors_mmap import CheckpointError
+    from .model import config_from_json, load_model
+
+    if draft_tokens < 1:
+        raise ConfigError(f"--draft-tokens must be >= 1, got {draft_tokens}")
+    config_json = Path(model_path) / "config.json"
+    if not config_json.is_file():
+        raise CheckpointError(f"{model_path}: no config.json (not a checkpoint folder)")
+    text = check_exportable(config_from_json(config_json).text_only(), model_path)
+    model = load_model(model_path, dtype=dtype or "auto")
+    config = model.config.text_only()
+    if model.mtp is None:
+        raise ConfigError(f"{model_path}: the checkpoint has no MTP weights to export (`mtp check` says more)")
+    renames = SPECULATORS_RENAMES[text["model_type"]]
     # the parameters under the checkpoint's names with routed experts fused ([E, 2I, H] gate rows first, and
     # [E, H, I]), the layout speculators' MTPDraftModel holds whatever layout the checkpoint was stored in
     state = {name: v for k, v in model.state_dict().items()
              if model.is_mtp_tensor(name := model.checkpoint_name(k, model.config), config)}
-    draft = {speculators_name(k, renames): v.contiguous() for k, v in state.items()}
-    if dtype is not None and (dt := parse_dtype(dtype)) is not None:
-        draft = {k: v.to(dt) if v.is_floating_point() else v for k, v in draft.items()}
+    draft = {speculators_name(k, renames): v.contiguous() for k, v in state.items()}  # load_model cast to `dtype`
     saved = next(v.dtype for v in draft.values() if v.is_floating_point())
     name = verifier if verifier is not None else str(Path(model_path).resolve())
     out_config = speculators_config(text, name, [config.architecture], draft_tokens,

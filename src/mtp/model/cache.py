@@ -95,9 +95,11 @@ class DeltaState:
     def keep_at(self, steps: DeltaSteps, n: torch.Tensor) -> None:
         """Row b := its state after its first n[b] (0..T) positions of a decode forward; n [B] long, on the device."""
         width = self.conv.shape[-1]
-        rows = torch.arange(n.shape[0], device=n.device)
         # [B, H, Kd, Vd]; one token per row (a plain step): a view, not a gather (a slow copy of megabytes at real size)
-        after = steps.states[:, :, 0] if steps.states.shape[2] == 1 else steps.states[rows, :, (n - 1).clamp(min=0)]
+        if steps.states.shape[2] == 1:
+            after = steps.states[:, :, 0]
+        else:
+            after = steps.states[torch.arange(n.shape[0], device=n.device), :, (n - 1).clamp(min=0)]
         # no copy of the state before the forward was made (megabytes per layer at real size): a row that keeps
         # nothing keeps its own
         self.ssm.copy_(torch.where((n > 0)[:, None, None, None], after, self.ssm))
