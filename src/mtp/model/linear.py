@@ -11,12 +11,14 @@ that runs it):
   decode step, and verifying 4 rows costs about 1.5 rows (docs/decisions.md, 2026-11-30 speed). oneDNN packs bf16
   weights only on CPUs with AVX-512 (bw/vl/dq) or AVX-NE-CONVERT; on an AVX2-only CPU (AMD EPYC Zen 3, say) the
   kernel is `F.linear` on the bf16 weight, which is row-invariant there.
-- "int8": weight-only int8 with per-output-channel scales (`_weight_int8pack_mm`, bf16 activations).
-- "int4": weight-only int4 with group-wise affine scales (`Int4Weight`; torch's CPU kernel
-  `_weight_int4pack_mm_for_cpu`, bf16 activations; torchao's CPU int4 weight-only tensor calls the same kernel).
-  Prepared from a float weight (round to nearest, asymmetric, groups of 128 input features); a layer whose shape
-  the kernel cannot run (outputs not a multiple of 16, inputs not of 32) gets int8. Measured on an AVX2 EPYC
-  (docs/decisions.md, 2026-12-01, issue 19): row-invariant (1..64 rows, 1 and 2 threads), faster than bf16.
+- "int8": int8 weights with per-output-channel scales. On x86 CPUs with AVX2 `qmatmul.q8_linear` (activations
+  quantized to int8 in blocks of 32, integer products: 2-3x torch's kernel, docs/decisions.md), else torch's
+  weight-only `_weight_int8pack_mm` (bf16 activations).
+- "int4": int4 weights with group-wise affine scales (`Int4Weight`), prepared from a float weight (round to nearest,
+  asymmetric, groups of 128 input features). On AVX2 `qmatmul.q4_linear` (int8 activations as above), else torch's
+  `_weight_int4pack_mm_for_cpu` (bf16 activations; torchao's CPU int4 weight-only tensor calls the same kernel). A
+  layer whose shape torch's kernel cannot run (outputs not a multiple of 16, inputs not of 32) gets int8, on every
+  machine, so a model quantizes alike everywhere. Both int4 kernels are row-invariant (1..64 rows, 1 and 2 threads).
 - "fp32": `F.linear`, one row at a time in decode rounds (`linear_rows` within `row_invariant()`). MKL's fp32 GEMM
   is not row-invariant (a 1-row product takes its GEMV path, several rows its blocked GEMM, and they round
   differently), so a verify block multiplies row by row: each row reads the weights again (fp32 is not the fast
@@ -43,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import qmatmul
 from .packed import dequantize_codes
 
 KERNELS = ("bf16", "int8", "int4", "fp32")
@@ -187,13 +190,20 @@ class FastLinear(nn.Linear):
             self._set_int4(Int4Weight.quantize(w, group))
         else:
             self._packed, scale = quantize_int8(w)
-            self._scale = scale.to(torch.bfloat16)
+            self._native = qmatmul.available() and qmatmul.supports(self.in_features)
+            self._scale = scale if self._native else scale.to(torch.bfloat16)
         if not hasattr(self, "_slot"):
             self._slot = _register(self)
 
     def _set_int4(self, wq: Int4Weight) -> None:
-        self._packed, self._sz, self._group = _int4_pack(wq)
         self._perm = wq.perm
+        self._native = qmatmul.available() and qmatmul.supports(self.in_features, wq.group)
+        if self._native:  # w = (q - zero) * scale = q * scale + low
+            self._packed, self._group = qmatmul.pack_int4(wq.codes), wq.group
+            self._sz = wq.scale.float().contiguous()
+            self._low = (-wq.zero.float() * self._sz).contiguous()
+        else:
+            self._packed, self._sz, self._group = _int4_pack(wq)
 
     def int4_weight(self) -> Int4Weight:
         """The int4 codes, scales and zero points `prepare("int4")` ran (an "int4" layer only)."""
@@ -224,9 +234,15 @@ class FastLinear(nn.Linear):
         elif self.kernel == "int4":
             if self._perm is not None:  # act order: the codes' columns are the input features in this order
                 x2 = x2.index_select(1, self._perm)
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self._packed, self._group, self._sz)
-            if bias is not None:
-                y = y + bias
+            if self._native:
+                y = qmatmul.q4_linear(x2.contiguous(), self._packed, self._sz, self._low, self._group,
+                                      None if self.bias is None else self.bias.float())
+            else:
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self._packed, self._group, self._sz)
+                if bias is not None:
+                    y = y + bias
+        elif self._native:
+            y = qmatmul.q8_linear(x2.contiguous(), self._packed, self._scale, None if self.bias is None else self.bias.float())
         else:
             y = torch._weight_int8pack_mm(x2.contiguous(), self._packed, self._scale)
             if bias is not None:

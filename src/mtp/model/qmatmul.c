@@ -1,0 +1,222 @@
+/* Quantized matrix products for CPU decoding (x86-64 with AVX2 and FMA): int8 or int4 weights times int8
+ * activations, built and loaded by qmatmul.py.
+ *
+ * y[m, n] = bias[n] + sum over k of x[m, k] * w[n, k], with
+ *   - x: bf16 [M, K], quantized here per row in blocks of 32: x[m, 32b + j] ~ dx[m, b] * xq[m, 32b + j], xq in
+ *     -127..127, dx = max |x| over the block / 127 (the activation scheme of llama.cpp's q8_0);
+ *   - w: int8 codes [N, K] with one scale per output (w ~ sw[n] * q), or int4 codes 0..15 with a scale and an offset
+ *     per group of G inputs (w ~ s[n, g] * q + lo[n, g]).
+ * The block products are exact integer sums; their fp32 accumulation runs in one fixed order per (m, n) that depends
+ * only on K, so row m of an M-row product is bit for bit the 1-row product of row m, at any M and any thread count
+ * (threads split the outputs n). Lossless speculative decoding needs this: a verify row must be its plain step.
+ * Built with -ffp-contract=off so that no code path fuses a multiply-add the others do not. */
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch's float -> bfloat16 */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline __m256 load8_bf16(const uint16_t* p) {
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+/* One row of K bf16 values -> codes xq [K], block scales dx [K/32], block sums of the codes xs [K/32]. */
+static void quantize_row(const uint16_t* x, int64_t K, int8_t* xq, float* dx, int32_t* xs) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < K / 32; b++) {
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = load8_bf16(x + b * 32 + i * 8);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+        }
+        float a = 0.0f, lanes[8];
+        _mm256_storeu_ps(lanes, amax);
+        for (int i = 0; i < 8; i++) a = lanes[i] > a ? lanes[i] : a;
+        const float d = a / 127.0f;
+        const __m256 id = _mm256_set1_ps(a > 0.0f ? 127.0f / a : 0.0f);
+        __m256i q[4];
+        for (int i = 0; i < 4; i++)
+            q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        /* int32 x 32 -> int8 x 32 in order: packs interleave 128-bit lanes, the permute puts them back */
+        __m256i p16a = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
+        __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+        p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i*)(xq + b * 32), p8);
+        int32_t sl[8], s = 0;
+        _mm256_storeu_si256((__m256i*)sl, s32);
+        for (int i = 0; i < 8; i++) s += sl[i];
+        dx[b] = d;
+        xs[b] = s;
+    }
+}
+
+typedef struct {
+    int8_t* xq;
+    float* dx;
+    int32_t* xs;
+} QRows;
+
+static int quantize_rows(const uint16_t* x, int64_t M, int64_t K, int nthreads, QRows* q) {
+    const int64_t nb = K / 32;
+    q->xq = malloc((size_t)(M * K));
+    q->dx = malloc(sizeof(float) * (size_t)(M * nb));
+    q->xs = malloc(sizeof(int32_t) * (size_t)(M * nb));
+    if (!q->xq || !q->dx || !q->xs) return -1;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 1)
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, q->xq + m * K, q->dx + m * nb, q->xs + m * nb);
+    return 0;
+}
+
+static void free_rows(QRows* q) {
+    free(q->xq);
+    free(q->dx);
+    free(q->xs);
+}
+
+/* R activation rows against one weight row: each row's sum runs in the same order whatever R is. */
+#define Q8_TILE(R)                                                                                                    \
+    static inline void q8_tile_##R(const int8_t* w, const int8_t* xq, const float* dx, int64_t K, int64_t nb,        \
+                                   float* out) {                                                                     \
+        const __m256i ones = _mm256_set1_epi16(1);                                                                   \
+        __m256 acc[R];                                                                                               \
+        for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();                                                    \
+        for (int64_t b = 0; b < nb; b++) {                                                                           \
+            const __m256i wv = _mm256_loadu_si256((const __m256i*)(w + b * 32));                                     \
+            const __m256i aw = _mm256_sign_epi8(wv, wv); /* |w|, x takes w's sign: u8 x s8 pairs cannot saturate */  \
+            for (int i = 0; i < R; i++) {                                                                            \
+                const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + i * K + b * 32));                        \
+                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones);       \
+                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dx[i * nb + b]), _mm256_cvtepi32_ps(p), acc[i]);             \
+            }                                                                                                        \
+        }                                                                                                            \
+        for (int i = 0; i < R; i++) out[i] = hsum(acc[i]);                                                           \
+    }
+Q8_TILE(1)
+Q8_TILE(2)
+Q8_TILE(3)
+Q8_TILE(4)
+
+/* int4 codes: a block of 32 in 16 bytes, byte j = q[j] | q[j + 16] << 4. The offset term of a group,
+ * lo * sum_k x[k], uses the block sums of the activation codes (xg: per group, sum of dx * xs). */
+#define Q4_TILE(R)                                                                                                    \
+    static inline void q4_tile_##R(const uint8_t* w, const float* s, const float* lo, const int8_t* xq,             \
+                                   const float* dx, const float* xg, int64_t K, int64_t nb, int64_t bpg, int64_t ng, \
+                                   float* out) {                                                                     \
+        const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);                                    \
+        __m256 acc[R];                                                                                               \
+        float off[R];                                                                                                \
+        for (int i = 0; i < R; i++) {                                                                                \
+            acc[i] = _mm256_setzero_ps();                                                                            \
+            off[i] = 0.0f;                                                                                           \
+        }                                                                                                            \
+        for (int64_t g = 0; g < ng; g++) {                                                                           \
+            __m256 gacc[R];                                                                                          \
+            for (int i = 0; i < R; i++) gacc[i] = _mm256_setzero_ps();                                               \
+            for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {                                                      \
+                const __m128i t = _mm_loadu_si128((const __m128i*)(w + b * 16));                                     \
+                const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), low);                  \
+                for (int i = 0; i < R; i++) {                                                                        \
+                    const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + i * K + b * 32));                    \
+                    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);                          \
+                    gacc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dx[i * nb + b]), _mm256_cvtepi32_ps(p), gacc[i]);       \
+                }                                                                                                    \
+            }                                                                                                        \
+            const __m256 sg = _mm256_set1_ps(s[g]);                                                                  \
+            for (int i = 0; i < R; i++) {                                                                            \
+                acc[i] = _mm256_fmadd_ps(sg, gacc[i], acc[i]);                                                       \
+                off[i] += lo[g] * xg[i * ng + g];                                                                    \
+            }                                                                                                        \
+        }                                                                                                            \
+        for (int i = 0; i < R; i++) out[i] = hsum(acc[i]) + off[i];                                                  \
+    }
+Q4_TILE(1)
+Q4_TILE(2)
+Q4_TILE(3)
+Q4_TILE(4)
+
+/* x bf16 [M, K], w int8 [N, K], sw fp32 [N], bias fp32 [N] or NULL -> y bf16 [M, N]. K % 32 == 0. 0 or -1 (memory). */
+int q8_linear(const uint16_t* x, int64_t M, int64_t K, const int8_t* w, const float* sw, const float* bias, int64_t N,
+              uint16_t* y, int nthreads) {
+    QRows q;
+    if (quantize_rows(x, M, K, nthreads, &q)) {
+        free_rows(&q);
+        return -1;
+    }
+    const int64_t nb = K / 32;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int64_t r = M - m0 < 4 ? M - m0 : 4;
+            const int8_t* xr = q.xq + m0 * K;
+            const float* d = q.dx + m0 * nb;
+            float o[4];
+            switch (r) {
+                case 1: q8_tile_1(w + n * K, xr, d, K, nb, o); break;
+                case 2: q8_tile_2(w + n * K, xr, d, K, nb, o); break;
+                case 3: q8_tile_3(w + n * K, xr, d, K, nb, o); break;
+                default: q8_tile_4(w + n * K, xr, d, K, nb, o);
+            }
+            for (int64_t i = 0; i < r; i++) y[(m0 + i) * N + n] = to_bf16(bias ? o[i] * sw[n] + bias[n] : o[i] * sw[n]);
+        }
+    }
+    free_rows(&q);
+    return 0;
+}
+
+/* x bf16 [M, K], w uint8 [N, K/2] (int4 codes as above), s and lo fp32 [N, K/G], bias fp32 [N] or NULL -> y bf16
+ * [M, N]. G % 32 == 0, K % G == 0. 0 or -1 (memory). */
+int q4_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const float* s, const float* lo, int64_t G,
+              const float* bias, int64_t N, uint16_t* y, int nthreads) {
+    QRows q;
+    const int64_t nb = K / 32, bpg = G / 32, ng = K / G;
+    float* xg = malloc(sizeof(float) * (size_t)(M * ng));
+    if (!xg || quantize_rows(x, M, K, nthreads, &q)) {
+        free(xg);
+        free_rows(&q);
+        return -1;
+    }
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < ng; g++) {
+            float t = 0.0f;
+            for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) t += q.dx[m * nb + b] * (float)q.xs[m * nb + b];
+            xg[m * ng + g] = t;
+        }
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int64_t r = M - m0 < 4 ? M - m0 : 4;
+            const uint8_t* wr = w + n * (K / 2);
+            const float *sn = s + n * ng, *ln = lo + n * ng, *d = q.dx + m0 * nb, *g = xg + m0 * ng;
+            const int8_t* xr = q.xq + m0 * K;
+            float o[4];
+            switch (r) {
+                case 1: q4_tile_1(wr, sn, ln, xr, d, g, K, nb, bpg, ng, o); break;
+                case 2: q4_tile_2(wr, sn, ln, xr, d, g, K, nb, bpg, ng, o); break;
+                case 3: q4_tile_3(wr, sn, ln, xr, d, g, K, nb, bpg, ng, o); break;
+                default: q4_tile_4(wr, sn, ln, xr, d, g, K, nb, bpg, ng, o);
+            }
+            for (int64_t i = 0; i < r; i++) y[(m0 + i) * N + n] = to_bf16(bias ? o[i] + bias[n] : o[i]);
+        }
+    }
+    free(xg);
+    free_rows(&q);
+    return 0;
+}

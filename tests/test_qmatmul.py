@@ -1,0 +1,187 @@
+"""The int8/int4 x int8 CPU kernels (`model/qmatmul.c`): their arithmetic against an fp64 reference of the same
+scheme, row and thread invariance (what lossless speculative decoding rests on), the linear layers' use of them,
+and the fallback to torch's kernels where they cannot be built."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from mtp.model import qmatmul
+from mtp.model.linear import FastLinear, Int4Weight, quantize_int8
+
+pytestmark = pytest.mark.skipif(not qmatmul.available(), reason=f"qmatmul kernels unavailable: {qmatmul.reason()}")
+
+
+def quantized_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activation scheme, written independently: x bf16 [M, K] -> codes [M, K/32, 32] and block scales
+    [M, K/32, 1] (fp32 max |x| / 127; codes round(x * 127 / max), half to even, in fp32)."""
+    M, K = x.shape
+    b = x.float().reshape(M, K // 32, 32)
+    amax = b.abs().amax(-1, keepdim=True)
+    # a true fp32 division, as the kernel's (`127.0 / tensor` is computed as a reciprocal times 127: other roundings)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    return (b * inv).round(), amax / 127.0
+
+
+def reference_q8(x, codes, scale, bias=None):
+    q, d = quantized_activations(x)
+    blocks = torch.einsum("mbj,nbj->mnb", q.double(), codes.double().reshape(codes.shape[0], -1, 32))
+    y = (blocks * d.double().squeeze(-1)[:, None, :]).sum(-1) * scale.double()
+    return y if bias is None else y + bias.double()
+
+
+def reference_q4(x, wq: Int4Weight, bias=None):
+    q, d = quantized_activations(x)
+    xd = (q * d).double().reshape(x.shape[0], -1)  # the quantized activations' values (exact in fp64)
+    y = xd @ wq.dequantize(torch.float64).t()
+    return y if bias is None else y + bias.double()
+
+
+def close_to_bf16(y: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Within one bf16 step of the output (relative 2^-7; its rounding alone is up to 2^-8) plus fp32 accumulation."""
+    tol = ref.abs() * 2.0**-7 + ref.abs().amax(-1, keepdim=True) * 1e-5
+    return bool(((y.double() - ref).abs() <= tol).all())
+
+
+def int4_parts(w: torch.Tensor, group: int):
+    wq = Int4Weight.quantize(w, group)
+    scale = wq.scale.float().contiguous()
+    return wq, qmatmul.pack_int4(wq.codes), scale, (-wq.zero.float() * scale).contiguous()
+
+
+@pytest.mark.parametrize("shape", [(48, 64), (96, 256), (40, 1024)])
+def test_int8_kernel_computes_the_scheme(shape):
+    g = torch.Generator().manual_seed(0)
+    N, K = shape
+    w = torch.randn(N, K, generator=g) * 0.05
+    codes, scale = quantize_int8(w)
+    bias = torch.randn(N, generator=g)
+    for M in (1, 3, 4, 9):
+        x = (torch.randn(M, K, generator=g) * 3).to(torch.bfloat16)
+        assert close_to_bf16(qmatmul.q8_linear(x, codes, scale), reference_q8(x, codes, scale)), (shape, M)
+        assert close_to_bf16(qmatmul.q8_linear(x, codes, scale, bias), reference_q8(x, codes, scale, bias)), (shape, M)
+
+
+@pytest.mark.parametrize("shape,group", [((48, 64), 32), ((96, 256), 64), ((40, 1024), 128), ((16, 512), 256)])
+def test_int4_kernel_computes_the_scheme(shape, group):
+    g = torch.Generator().manual_seed(1)
+    N, K = shape
+    wq, packed, scale, low = int4_parts(torch.randn(N, K, generator=g) * 0.05, group)
+    bias = torch.randn(N, generator=g)
+    for M in (1, 2, 5, 8):
+        x = (torch.randn(M, K, generator=g) * 3).to(torch.bfloat16)
+        assert close_to_bf16(qmatmul.q4_linear(x, packed, scale, low, group), reference_q4(x, wq)), (shape, M)
+        assert close_to_bf16(qmatmul.q4_linear(x, packed, scale, low, group, bias), reference_q4(x, wq, bias))
+
+
+def test_activation_quantization_costs_little_accuracy():
+    """Against the exact product of the (quantized) weight with unquantized activations: ~0.5% relative error."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(256, 1024, generator=g) * 0.05
+    x = torch.randn(8, 1024, generator=g).to(torch.bfloat16)
+    codes, scale = quantize_int8(w)
+    exact = x.double() @ (codes.double() * scale.double()[:, None]).t()
+    rel = (qmatmul.q8_linear(x, codes, scale).double() - exact).norm() / exact.norm()
+    assert 1e-4 < rel < 0.015
+    wq, packed, s, low = int4_parts(w, 128)
+    exact = x.double() @ wq.dequantize(torch.float64).t()
+    rel = (qmatmul.q4_linear(x, packed, s, low, 128).double() - exact).norm() / exact.norm()
+    assert 1e-4 < rel < 0.015
+
+
+def test_zeros_and_empty_inputs():
+    codes, scale = quantize_int8(torch.randn(32, 64))
+    assert torch.equal(qmatmul.q8_linear(torch.zeros(2, 64, dtype=torch.bfloat16), codes, scale),
+                       torch.zeros(2, 32, dtype=torch.bfloat16))
+    assert qmatmul.q8_linear(torch.zeros(0, 64, dtype=torch.bfloat16), codes, scale).shape == (0, 32)
+
+
+def test_rows_and_threads_do_not_change_a_row():
+    """Row m of an M-row product is the 1-row product of row m, bit for bit, at 1 and 2 threads."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(200, 512, generator=g) * 0.05
+    codes, scale = quantize_int8(w)
+    _, packed, s, low = int4_parts(w, 128)
+    x = torch.randn(64, 512, generator=g).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        for kernel in (lambda a: qmatmul.q8_linear(a, codes, scale), lambda a: qmatmul.q4_linear(a, packed, s, low, 128)):
+            torch.set_num_threads(1)
+            single = torch.cat([kernel(x[i : i + 1]) for i in range(64)])
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                for rows in (2, 3, 4, 5, 7, 16, 33, 64):
+                    assert torch.equal(kernel(x[:rows].contiguous()), single[:rows]), (n, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_linear_layers_run_the_kernels_here():
+    g = torch.Generator().manual_seed(4)
+    for kernel in ("int8", "int4"):
+        lin = FastLinear(256, 64, bias=True).to(torch.bfloat16)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(64, 256, generator=g) * 0.05)
+        lin.prepare(kernel)
+        assert lin._native, kernel
+        x = torch.randn(5, 256, generator=g).to(torch.bfloat16)
+        with torch.no_grad():
+            y = lin(x)
+        if kernel == "int8":
+            ref = reference_q8(x, *quantize_int8(lin.weight.detach()), lin.bias.detach().float())
+        else:
+            ref = reference_q4(x, lin.int4_weight(), lin.bias.detach().float())
+        assert close_to_bf16(y, ref), kernel
+
+
+FALLBACK = textwrap.dedent("""
+    import torch
+    from mtp.model import qmatmul
+    from mtp.model.linear import FastLinear
+    assert not qmatmul.available(), "expected the fallback"
+    print("reason:", qmatmul.reason())
+    g = torch.Generator().manual_seed(0)
+    for kernel in ("int8", "int4"):
+        lin = FastLinear(256, 64).to(torch.bfloat16)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(64, 256, generator=g) * 0.05)
+            lin.prepare(kernel)
+            assert not lin._native
+            x = torch.randn(9, 256, generator=g).to(torch.bfloat16)
+            y = lin(x)
+            assert torch.equal(y, torch.cat([lin(x[i : i + 1]) for i in range(9)]))
+            exact = torch.nn.functional.linear(x.float(), lin.weight.float())
+            assert ((y.float() - exact).norm() / exact.norm()) < 0.2  # int4: ~10% on random weights
+    print("fallback ok")
+""")
+
+
+def run_py(code: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_fallback_when_disabled_or_no_compiler(tmp_path):
+    """MTP_QMATMUL=0, and a compiler that fails (the cache empty): torch's kernels, row-invariant, one warning."""
+    done = run_py(FALLBACK, {"MTP_QMATMUL": "0"})
+    assert done.returncode == 0 and "disabled by MTP_QMATMUL=0" in done.stdout and "fallback ok" in done.stdout, done.stderr
+    done = run_py(FALLBACK, {"MTP_CACHE": str(tmp_path / "cache"), "CC": "false", "TMPDIR": str(tmp_path)})
+    assert done.returncode == 0 and "fallback ok" in done.stdout, done.stderr
+    assert "false failed on qmatmul.c" in done.stdout and "int8/int4 layers use torch's kernels" in done.stderr
+    assert not list((tmp_path / "cache").rglob("*.so*"))  # nothing half-written left in the cache
+
+
+def test_built_once_into_the_cache(tmp_path):
+    code = "from mtp.model import qmatmul; assert qmatmul.available(), qmatmul.reason()"
+    env = {"MTP_CACHE": str(tmp_path)}
+    assert run_py(code, env).returncode == 0
+    built = list((tmp_path / "kernels").glob("qmatmul-*.so"))
+    assert len(built) == 1 and not list((tmp_path / "kernels").glob("*.tmp"))
+    stamp = built[0].stat().st_mtime_ns
+    assert run_py(code, env).returncode == 0 and built[0].stat().st_mtime_ns == stamp  # reused, not rebuilt
