@@ -5,6 +5,7 @@ and the fallback to torch's kernels where they cannot be built."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -15,7 +16,14 @@ import torch
 from mtp.model import qmatmul
 from mtp.model.linear import FastLinear, Int4Weight, quantize_int8
 
-pytestmark = pytest.mark.skipif(not qmatmul.available(), reason=f"qmatmul kernels unavailable: {qmatmul.reason()}")
+needs_kernels = pytest.mark.skipif(not qmatmul.available(), reason=f"qmatmul kernels unavailable: {qmatmul.reason()}")
+
+
+def test_the_kernels_build_where_they_can():
+    """On x86-64 Linux with AVX2/FMA/F16C and a C compiler they must build (a broken source must not pass as a skip)."""
+    if qmatmul._cpu_ok() or not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip(f"not a machine for the kernels: {qmatmul._cpu_ok() or 'no C compiler'}")
+    assert qmatmul.available(), qmatmul.reason()
 
 
 def quantized_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,7 +63,8 @@ def int4_parts(w: torch.Tensor, group: int):
     return wq, qmatmul.pack_int4(wq.codes), scale, (-wq.zero.float() * scale).contiguous()
 
 
-@pytest.mark.parametrize("shape", [(48, 64), (96, 256), (40, 1024)])
+@needs_kernels
+@pytest.mark.parametrize("shape", [(8, 32), (24, 96), (48, 64), (96, 256), (40, 1024)])  # odd block counts too
 def test_int8_kernel_computes_the_scheme(shape):
     g = torch.Generator().manual_seed(0)
     N, K = shape
@@ -68,6 +77,7 @@ def test_int8_kernel_computes_the_scheme(shape):
         assert close_to_bf16(qmatmul.q8_linear(x, codes, scale, bias), reference_q8(x, codes, scale, bias)), (shape, M)
 
 
+@needs_kernels
 @pytest.mark.parametrize("shape,group", [((48, 64), 32), ((96, 256), 64), ((40, 1024), 128), ((16, 512), 256)])
 def test_int4_kernel_computes_the_scheme(shape, group):
     g = torch.Generator().manual_seed(1)
@@ -80,6 +90,7 @@ def test_int4_kernel_computes_the_scheme(shape, group):
         assert close_to_bf16(qmatmul.q4_linear(x, packed, scale, low, group, bias), reference_q4(x, wq, bias))
 
 
+@needs_kernels
 def test_activation_quantization_costs_little_accuracy():
     """Against the exact product of the (quantized) weight with unquantized activations: ~0.5% relative error."""
     g = torch.Generator().manual_seed(2)
@@ -95,6 +106,7 @@ def test_activation_quantization_costs_little_accuracy():
     assert 1e-4 < rel < 0.015
 
 
+@needs_kernels
 def test_zeros_and_empty_inputs():
     codes, scale = quantize_int8(torch.randn(32, 64))
     assert torch.equal(qmatmul.q8_linear(torch.zeros(2, 64, dtype=torch.bfloat16), codes, scale),
@@ -102,6 +114,7 @@ def test_zeros_and_empty_inputs():
     assert qmatmul.q8_linear(torch.zeros(0, 64, dtype=torch.bfloat16), codes, scale).shape == (0, 32)
 
 
+@needs_kernels
 def test_rows_and_threads_do_not_change_a_row():
     """Row m of an M-row product is the 1-row product of row m, bit for bit, at 1 and 2 threads."""
     g = torch.Generator().manual_seed(3)
@@ -122,6 +135,7 @@ def test_rows_and_threads_do_not_change_a_row():
         torch.set_num_threads(threads)
 
 
+@needs_kernels
 def test_linear_layers_run_the_kernels_here():
     g = torch.Generator().manual_seed(4)
     for kernel in ("int8", "int4"):
@@ -167,6 +181,7 @@ def run_py(code: str, env: dict) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+@needs_kernels
 def test_fallback_when_disabled_or_no_compiler(tmp_path):
     """MTP_QMATMUL=0, and a compiler that fails (the cache empty): torch's kernels, row-invariant, one warning."""
     done = run_py(FALLBACK, {"MTP_QMATMUL": "0"})
@@ -177,6 +192,7 @@ def test_fallback_when_disabled_or_no_compiler(tmp_path):
     assert not list((tmp_path / "cache").rglob("*.so*"))  # nothing half-written left in the cache
 
 
+@needs_kernels
 def test_built_once_into_the_cache(tmp_path):
     code = "from mtp.model import qmatmul; assert qmatmul.available(), qmatmul.reason()"
     env = {"MTP_CACHE": str(tmp_path)}

@@ -91,23 +91,33 @@ static void free_rows(QRows* q) {
     free(q->xs);
 }
 
-/* R activation rows against one weight row: each row's sum runs in the same order whatever R is. */
+/* R activation rows against one weight row: each row's sum runs in the same order whatever R is (even and odd blocks
+ * in two accumulators, which halves the chain of dependent multiply-adds; the weight stream is prefetched ahead). */
+#define PREFETCH 2048
+#define Q8_BLOCK(R, ACC, B)                                                                                              \
+    {                                                                                                                 \
+        const __m256i wv = _mm256_loadu_si256((const __m256i*)(w + (B) * 32));                                       \
+        const __m256i aw = _mm256_sign_epi8(wv, wv); /* |w|, x takes w's sign: u8 x s8 pairs cannot saturate */      \
+        for (int i = 0; i < R; i++) {                                                                                \
+            const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + i * K + (B) * 32));                          \
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones);           \
+            ACC[i] = _mm256_fmadd_ps(_mm256_set1_ps(dx[i * nb + (B)]), _mm256_cvtepi32_ps(p), ACC[i]);               \
+        }                                                                                                            \
+    }
 #define Q8_TILE(R)                                                                                                    \
     static inline void q8_tile_##R(const int8_t* w, const int8_t* xq, const float* dx, int64_t K, int64_t nb,        \
                                    float* out) {                                                                     \
         const __m256i ones = _mm256_set1_epi16(1);                                                                   \
-        __m256 acc[R];                                                                                               \
-        for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();                                                    \
-        for (int64_t b = 0; b < nb; b++) {                                                                           \
-            const __m256i wv = _mm256_loadu_si256((const __m256i*)(w + b * 32));                                     \
-            const __m256i aw = _mm256_sign_epi8(wv, wv); /* |w|, x takes w's sign: u8 x s8 pairs cannot saturate */  \
-            for (int i = 0; i < R; i++) {                                                                            \
-                const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + i * K + b * 32));                        \
-                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones);       \
-                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dx[i * nb + b]), _mm256_cvtepi32_ps(p), acc[i]);             \
-            }                                                                                                        \
+        __m256 even[R], odd[R];                                                                                      \
+        for (int i = 0; i < R; i++) even[i] = odd[i] = _mm256_setzero_ps();                                          \
+        int64_t b = 0;                                                                                               \
+        for (; b + 1 < nb; b += 2) {                                                                                 \
+            _mm_prefetch((const char*)(w + b * 32 + PREFETCH), _MM_HINT_T0);                                         \
+            Q8_BLOCK(R, even, b)                                                                                        \
+            Q8_BLOCK(R, odd, b + 1)                                                                                     \
         }                                                                                                            \
-        for (int i = 0; i < R; i++) out[i] = hsum(acc[i]);                                                           \
+        if (b < nb) Q8_BLOCK(R, even, b)                                                                                \
+        for (int i = 0; i < R; i++) out[i] = hsum(_mm256_add_ps(even[i], odd[i]));                                   \
     }
 Q8_TILE(1)
 Q8_TILE(2)
@@ -130,6 +140,7 @@ Q8_TILE(4)
         for (int64_t g = 0; g < ng; g++) {                                                                           \
             __m256 gacc[R];                                                                                          \
             for (int i = 0; i < R; i++) gacc[i] = _mm256_setzero_ps();                                               \
+            _mm_prefetch((const char*)(w + g * bpg * 16 + PREFETCH / 2), _MM_HINT_T0);                               \
             for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {                                                      \
                 const __m128i t = _mm_loadu_si128((const __m128i*)(w + b * 16));                                     \
                 const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), low);                  \
