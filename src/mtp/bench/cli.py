@@ -32,7 +32,7 @@ from ..cli_common import (
     model_name,
     parse_draft_tokens,
 )
-from ..model import load_model
+from ..model import load_model, qmatmul
 from .costmodel import (
     FULL_LAYERS,
     SHAPES,
@@ -107,7 +107,11 @@ def machine_info() -> dict:
     except OSError:
         pass
     info = {"cpu": cpu, "logical_cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "threads": torch.get_num_threads()}
+            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            # which kernels int8/int4 layers run here (they differ in speed and in whether activations are quantized)
+            "int8_int4_kernels": "qmatmul (int8 activations, AVX2)" if qmatmul.available()
+            else f"torch weight-only ({qmatmul.reason()})"}
     try:
         import transformers
 
@@ -315,7 +319,8 @@ def cmd_bench(args) -> int:
 
     m = meta["machine"]
     print(f"\nmtp bench · {meta['model']} ({meta['parameters'] / 1e6:.1f}M parameters, {meta['dtype']}, {meta['device']}) · "
-          f"{m['cpu']}, {m['logical_cpus']} logical CPUs, {meta['threads']} thread(s) · torch {m['torch']}\n")
+          f"{m['cpu']} ({m['cpu_capability']}), {m['logical_cpus']} logical CPUs, {meta['threads']} thread(s) · "
+          f"torch {m['torch']} · int8/int4: {m['int8_int4_kernels']}\n")
     print(md)
     print(f"\nwrote {args.out / 'report.json'}, {args.out / 'report.md'}"
           + "".join(f", {p}" for p in plots) + ("" if plots else " (no plots: matplotlib is not installed)"), file=sys.stderr)
