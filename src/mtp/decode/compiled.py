@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..io.files import cache_root
 from ..model.linear import renew_prepared
 from . import round as rnd
 
@@ -27,7 +28,7 @@ RECOMPILE_LIMIT = 256
 
 def cache_dir() -> Path:
     """Where compiled graphs are cached: $MTP_CACHE (or ~/.cache/mtp)/inductor/<torch version>-<CPU ISA>."""
-    root = Path(os.environ.get("MTP_CACHE") or Path.home() / ".cache" / "mtp")
+    root = cache_root()
     isa = torch.backends.cpu.get_cpu_capability()
     return root / "inductor" / f"torch-{torch.__version__}-{platform.machine()}-{isa}"
 

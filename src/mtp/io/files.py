@@ -101,6 +101,12 @@ class FolderWriter:
             self.abort()
 
 
+def cache_root() -> Path:
+    """Where mtp keeps what it builds once per machine (compiled graphs, the int8/int4 kernels): $MTP_CACHE, else
+    ~/.cache/mtp."""
+    return Path(os.environ.get("MTP_CACHE") or Path.home() / ".cache" / "mtp")
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Replace one text file atomically (written and fsynced beside it, then renamed)."""
     path = Path(path)

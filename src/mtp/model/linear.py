@@ -226,25 +226,25 @@ class FastLinear(nn.Linear):
             return linear_rows(x, self._packed, self.bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        if self.kernel == "int4" and self._perm is not None:  # act order: the codes' columns are the inputs in this order
+            x2 = x2.index_select(1, self._perm)
+        if self.kernel in ("int8", "int4") and self._native:  # qmatmul adds an fp32 bias before its one rounding
+            bias = None if self.bias is None else self.bias.float()
+            if self.kernel == "int4":
+                y = qmatmul.q4_linear(x2.contiguous(), self._packed, self._sz, self._low, self._group, bias)
+            else:
+                y = qmatmul.q8_linear(x2.contiguous(), self._packed, self._scale, bias)
+            return y.to(x.dtype).reshape(*shape[:-1], y.shape[-1])
         bias = None if self.bias is None else self.bias.to(torch.bfloat16)
         if self.kernel == "bf16" and self._packed.layout == torch.strided:  # no oneDNN bf16 packing on this CPU
             y = F.linear(x2, self._packed, bias)
         elif self.kernel == "bf16":
             y = torch.ops.mkldnn._linear_pointwise(x2, self._packed, bias, "none", [None], "")
-        elif self.kernel == "int4":
-            if self._perm is not None:  # act order: the codes' columns are the input features in this order
-                x2 = x2.index_select(1, self._perm)
-            if self._native:
-                y = qmatmul.q4_linear(x2.contiguous(), self._packed, self._sz, self._low, self._group,
-                                      None if self.bias is None else self.bias.float())
-            else:
-                y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self._packed, self._group, self._sz)
-                if bias is not None:
-                    y = y + bias
-        elif self._native:
-            y = qmatmul.q8_linear(x2.contiguous(), self._packed, self._scale, None if self.bias is None else self.bias.float())
         else:
-            y = torch._weight_int8pack_mm(x2.contiguous(), self._packed, self._scale)
+            if self.kernel == "int4":
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self._packed, self._group, self._sz)
+            else:
+                y = torch._weight_int8pack_mm(x2.contiguous(), self._packed, self._scale)
             if bias is not None:
                 y = y + bias
         return y.to(x.dtype).reshape(*shape[:-1], y.shape[-1])

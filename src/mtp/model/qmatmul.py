@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from ..io.files import cache_root
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qmatmul.c")
@@ -54,7 +56,7 @@ def _cpu_ok() -> str:
 
 
 def _cache_root() -> Path:
-    return Path(os.environ.get("MTP_CACHE") or Path.home() / ".cache" / "mtp") / "kernels"
+    return cache_root() / "kernels"
 
 
 def _build() -> Path:
