@@ -15,14 +15,15 @@ import torch
 
 from mtp.model import qmatmul
 from mtp.model.linear import FastLinear, Int4Weight, quantize_int8
+from mtp.model.native import cpu_problem
 
 needs_kernels = pytest.mark.skipif(not qmatmul.available(), reason=f"qmatmul kernels unavailable: {qmatmul.reason()}")
 
 
 def test_the_kernels_build_where_they_can():
     """On x86-64 Linux with AVX2/FMA/F16C and a C compiler they must build (a broken source must not pass as a skip)."""
-    if qmatmul._cpu_ok() or not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
-        pytest.skip(f"not a machine for the kernels: {qmatmul._cpu_ok() or 'no C compiler'}")
+    if cpu_problem() or not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip(f"not a machine for the kernels: {cpu_problem() or 'no C compiler'}")
     assert qmatmul.available(), qmatmul.reason()
 
 

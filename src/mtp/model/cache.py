@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import deltanet_kernel
+
 
 @dataclass
 class Positions:
@@ -95,6 +97,14 @@ class DeltaState:
     def keep_at(self, steps: DeltaSteps, n: torch.Tensor) -> None:
         """Row b := its state after its first n[b] (0..T) positions of a decode forward; n [B] long, on the device."""
         width = self.conv.shape[-1]
+        if deltanet_kernel.usable(self.ssm, steps.states, n) and self.ssm.is_contiguous() and steps.states.is_contiguous():
+            deltanet_kernel.keep(self.ssm, steps.states, n)  # one copy of each kept state
+        else:
+            self._keep_state(steps, n)
+        idx = (n[:, None, None] + torch.arange(width, device=n.device)).expand(-1, self.conv.shape[1], -1)
+        self.conv.copy_(steps.window.gather(2, idx))
+
+    def _keep_state(self, steps: DeltaSteps, n: torch.Tensor) -> None:
         # [B, H, Kd, Vd]; one token per row (a plain step): a view, not a gather (a slow copy of megabytes at real size)
         if steps.states.shape[2] == 1:
             after = steps.states[:, :, 0]
@@ -103,8 +113,6 @@ class DeltaState:
         # no copy of the state before the forward was made (megabytes per layer at real size): a row that keeps
         # nothing keeps its own
         self.ssm.copy_(torch.where((n > 0)[:, None, None, None], after, self.ssm))
-        idx = (n[:, None, None] + torch.arange(width, device=n.device)).expand(-1, self.conv.shape[1], -1)
-        self.conv.copy_(steps.window.gather(2, idx))
 
     def rows(self, lo: int, hi: int) -> DeltaState:
         return DeltaState(self.conv[lo:hi], self.ssm[lo:hi])

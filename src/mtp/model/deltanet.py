@@ -3,7 +3,8 @@
 Per value head, with state S [Kd, Vd]:  S <- S * exp(g);  delta = beta * (v - k^T S);  S <- S + k delta^T;
 o = q^T S.  Two forms: a chunked (parallel within chunks) form for prefill and training, and a recurrent
 form for decoding and verification; a decode forward keeps the state after every position (`cache.DeltaSteps`)
-and `Cache.keep_at` selects one.
+and `Cache.keep_at` selects one. On x86 CPUs a decode forward runs as one C call from the conv window to the gated
+norm (deltanet_kernel.py); the torch form below is the same arithmetic for other devices and machines.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import Qwen35Config
+from . import deltanet_kernel
 from .cache import DeltaState, DeltaSteps, Positions
 from .linear import project
 from .norm import RMSNormGated
@@ -152,6 +154,10 @@ class GatedDeltaNet(nn.Module):
         T = x.shape[1]
         qkv, z, b, a = self.projections(x)
         window = torch.cat([cache.conv, qkv.transpose(1, 2).to(cache.conv.dtype)], dim=-1)  # [B, C, kernel-1+T]
+        if z.dtype == window.dtype and deltanet_kernel.usable(window, z, cache.ssm):  # one C call for all of it
+            out, states = deltanet_kernel.decode_step(window, self.conv1d.weight[:, 0, :], b, a, self.A_log, self.dt_bias,
+                                                      z, self.norm.weight, self.norm.eps, cache.ssm, self.num_k_heads)
+            return self.out_proj(out), DeltaSteps(window, states)
         q, k, v, g, beta = self._heads(self._short_conv(window, T), b, a)
         o, _, states = recurrent_gated_delta_rule(q, k, v, g, beta, cache.ssm, keep_states=True)
         return self._out(o, z, x.dtype), DeltaSteps(window, states)

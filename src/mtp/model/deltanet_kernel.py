@@ -1,0 +1,126 @@
+"""The Gated DeltaNet decode step as one C call (`deltanet.c`) on x86 CPUs: `GatedDeltaNet.decode` and
+`DeltaState.keep_at` use it where `usable(...)` says so, else their torch form.
+
+The eager step spends ~60 tensor operations per layer and token between the input projections and the output
+projection (conv taps, SiLU, norms, gates, the recurrence, the gated norm), each a full pass over its operands and
+a few microseconds of dispatch; at the Qwen3.5-0.8B shape the recurrence alone read and wrote each 1 MB state ~6
+times per token. One call reads the state once per token and writes the state after it (docs/decisions.md,
+2026-12-02). Row-invariant by construction (deltanet.c), as the torch form is: greedy speculative == plain either way.
+
+Built and loaded as native.py describes; MTP_NATIVE=0 (or no compiler, or not x86-64 with AVX2) keeps the torch form.
+Inside a compiled graph the call goes through the `mtp::deltanet_decode` custom op, which the compiler keeps whole.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .native import NativeLibrary
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.deltanet_decode.argtypes = [i64] * 7 + [i32, p, p, p, i64, i64, p, i64, i64, p, p, p, i64, i64, p, f32, p, p, p, i32]
+    lib.deltanet_decode.restype = i32
+    lib.deltanet_keep.argtypes = [i64, i64, i64, i64, p, p, p, i32]
+    lib.deltanet_keep.restype = None
+
+
+LIBRARY = NativeLibrary("deltanet.c", None, "Gated DeltaNet decodes with torch ops", _declare)
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Can the C step run on these tensors (all on the CPU, bf16 or fp32, no autograd) here?"""
+    if torch.is_grad_enabled() or not all(t.device.type == "cpu" for t in tensors):
+        return False
+    return tensors[0].dtype in (torch.bfloat16, torch.float32) and LIBRARY.available()
+
+
+def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """A [B, T, D] tensor whose last dim is contiguous, and its two leading strides (views of a fused projection's
+    output are passed as they are)."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return t, t.stride(0), t.stride(1)
+
+
+def decode_step(window: torch.Tensor, taps: torch.Tensor, b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor,
+                dt_bias: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor, eps: float, ssm: torch.Tensor, k_heads: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One Gated DeltaNet decode forward of T tokens per row, from the conv window to the gated norm.
+
+    window [B, C, kernel-1+T] (the cached conv inputs then the T new ones), taps [C, kernel] (the conv weight), b and
+    a [B, T, Hv] (projections), A_log and dt_bias [Hv], z [B, T, Hv*Vd] (the gate), norm_w [Vd] (the gated norm's
+    weight), ssm fp32 [B, Hv, Kd, Vd] (the state before the tokens; not changed), all but ssm in the model dtype
+    (bf16 or fp32) -> (out [B, T, Hv*Vd] in the model dtype: the output projection's input, states fp32
+    [B, Hv, T, Kd, Vd]: the state after each token)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.mtp.deltanet_decode(window, taps, b, a, A_log, dt_bias, z, norm_w, eps, ssm, k_heads)
+    return _decode_step(window, taps, b, a, A_log, dt_bias, z, norm_w, eps, ssm, k_heads)
+
+
+def _decode_step(window, taps, b, a, A_log, dt_bias, z, norm_w, eps, ssm, k_heads):
+    B, C, width = window.shape
+    _, Hv, Kd, Vd = ssm.shape
+    kernel = taps.shape[-1]
+    T = width - kernel + 1
+    dtype = window.dtype
+    if C != 2 * k_heads * Kd + Hv * Vd or Hv % k_heads or not (b.shape == a.shape == (B, T, Hv)):
+        raise ValueError(f"deltanet_decode: window {list(window.shape)} does not fit state {list(ssm.shape)}")
+    window, taps, ssm = window.contiguous(), taps.to(dtype).contiguous(), ssm.contiguous()
+    (b, sb0, sb1), (a, sa0, sa1), (z, sz0, sz1) = _rows(b.to(dtype)), _rows(a.to(dtype)), _rows(z.to(dtype))
+    A_log, dt_bias = A_log.float().contiguous(), dt_bias.float().contiguous()
+    norm_w = norm_w.to(dtype).contiguous()
+    out = torch.empty(B, T, Hv * Vd, dtype=dtype)
+    states = torch.empty(B, Hv, T, Kd, Vd, dtype=torch.float32)
+    status = LIBRARY.lib().deltanet_decode(
+        B, T, k_heads, Hv, Kd, Vd, kernel, int(dtype == torch.bfloat16), window.data_ptr(), taps.data_ptr(),
+        b.data_ptr(), sb0, sb1, a.data_ptr(), sa0, sa1, A_log.data_ptr(), dt_bias.data_ptr(), z.data_ptr(), sz0, sz1,
+        norm_w.data_ptr(), eps, ssm.data_ptr(), states.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    if status != 0:
+        raise MemoryError("deltanet_decode: out of memory for its conv outputs")
+    return out, states
+
+
+def keep(ssm: torch.Tensor, states: torch.Tensor, n: torch.Tensor) -> None:
+    """ssm [B, Hv, Kd, Vd] row r := states [B, Hv, T, Kd, Vd] at token n[r] - 1 where n[r] > 0 (n [B] long), in place:
+    one copy of the kept state, no read of the others."""
+    if torch.compiler.is_compiling():
+        torch.ops.mtp.deltanet_keep(ssm, states, n)
+    else:
+        _keep(ssm, states, n)
+
+
+def _keep(ssm, states, n):
+    B, Hv, T, Kd, Vd = states.shape
+    if not (ssm.is_contiguous() and states.is_contiguous()):
+        raise ValueError("deltanet_keep: the state and the steps must be contiguous")
+    n = n.to(torch.int64).contiguous()
+    LIBRARY.lib().deltanet_keep(B, Hv, T, Kd * Vd, n.data_ptr(), states.data_ptr(), ssm.data_ptr(),
+                                torch.get_num_threads())
+
+
+@torch.library.custom_op("mtp::deltanet_decode", mutates_args=())
+def _decode_op(window: torch.Tensor, taps: torch.Tensor, b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor,
+               dt_bias: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor, eps: float, ssm: torch.Tensor, k_heads: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _decode_step(window, taps, b, a, A_log, dt_bias, z, norm_w, eps, ssm, k_heads)
+
+
+@_decode_op.register_fake
+def _(window, taps, b, a, A_log, dt_bias, z, norm_w, eps, ssm, k_heads):
+    B, Hv, Kd, Vd = ssm.shape
+    T = window.shape[-1] - taps.shape[-1] + 1
+    return window.new_empty(B, T, Hv * Vd), ssm.new_empty(B, Hv, T, Kd, Vd)
+
+
+@torch.library.custom_op("mtp::deltanet_keep", mutates_args=("ssm",))
+def _keep_op(ssm: torch.Tensor, states: torch.Tensor, n: torch.Tensor) -> None:
+    _keep(ssm, states, n)
+
+
+@_keep_op.register_fake
+def _(ssm, states, n):
+    return None

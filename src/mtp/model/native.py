@@ -1,0 +1,126 @@
+"""Our C kernels for x86 CPUs: each ships as one C source beside this file and is compiled on first use with the
+system's C compiler (`$CC`, else `cc`) into $MTP_CACHE (or ~/.cache/mtp)/kernels, keyed by the source, the flags and
+the compiler (about a second), then loaded with ctypes. They share torch's OpenMP runtime.
+
+- `qmatmul.c`: int8/int4 weights times int8 activations (the quantized linear kernels, qmatmul.py);
+- `deltanet.c`: the Gated DeltaNet decode step (deltanet.py).
+
+Where a library cannot be used (not x86-64 Linux with AVX2/FMA/F16C, no compiler, a failed build, or disabled by its
+environment switch or by MTP_NATIVE=0) the callers keep torch's kernels; `NativeLibrary.available()` says which and
+`reason()` why not. Every kernel here is row-invariant by construction (an output's arithmetic depends only on its own
+inputs, in one fixed order), so a verify row or a batch row is bit for bit its plain step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from ..io.files import cache_root
+
+log = logging.getLogger(__name__)
+
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+LIBS = ("-lm",)
+CPU_FLAGS = ("avx2", "fma", "f16c")
+
+
+def cpu_problem() -> str:
+    """Why this machine cannot run the kernels ("" when it can)."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"not x86-64 Linux ({platform.system()} {platform.machine()})"
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+    except OSError as e:
+        return f"cannot read /proc/cpuinfo: {e}"
+    missing = [f for f in CPU_FLAGS if f not in flags]
+    return f"CPU lacks {', '.join(missing)}" if missing else ""
+
+
+def kernels_dir() -> Path:
+    return cache_root() / "kernels"
+
+
+def build(source: Path) -> Path:
+    """Compile `source` (once per source, flags and compiler) and return the shared library's path."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise RuntimeError("no C compiler (set CC, or install gcc)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(source.read_bytes() + "\0".join(FLAGS + LIBS).encode() + version.encode()).hexdigest()[:16]
+    for root in (kernels_dir(), Path(tempfile.gettempdir()) / f"mtp-kernels-{os.getuid()}"):
+        path = root / f"{source.stem}-{key}.so"
+        if path.exists():
+            return path
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=root, suffix=".so.tmp")
+            os.close(fd)
+        except OSError:
+            continue  # an unwritable cache: try the next place
+        try:
+            done = subprocess.run([cc, *FLAGS, str(source), "-o", tmp, *LIBS], capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                raise RuntimeError(f"{cc} failed on {source.name}: {done.stderr.strip()[-500:]}")
+            os.replace(tmp, path)  # atomic: concurrent builders each write their own file, the last rename wins
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return path
+    raise RuntimeError(f"no writable cache directory for the kernels ({kernels_dir()})")
+
+
+class NativeLibrary:
+    """One C source, built and loaded on first use. `declare(lib)` sets the functions' ctypes signatures; `switch` is
+    the environment variable that turns this library off (=0); `fallback` says what runs instead, for the warning."""
+
+    def __init__(self, source: str, switch: str | None, fallback: str, declare: Callable[[ctypes.CDLL], None]):
+        self.source = Path(__file__).with_name(source)
+        self.switch, self.fallback, self.declare = switch, fallback, declare
+        self._lock = threading.Lock()
+        self._lib: ctypes.CDLL | None = None
+        self._why: str | None = None  # None until probed; "" when the library loaded
+
+    def _load(self) -> None:
+        for switch in (self.switch, "MTP_NATIVE"):
+            if switch and os.environ.get(switch, "1") == "0":
+                self._why = f"disabled by {switch}=0"
+                return
+        if why := cpu_problem():
+            self._why = why
+            return
+        try:
+            lib = ctypes.CDLL(str(build(self.source)))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            self._why = str(e).splitlines()[0]
+            log.warning("%s: %s", self.fallback, self._why)
+            return
+        self.declare(lib)
+        self._lib, self._why = lib, ""
+
+    def available(self) -> bool:
+        """Can this process run the library's kernels (built and loaded on the first call)?"""
+        if self._why is None:
+            with self._lock:
+                if self._why is None:
+                    self._load()
+        return self._lib is not None
+
+    def reason(self) -> str:
+        """Why the kernels are not used ("" when they are)."""
+        self.available()
+        return self._why or ""
+
+    def lib(self) -> ctypes.CDLL:
+        if self._lib is None and not self.available():
+            raise RuntimeError(f"{self.source.name} kernels are not available here: {self.reason()}")
+        return self._lib
