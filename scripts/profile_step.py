@@ -3,10 +3,11 @@ int4: the step's median time per variant (interleaved) and, per variant, the ate
 profiler, self CPU time). Used for docs/decisions.md, 2026-12-01 (issue 19: why int8 was no faster than bf16).
 
     python scripts/profile_step.py [--shape qwen3.5-0.8b] [--threads 2] [--variants bf16,int8,int4] [--top 12]
-        [--torch-deltanet]
+        [--torch-ops]
 
---torch-deltanet also times each variant with the Gated DeltaNet decode step in torch ops instead of its C kernel
-(model/deltanet_kernel.py), interleaved with the others in the same process (docs/decisions.md, 2026-12-02).
+--torch-ops also times each variant with the Gated DeltaNet step, decode attention and RMSNorm in torch ops instead
+of their C kernels (model/deltanet_kernel.py, attention_kernel.py, norm_kernel.py), interleaved with the others in
+the same process (docs/decisions.md, 2026-12-02).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from mtp.bench.costmodel import build_shape_model
-from mtp.model import deltanet_kernel
+from mtp.model import attention_kernel, deltanet_kernel, norm_kernel
 
 
 def step_fn(model, context: int = 128):
@@ -42,15 +43,19 @@ def step_fn(model, context: int = 128):
     return f
 
 
-def torch_deltanet(f):
-    """f, run with the DeltaNet decode step (and its keep) in torch ops."""
+def torch_ops(f):
+    """f, run with the DeltaNet step, decode attention and RMSNorm in torch ops rather than our C kernels."""
+    kernels = (attention_kernel, deltanet_kernel, norm_kernel)
+
     def g():
-        usable = deltanet_kernel.usable
-        deltanet_kernel.usable = lambda *tensors: False
+        usable = [k.usable for k in kernels]
+        for k in kernels:
+            k.usable = lambda *tensors: False
         try:
             f()
         finally:
-            deltanet_kernel.usable = usable
+            for k, u in zip(kernels, usable):
+                k.usable = u
     return g
 
 
@@ -61,7 +66,7 @@ def main() -> None:
     p.add_argument("--variants", default="bf16,int8,int4")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--top", type=int, default=12)
-    p.add_argument("--torch-deltanet", action="store_true", help="also time each variant with the DeltaNet step in torch")
+    p.add_argument("--torch-ops", action="store_true", help="also time each variant without our non-matmul C kernels")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     fns = {}
@@ -70,8 +75,8 @@ def main() -> None:
         model.prepare_for_inference(None if v == "bf16" else v)
         fns[v] = step_fn(model)
         fns[v]()
-        if args.torch_deltanet:
-            fns[f"{v} (torch DeltaNet)"] = torch_deltanet(step_fn(model))
+        if args.torch_ops:
+            fns[f"{v} (torch ops)"] = torch_ops(step_fn(model))
     times: dict[str, list[float]] = {v: [] for v in fns}
     for _ in range(args.iters):
         for v, f in fns.items():

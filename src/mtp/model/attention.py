@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import Qwen35Config
+from . import attention_kernel
 from .cache import KVCache, Positions
 from .linear import project
 from .norm import RMSNorm
@@ -76,10 +77,13 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCa
     Every query row is computed the same way whatever the batch, the width T and the cache length S, so a position
     gets the same numbers in a plain step, in any row of a verify and in any batch row (what lossless greedy
     speculative decoding and batching rest on). Eagerly, with the rows' positions on the host (`pos.starts`), each
-    row runs SDPA over exactly the keys it sees; in a compiled graph, every row reduces over all S positions with
+    query row attends over exactly the keys it sees (one C call on x86 CPUs, attention_kernel.py; else SDPA per
+    row); in a compiled graph, every row reduces over all S positions with
     the later ones masked to exact zeros (their additions leave every partial sum unchanged)."""
     cache.write_at(k, v, pos.index)
     if pos.starts is not None and not torch.compiler.is_compiling():
+        if attention_kernel.usable(q, cache.k, cache.v):
+            return attention_kernel.attend(q, cache.k, cache.v, pos.starts, scale)
         gqa = q.shape[1] != k.shape[1]
         return torch.cat([attend_rows(q[b : b + 1], cache.k[b : b + 1], cache.v[b : b + 1], s, scale, gqa)
                           for b, s in enumerate(pos.starts)])

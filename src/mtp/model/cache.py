@@ -96,11 +96,12 @@ class DeltaState:
 
     def keep_at(self, steps: DeltaSteps, n: torch.Tensor) -> None:
         """Row b := its state after its first n[b] (0..T) positions of a decode forward; n [B] long, on the device."""
+        tensors = (self.ssm, self.conv, steps.states, steps.window)
+        if deltanet_kernel.usable(*tensors, n) and all(t.is_contiguous() for t in tensors):
+            deltanet_kernel.keep(*tensors, n)  # one copy of what each row keeps
+            return
+        self._keep_state(steps, n)
         width = self.conv.shape[-1]
-        if deltanet_kernel.usable(self.ssm, steps.states, n) and self.ssm.is_contiguous() and steps.states.is_contiguous():
-            deltanet_kernel.keep(self.ssm, steps.states, n)  # one copy of each kept state
-        else:
-            self._keep_state(steps, n)
         idx = (n[:, None, None] + torch.arange(width, device=n.device)).expand(-1, self.conv.shape[1], -1)
         self.conv.copy_(steps.window.gather(2, idx))
 

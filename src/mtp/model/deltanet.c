@@ -178,13 +178,18 @@ int deltanet_decode(int64_t B, int64_t T, int64_t Hk, int64_t Hv, int64_t Kd, in
     return failed ? -1 : 0;
 }
 
-/* keep_at for the recurrent state: row r of ssm [B, Hv, Kd, Vd] := states[r, :, n[r] - 1] (states [B, Hv, T, Kd, Vd])
- * where n[r] > 0; a row with n[r] = 0 keeps its own. */
+/* keep_at: row r of ssm [B, Hv, Kd, Vd] := states[r, :, n[r] - 1] (states [B, Hv, T, Kd, Vd]) and row r of the conv
+ * inputs conv [B, C, kernel-1] := window[r, :, n[r] : n[r] + kernel-1] (window [B, C, kernel-1+T], esize bytes an
+ * element) where n[r] > 0; a row with n[r] = 0 keeps its own. */
 void deltanet_keep(int64_t B, int64_t Hv, int64_t T, int64_t KV, const int64_t* n, const float* states, float* ssm,
-                   int nthreads) {
+                   int64_t C, int64_t kernel, int64_t esize, const void* window, void* conv, int nthreads) {
+    const int64_t W = kernel - 1 + T, keep_w = (kernel - 1) * esize;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
     for (int64_t w = 0; w < B * Hv; w++) {
-        const int64_t r = w / Hv, keep = n[r];
-        if (keep > 0 && keep <= T) memcpy(ssm + w * KV, states + (w * T + keep - 1) * KV, sizeof(float) * (size_t)KV);
+        const int64_t r = w / Hv, h = w % Hv, keep = n[r];
+        if (keep <= 0 || keep > T) continue;
+        memcpy(ssm + w * KV, states + (w * T + keep - 1) * KV, sizeof(float) * (size_t)KV);
+        for (int64_t c = h * C / Hv; c < (h + 1) * C / Hv; c++) /* this row's conv channels, split over its heads */
+            memcpy((char*)conv + (r * C + c) * keep_w, (const char*)window + ((r * C + c) * W + keep) * esize, (size_t)keep_w);
     }
 }

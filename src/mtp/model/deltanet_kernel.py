@@ -24,7 +24,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.deltanet_decode.argtypes = [i64] * 7 + [i32, p, p, p, i64, i64, p, i64, i64, p, p, p, i64, i64, p, f32, p, p, p, i32]
     lib.deltanet_decode.restype = i32
-    lib.deltanet_keep.argtypes = [i64, i64, i64, i64, p, p, p, i32]
+    lib.deltanet_keep.argtypes = [i64, i64, i64, i64, p, p, p, i64, i64, i64, p, p, i32]
     lib.deltanet_keep.restype = None
 
 
@@ -84,21 +84,23 @@ def _decode_step(window, taps, b, a, A_log, dt_bias, z, norm_w, eps, ssm, k_head
     return out, states
 
 
-def keep(ssm: torch.Tensor, states: torch.Tensor, n: torch.Tensor) -> None:
-    """ssm [B, Hv, Kd, Vd] row r := states [B, Hv, T, Kd, Vd] at token n[r] - 1 where n[r] > 0 (n [B] long), in place:
-    one copy of the kept state, no read of the others."""
+def keep(ssm: torch.Tensor, conv: torch.Tensor, states: torch.Tensor, window: torch.Tensor, n: torch.Tensor) -> None:
+    """`DeltaState.keep_at` in place: row r of ssm [B, Hv, Kd, Vd] := states [B, Hv, T, Kd, Vd] at token n[r] - 1 and
+    of conv [B, C, kernel-1] := window [B, C, kernel-1+T] at n[r].. where n[r] > 0 (n [B] long): one copy of what is
+    kept, no read of the rest."""
     if torch.compiler.is_compiling():
-        torch.ops.mtp.deltanet_keep(ssm, states, n)
+        torch.ops.mtp.deltanet_keep(ssm, conv, states, window, n)
     else:
-        _keep(ssm, states, n)
+        _keep(ssm, conv, states, window, n)
 
 
-def _keep(ssm, states, n):
+def _keep(ssm, conv, states, window, n):
     B, Hv, T, Kd, Vd = states.shape
-    if not (ssm.is_contiguous() and states.is_contiguous()):
-        raise ValueError("deltanet_keep: the state and the steps must be contiguous")
+    if not all(t.is_contiguous() for t in (ssm, conv, states, window)) or conv.dtype != window.dtype:
+        raise ValueError("deltanet_keep: the state, the conv inputs and the steps must be contiguous, conv as window")
     n = n.to(torch.int64).contiguous()
-    LIBRARY.lib().deltanet_keep(B, Hv, T, Kd * Vd, n.data_ptr(), states.data_ptr(), ssm.data_ptr(),
+    LIBRARY.lib().deltanet_keep(B, Hv, T, Kd * Vd, n.data_ptr(), states.data_ptr(), ssm.data_ptr(), conv.shape[1],
+                                conv.shape[2] + 1, conv.element_size(), window.data_ptr(), conv.data_ptr(),
                                 torch.get_num_threads())
 
 
@@ -116,11 +118,11 @@ def _(window, taps, b, a, A_log, dt_bias, z, norm_w, eps, ssm, k_heads):
     return window.new_empty(B, T, Hv * Vd), ssm.new_empty(B, Hv, T, Kd, Vd)
 
 
-@torch.library.custom_op("mtp::deltanet_keep", mutates_args=("ssm",))
-def _keep_op(ssm: torch.Tensor, states: torch.Tensor, n: torch.Tensor) -> None:
-    _keep(ssm, states, n)
+@torch.library.custom_op("mtp::deltanet_keep", mutates_args=("ssm", "conv"))
+def _keep_op(ssm: torch.Tensor, conv: torch.Tensor, states: torch.Tensor, window: torch.Tensor, n: torch.Tensor) -> None:
+    _keep(ssm, conv, states, window, n)
 
 
 @_keep_op.register_fake
-def _(ssm, states, n):
+def _(ssm, conv, states, window, n):
     return None

@@ -1,10 +1,12 @@
 """Norms: Qwen3.5's zero-centred RMSNorm (`(1 + w)`, fp32) and the gated RMSNorm of Gated DeltaNet; the plain
-RMSNorm (`w * x`) of DeepSeek-V3, GLM and Qwen2/MiMo."""
+RMSNorm (`w * x`) of DeepSeek-V3, GLM and Qwen2/MiMo. At inference on x86 CPUs the first and the last run as one C
+call each (norm_kernel.py); the gated one is part of the Gated DeltaNet decode step's C call (deltanet_kernel.py)."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import norm_kernel
 from .rowwise import rowwise
 
 
@@ -21,6 +23,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., D] -> [..., D]"""
+        if norm_kernel.usable(x, self.weight):  # inference on a CPU: one C call, the same roundings
+            return norm_kernel.rmsnorm(x, self.weight, self.eps, zero_centred=True)
         xf = x.float()
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (out * (1.0 + self.weight.float())).type_as(x)
@@ -53,5 +57,7 @@ class PlainRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if norm_kernel.usable(x, self.weight):  # inference on a CPU: one C call, the same roundings
+            return norm_kernel.rmsnorm(x, self.weight, self.eps, zero_centred=False)
         xf = x.float()
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
