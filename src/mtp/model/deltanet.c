@@ -12,6 +12,7 @@
  * Rounding follows the eager step (deltanet.py): the conv output and SiLU are rounded to the model dtype, as are the
  * gated norm's normalised value and weight product; the recurrence and everything between is fp32. */
 
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -55,7 +56,41 @@ static inline void store(void* p, int64_t i, float v, int bf16) {
     }
 }
 
-static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+
+/* exp on 8 lanes (Cody-Waite range reduction and a degree-6 polynomial, as Cephes' expf: ~1 ulp), the same
+ * arithmetic for every lane: a value rounds alike wherever it sits in a vector. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* x[i] := silu(x[i]) = x / (1 + exp(-x)) for n values, 8 at a time; the tail goes through the same vector code. */
+static void silu_n(float* x, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        const __m256 d = _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), v)));
+        _mm256_storeu_ps(x + i, _mm256_div_ps(v, d));
+    }
+    if (i < n) {
+        float tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        memcpy(tail, x + i, sizeof(float) * (size_t)(n - i));
+        silu_n(tail, 8);
+        memcpy(x + i, tail, sizeof(float) * (size_t)(n - i));
+    }
+}
 
 static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); } /* torch's threshold 20 */
 
@@ -67,10 +102,11 @@ static void conv_silu(const Shape* s, const void* window, const void* taps, int6
         float acc = 0.0f;
         for (int64_t j = 0; j < s->kernel; j++)
             acc += load(window, c * W + t + j, s->bf16) * load(taps, c * s->kernel + j, s->bf16);
-        float x = s->bf16 ? round_bf16(acc) : acc;
-        x = silu(x);
-        out[c - c0] = s->bf16 ? round_bf16(x) : x;
+        out[c - c0] = s->bf16 ? round_bf16(acc) : acc;
     }
+    silu_n(out, c1 - c0);
+    if (s->bf16)
+        for (int64_t c = 0; c < c1 - c0; c++) out[c] = round_bf16(out[c]);
 }
 
 static void l2norm(float* x, int64_t n, float scale) {
@@ -164,11 +200,13 @@ int deltanet_decode(int64_t B, int64_t T, int64_t Hk, int64_t Hv, int64_t Kd, in
                 for (int64_t j = 0; j < Vd; j++) ss += o[j] * o[j];
                 const float rr = 1.0f / sqrtf(ss / (float)Vd + eps);
                 const int64_t zo = r * sz0 + t * sz1 + h * Vd, oo = (r * T + t) * Hv * Vd + h * Vd;
+                for (int64_t j = 0; j < Vd; j++) kv[j] = load(z, zo + j, bf16); /* kv: free again, holds the gate */
+                silu_n(kv, Vd);
                 for (int64_t j = 0; j < Vd; j++) {
                     float y = o[j] * rr;
                     if (bf16) y = round_bf16(round_bf16(y) * load(norm_w, j, 1));
                     else y = y * load(norm_w, j, 0);
-                    store(out, oo + j, y * silu(load(z, zo + j, bf16)), bf16);
+                    store(out, oo + j, y * kv[j], bf16);
                 }
             }
         }

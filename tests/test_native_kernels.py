@@ -1,0 +1,190 @@
+"""Our non-matmul C kernels of decoding (model/deltanet.c, attention.c, norm.c): each close to its torch form (the
+reference, which runs on every other machine), row-invariant (a block or a batch row is bit for bit its single-row
+call), and, disabled, decoding stays exact in the torch forms."""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from mtp.config import Qwen35Config
+from mtp.model import attention_kernel, deltanet_kernel, norm_kernel
+from mtp.model.attention import attend_rows
+from mtp.model.deltanet import GatedDeltaNet
+from mtp.model.linear import row_invariant
+from mtp.model.native import cpu_problem
+from mtp.model.norm import PlainRMSNorm, RMSNorm
+
+KERNELS = (deltanet_kernel, attention_kernel, norm_kernel)
+needs_kernels = pytest.mark.skipif(not all(k.LIBRARY.available() for k in KERNELS),
+                                   reason=f"C kernels unavailable: {deltanet_kernel.LIBRARY.reason()}")
+
+
+def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def torch_forms(monkeypatch) -> None:
+    for k in KERNELS:
+        monkeypatch.setattr(k, "usable", lambda *tensors: False)
+
+
+def test_the_kernels_build_where_they_can():
+    """Not a skip: on an x86-64 Linux machine with AVX2 and a C compiler the kernels must build and load."""
+    if cpu_problem() or not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip(f"not a machine for the kernels: {cpu_problem() or 'no C compiler'}")
+    for k in KERNELS:
+        assert k.LIBRARY.available(), k.LIBRARY.reason()
+
+
+def deltanet_layer(dtype, k_heads, v_heads, seed=0):
+    c = Qwen35Config(hidden_size=64, linear_num_key_heads=k_heads, linear_num_value_heads=v_heads,
+                     linear_key_head_dim=16, linear_value_head_dim=32, linear_conv_kernel_dim=4, num_hidden_layers=2,
+                     intermediate_size=64, vocab_size=64)
+    torch.manual_seed(seed)
+    layer = GatedDeltaNet(c).double().eval()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.3)
+        layer.A_log.uniform_(-2, 1)
+    state = layer.new_state(3, 16, torch.float64, "cpu")
+    state.conv.normal_()
+    state.ssm = torch.randn(3, v_heads, 16, 32) * 0.1  # fp32, as decoding keeps it
+    low = copy.deepcopy(layer).to(dtype)
+    low_state = copy.deepcopy(state)
+    low_state.conv = low_state.conv.to(dtype)
+    return layer, state, low, low_state
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads", [(2, 2), (2, 4)])
+@torch.inference_mode()
+def test_deltanet_step_matches_its_torch_form_and_is_row_invariant(dtype, heads, monkeypatch):
+    ref_layer, ref_state, layer, state = deltanet_layer(dtype, *heads)
+    x = torch.randn(3, 4, 64).to(dtype)
+    with row_invariant():
+        ref, ref_steps = ref_layer.decode(x.double(), ref_state)  # torch form, fp64 but for the fp32 recurrence
+        out, steps = layer.decode(x, state)
+        with monkeypatch.context() as m:
+            torch_forms(m)
+            eager, eager_steps = layer.decode(x, state)
+    tol = 2e-6 if dtype == torch.float32 else 2e-2
+    assert rel(out, ref) < tol and rel(steps.states, ref_steps.states) < tol
+    assert rel(out, ref) <= 1.5 * rel(eager, ref) + 1e-7  # no less accurate than the torch form in this dtype
+    if dtype == torch.bfloat16:  # fp32 projections are row by row only in prepared layers: compare bf16 blocks
+        one = copy.deepcopy(state)
+        outs = []
+        for t in range(4):
+            o, st = layer.decode(x[:, t : t + 1], one)
+            outs.append(o)
+            one.keep_at(st, torch.ones(3, dtype=torch.long))
+        assert torch.equal(torch.cat(outs, 1), out)
+        whole = copy.deepcopy(state)
+        whole.keep_at(steps, torch.full((3,), 4))
+        assert torch.equal(whole.ssm, one.ssm) and torch.equal(whole.conv, one.conv)
+    assert torch.equal(layer.decode(x[1:2], state.rows(1, 2))[0], out[1:2])  # a batch row is its row alone
+    mixed = copy.deepcopy(state)
+    mixed.keep_at(steps, torch.tensor([0, 2, 4]))  # keep nothing / two tokens / all
+    assert torch.equal(mixed.ssm[0], state.ssm[0]) and torch.equal(mixed.conv[0], state.conv[0])
+    assert torch.equal(mixed.ssm[1], steps.states[1, :, 1]) and torch.equal(mixed.conv[1], steps.window[1, :, 2:5])
+    assert torch.equal(mixed.ssm[2], steps.states[2, :, 3]) and torch.equal(mixed.conv[2], steps.window[2, :, 4:7])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(8, 2, 256, 256), (4, 4, 64, 32), (6, 2, 192, 128)])
+@torch.inference_mode()
+def test_decode_attention_matches_sdpa_and_is_row_invariant(dtype, shape):
+    A, Hk, D, Dv = shape
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 4, A, D, generator=g).to(dtype).transpose(1, 2)  # [B, A, T, D], strided as the layers pass it
+    k, v = torch.randn(3, Hk, 50, D, generator=g).to(dtype), torch.randn(3, Hk, 50, Dv, generator=g).to(dtype)
+    starts = [0, 7, 46]
+    out = attention_kernel.attend(q, k, v, starts, D**-0.5)
+    rows = lambda q, k, v: torch.cat([attend_rows(q[b : b + 1], k[b : b + 1], v[b : b + 1], s, D**-0.5, A != Hk)
+                                      for b, s in enumerate(starts)])
+    exact, sdpa = rows(q.double(), k.double(), v.double()), rows(q, k, v)
+    assert rel(out, exact) <= 1.2 * rel(sdpa, exact) + 1e-7
+    single = torch.cat([attention_kernel.attend(q[1:2, :, t : t + 1], k[1:2], v[1:2], [7 + t], D**-0.5) for t in range(4)], 2)
+    assert torch.equal(single, out[1:2])
+    with pytest.raises(ValueError, match="past the cache"):
+        attention_kernel.attend(q, k, v, [0, 7, 47], D**-0.5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("cls", [RMSNorm, PlainRMSNorm])
+@torch.inference_mode()
+def test_rmsnorm_matches_its_torch_form_and_is_row_invariant(cls, monkeypatch):
+    norm = cls(256).to(torch.bfloat16)
+    norm.weight.normal_(0.5, 0.3, generator=torch.Generator().manual_seed(1))
+    x = (torch.randn(5, 7, 512, generator=torch.Generator().manual_seed(2)) * 3).to(torch.bfloat16)[..., ::2]
+    assert norm_kernel.usable(x, norm.weight)
+    y = norm(x)
+    with monkeypatch.context() as m:
+        torch_forms(m)
+        eager = norm(x)
+    # the same roundings; only the sum of squares runs in another order: at most one bf16 step apart
+    assert ((y.float() - eager.float()).abs() <= eager.float().abs() * 2**-7 + 1e-6).all()
+    assert torch.equal(torch.cat([norm(x[i : i + 1]) for i in range(5)]), y)
+    assert not norm_kernel.usable(x.float(), norm.weight.float())  # fp32 keeps the torch form (module docstring)
+    with torch.enable_grad():
+        assert not norm_kernel.usable(x, norm.weight)
+
+
+DISABLED = textwrap.dedent("""
+    import torch
+    import mtp
+    from conftest import tiny_model
+    from mtp.model import attention_kernel, deltanet_kernel, norm_kernel
+    for k in (attention_kernel, deltanet_kernel, norm_kernel):
+        assert not k.LIBRARY.available() and k.LIBRARY.reason() == "disabled by MTP_NATIVE=0", k.LIBRARY.reason()
+    model = tiny_model(seed=4).to(torch.bfloat16)
+    model.prepare_for_inference("int8")
+    ids = torch.randint(0, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    want = mtp.generate(model, ids, max_new_tokens=24, eos_token_ids=[]).tokens
+    for k in (2, 3):
+        assert mtp.generate(model, ids, max_new_tokens=24, draft_tokens=k, eos_token_ids=[]).tokens == want, k
+    print("torch forms exact")
+""")
+
+
+@needs_kernels
+def test_disabled_kernels_leave_decoding_exact_in_the_torch_forms():
+    """MTP_NATIVE=0 (a real process): every C kernel reports itself off, and greedy speculative == plain still."""
+    path = os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "MTP_NATIVE": "0", "PYTHONPATH": path}
+    done = subprocess.run([sys.executable, "-c", DISABLED], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "torch forms exact" in done.stdout, done.stderr[-2000:]
+
+
+@needs_kernels
+def test_kernels_are_as_close_to_fp32_as_the_torch_forms_on_a_model(monkeypatch):
+    """A decode forward of a tiny bf16 model: with the C kernels the logits are as close to the fp32 model's (torch
+    forms) as with the torch forms."""
+    base = tiny_model(seed=0, std=0.02)  # (the default std makes bf16 logits chaotic: 3-17% off fp32 either way)
+    ids = torch.randint(0, base.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(7))
+
+    def logits(model):
+        model.prepare_for_inference(None)
+        cache = model.new_cache(1, 64)
+        with torch.inference_mode(), row_invariant():
+            model.hidden(ids[:, :26], cache)
+            pos = model.decode_positions(torch.arange(26, 30)[None], [26])
+            h, _ = model.decode(ids[:, 26:], cache, pos)
+            return model.head(h).float()
+
+    ours = logits(copy.deepcopy(base).to(torch.bfloat16))
+    with monkeypatch.context() as m:
+        torch_forms(m)
+        eager = logits(copy.deepcopy(base).to(torch.bfloat16))
+        ref = logits(base)
+    assert rel(ours, ref) < 0.02 and rel(ours, ref) <= 1.5 * rel(eager, ref), (rel(ours, ref), rel(eager, ref))
