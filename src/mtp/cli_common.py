@@ -78,7 +78,8 @@ def model_name(args) -> str:
 
 
 def load_from_args(args):
-    """The model the options name, on the device they name."""
+    """The model the options name, on the device they name, for inference: with --quantize the quantized layers keep
+    only their codes (`load_model(release=True)`: their float weights are let go)."""
     import torch
 
     from .model import load_model
@@ -89,7 +90,8 @@ def load_from_args(args):
     if args.model is None and not Path(name).exists():
         raise SystemExit(f"mtp: model folder {name} does not exist (pass --model PATH or a hub id)")
     return load_model(name, dtype=args.dtype, device=resolve_device(args.device), revision=args.revision,
-                      quantize=getattr(args, "quantize", None), strict=getattr(args, "strict", False))
+                      quantize=(quantize := getattr(args, "quantize", None)), strict=getattr(args, "strict", False),
+                      release=quantize is not None)
 
 
 def auto_threads() -> int:
