@@ -370,8 +370,12 @@ def save_model(model: CausalLM, path: str | Path, max_shard_size: int | None = N
     `state` (checkpoint name -> tensor) replaces the model's own tensors and `quantization_config` goes into
     config.json: how `mtp quantize` (quantize.py) writes a quantized checkpoint of the model."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     state = model.checkpoint_state() if state is None else state
+    if gone := [k for k, v in state.items() if v.is_meta]:  # before the folder is touched
+        raise ValueError(f"cannot save tensor '{gone[0]}'{f' and {len(gone) - 1} more' if len(gone) > 1 else ''}: the "
+                         "model was loaded for inference with release=True and holds only its quantized codes; load it "
+                         "without release=True to save it")
+    path.mkdir(parents=True, exist_ok=True)
     if dtype is not None and (dt := parse_dtype(dtype)) is not None:
         state = {k: v if model.keeps_fp32(k) or not v.is_floating_point() else v.to(dt) for k, v in state.items()}
     config = model.config.text_only()

@@ -27,7 +27,9 @@ that runs it):
 with one scale per call, so it is not row-invariant: not used, docs/decisions.md.)
 
 The prepared kernel is used only under no_grad/inference mode and only while the weight is unchanged (its version
-counter is checked at each eager call), so a model that trains afterwards silently goes back to `F.linear`. Compiled
+counter is checked at each eager call), so a model that trains afterwards silently goes back to `F.linear`. An inference-only
+load (`load_model(release=True)`) lets the int8 / int4 layers go of their float weights (`FastLinear.release`): the
+codes are then all they hold, and a call that would need the weight raises `ReleasedWeightError` instead. Compiled
 graphs cannot read a version counter without breaking the graph: they call the prepared kernels unchecked, and
 decode/compiled.py renews whatever changed (`renew_prepared`) as each decoder starts.
 """
