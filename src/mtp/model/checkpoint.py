@@ -23,7 +23,7 @@ import torch
 
 from ..io.files import FolderWriter, TensorIndex, save_tensors
 from ..io.hub import resolve_checkpoint
-from ..io.safetensors_mmap import CheckpointError
+from ..io.safetensors_mmap import CheckpointError, SafetensorsFile
 from ..io.tokenizer import Tokenizer
 from .base import MTP_LAYER, CausalLM
 from .budget import BUILD_ERRORS, TooLargeError, build_on_meta
@@ -165,7 +165,8 @@ def _page_dropper(files: TensorIndex, sources: dict, state: dict[str, torch.Tens
         src = sources.get(name)
         if isinstance(src, str) and t.device.type == "cpu" and t.numel() > 0:
             st, key = files[src]
-            if st.tensor(key).data_ptr() == t.data_ptr():  # a view of the map, not a copy
+            # a stored tensor (a decoded one's `tensor` would decode it again) that is a view of the map, not a copy
+            if isinstance(st, SafetensorsFile) and st.tensor(key).data_ptr() == t.data_ptr():
                 mapped[t.data_ptr()] = src
 
     def drop(weight: torch.Tensor) -> None:

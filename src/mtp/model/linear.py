@@ -516,7 +516,8 @@ def prepare_for_inference(model: nn.Module, kernel: str, skip: tuple[str, ...] =
         names = getattr(m, "fused_projections", None)
         if names:
             parts = [m._modules.get(x) for x in names]
-            if all(isinstance(p, nn.Linear) and not skipped(f"{name}.{x}" if name else x) for p, x in zip(parts, names)):
+            if all((type(p) is nn.Linear or isinstance(p, FastLinear)) and not skipped(f"{name}.{x}" if name else x)
+                   for p, x in zip(parts, names)):
                 m.__dict__["_fused"] = FusedProjections(parts, prepare_parts(parts, kernel))
                 for p in parts:
                     done.add(id(p))
