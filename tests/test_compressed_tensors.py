@@ -217,6 +217,12 @@ def test_pack_quantized_run_by_the_int4_kernel_speculative_equals_plain(tmp_path
     release_ct(tmp_path, weights(4, symmetric=False))
     model = mtp.load_model(tmp_path, quantize="int4")
     greedy_spec_equals_plain(model, monkeypatch, 64)
+    # inference-only (what the commands load): the decoded float weights let go, the same tokens
+    released = mtp.load_model(tmp_path, quantize="int4", release=True)
+    assert released.model.layers[0].mlp.down_proj.weight.is_meta
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    assert (mtp.generate(released, prompt, max_new_tokens=16, draft_tokens=2).tokens
+            == mtp.generate(model, prompt, max_new_tokens=16, draft_tokens=0).tokens)
 
 
 # ---------------------------------------------------------------------- the compressed-tensors package as reference

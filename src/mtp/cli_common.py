@@ -63,8 +63,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weights and activations (auto: the checkpoint's)")
     p.add_argument("--quantize", default=None, choices=["int8", "int4"],
                    help="weight-only quantization of the linear layers and experts, bf16 activations (the MTP's input "
-                        "projection stays bf16): int8 (per-channel scales) or int4 (groups of 128, asymmetric). A "
-                        "checkpoint already quantized (FP8, GPTQ, AWQ) loads decoded with no flag")
+                        "projection stays bf16): int8 (per-channel scales) or int4 (groups of 128, asymmetric); the "
+                        "quantized layers then hold only their codes. A checkpoint already quantized (FP8, GPTQ, AWQ) "
+                        "loads decoded with no flag")
     p.add_argument("--device", default="auto", choices=DEVICES, help="auto: cuda when available, else cpu")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: chosen from the cores that are free now, see `auto_threads`)")
@@ -78,7 +79,8 @@ def model_name(args) -> str:
 
 
 def load_from_args(args):
-    """The model the options name, on the device they name."""
+    """The model the options name, on the device they name, for inference: with --quantize the quantized layers keep
+    only their codes (`load_model(release=True)`: their float weights are let go)."""
     import torch
 
     from .model import load_model
@@ -89,7 +91,8 @@ def load_from_args(args):
     if args.model is None and not Path(name).exists():
         raise SystemExit(f"mtp: model folder {name} does not exist (pass --model PATH or a hub id)")
     return load_model(name, dtype=args.dtype, device=resolve_device(args.device), revision=args.revision,
-                      quantize=getattr(args, "quantize", None), strict=getattr(args, "strict", False))
+                      quantize=(quantize := getattr(args, "quantize", None)), strict=getattr(args, "strict", False),
+                      release=quantize is not None)
 
 
 def auto_threads() -> int:

@@ -134,7 +134,7 @@ def cmd_shape(args) -> int:
     print(f"building a random-weight {args.shape} model ({dtype}{', ' + args.quantize if args.quantize else ''}) …",
           file=sys.stderr)
     model = build_shape_model(args.shape, torch.float32 if dtype == "auto" else getattr(torch, dtype))
-    model.prepare_for_inference(args.quantize)
+    model.prepare_for_inference(args.quantize, release=args.quantize is not None)  # inference only: codes kept
     n_params = sum(p.numel() for p in model.parameters())
     g = torch.Generator().manual_seed(0)
     counts = torch.rand(model.config.vocab_size, generator=g)  # random weights: any subset costs the same
@@ -172,7 +172,7 @@ def compare_variants(shape: str, variants: list[Variant], iters: int) -> dict:
     for v in variants:
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": torch.float32}[v.dtype]
         m = base if dtype == torch.float32 and v.quantize is None else copy.deepcopy(base).to(dtype)
-        m.prepare_for_inference(v.quantize)
+        m.prepare_for_inference(v.quantize, release=v.quantize is not None)
         models[v.name] = m
     med = plain_step_seconds(models, iters)
     ref = med[variants[0].name]
@@ -253,7 +253,8 @@ def cmd_bench(args) -> int:
     models = {default.model_key: model}
     for v in args.variants:
         if v.model_key not in models:
-            models[v.model_key] = load_model(model.source_path, dtype=v.dtype, device=model.device, quantize=v.quantize)
+            models[v.model_key] = load_model(model.source_path, dtype=v.dtype, device=model.device, quantize=v.quantize,
+                                               release=v.quantize is not None)
     prompts, prompt_ids, notes = bench_prompts(args, model, args.max_prompts or (1 if args.quick else None), max_new)
     # transformers runs in fp32 (its exact path on a CPU); its greedy output is checked against an fp32 mtp run, since
     # two bf16 implementations round differently and part ways after a few dozen tokens

@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import ClassVar
 
 import torch
@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .cache import Cache, KVCache, Positions
-from .linear import int4_group_for, int4_supported
+from .linear import FastLinear, int4_group_for, int4_supported
 from .linear import prepare_for_inference as prepare_linears
 from .moe import Experts, group_experts, split_experts
 from .rope import RotaryTable
@@ -166,13 +166,20 @@ class CausalLM(nn.Module, ABC):
         """MTP depth-d hidden [..., H] -> logits [..., V]."""
         return self.mtp_head_module(d)(hidden)
 
-    def prepare_for_inference(self, quantize: str | None = None) -> None:
+    def prepare_for_inference(self, quantize: str | None = None, release: bool = False,
+                              on_quantized: Callable[[torch.Tensor], None] | None = None) -> None:
         """Swap the linear layers for row-invariant CPU inference kernels (`model/linear.py`): bf16 weights use
         oneDNN's packed layout, fp32 weights a row-by-row product; `quantize` "int8" (weight-only, per-channel scales)
         or "int4" (weight-only, groups of 128, `linear.Int4Weight`) quantizes every linear layer and every routed
         expert but `keep_precision` (bf16); a layer the int4 kernel cannot run (outputs not a multiple of 16, inputs
         not of 32) gets int8. Parameters and the state dict stay as they are; a no-op off CPU. The decoder calls it
-        once on a model that was not prepared (`prepared`)."""
+        once on a model that was not prepared (`prepared`).
+
+        Quantizing goes layer by layer; `on_quantized(weight)` is called with each float weight once its codes exist
+        (the loader drops its memory-mapped pages there). `release=True` (inference only) then lets go of each
+        quantized layer's float weight (`FastLinear.release`, `Experts.release`): the model holds the codes, the
+        embedding and the output heads (kept in bf16: the reduced draft vocabulary reads their rows); training it or
+        changing a released weight raises `ReleasedWeightError`."""
         self.prepared = True
         if self.device.type != "cpu":
             return
@@ -186,22 +193,43 @@ class CausalLM(nn.Module, ABC):
             raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
         if self.dtype != torch.bfloat16:
             raise ValueError(f"quantize={quantize!r} needs a bfloat16 model (load it with dtype='bfloat16'), got {self.dtype}")
+        heads = {id(h) for h in self._output_heads()}
+
+        def quantized(layer: FastLinear) -> None:
+            if on_quantized is not None:
+                on_quantized(layer.weight)
+            if release and id(layer) not in heads:
+                layer.release()
+
         keep = tuple(self.keep_precision)
         if quantize == "int4":
             unfit = [n for n, m in self.named_modules() if isinstance(m, nn.Linear) and not _int4_fits(m)
                      and not any(n.endswith(s) for s in keep)]
-            prepare_linears(self, "int4", skip=keep + tuple(unfit))
+            prepare_linears(self, "int4", skip=keep + tuple(unfit), prepared=quantized)
             for name in unfit:
-                prepare_linears(self.get_submodule(name), "int8")
+                prepare_linears(self.get_submodule(name), "int8", prepared=quantized)
         else:
-            prepare_linears(self, quantize, skip=keep)
+            prepare_linears(self, quantize, skip=keep, prepared=quantized)
         for name, m in self.named_modules():
             if any(name.endswith(s) for s in keep) and isinstance(m, nn.Linear):
                 prepare_linears(m, "bf16")
             elif isinstance(m, Experts) and "_kernels" not in m.__dict__ and not any(name.endswith(s) for s in keep):
                 m.prepare(quantize)
+                if on_quantized is not None:
+                    on_quantized(m.gate_up_proj)
+                    on_quantized(m.down_proj)
+                if release:
+                    m.release()
         if self.__dict__.get("masks") is not None:
             self.masks.unfuse(self)
+
+    def _output_heads(self) -> list[nn.Module]:
+        """The backbone's output head and every MTP depth's own one (`head_for_depth`)."""
+        heads = [self.lm_head]
+        mtp = getattr(self, "mtp", None)
+        if mtp is not None:
+            heads += [h for d in range(1, mtp.num_layers + 1) if (h := mtp.head_for_depth(d)) is not None]
+        return heads
 
     def router_aux_loss(self, router_logits: list) -> torch.Tensor | None:
         """The MoE load-balancing loss over collected router logits (None: the family has no such loss)."""

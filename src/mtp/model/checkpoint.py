@@ -23,7 +23,7 @@ import torch
 
 from ..io.files import FolderWriter, TensorIndex, save_tensors
 from ..io.hub import resolve_checkpoint
-from ..io.safetensors_mmap import CheckpointError
+from ..io.safetensors_mmap import CheckpointError, SafetensorsFile
 from ..io.tokenizer import Tokenizer
 from .base import MTP_LAYER, CausalLM
 from .budget import BUILD_ERRORS, TooLargeError, build_on_meta
@@ -78,18 +78,25 @@ def _checkpoint_dtype(files: TensorIndex, names: list[str]) -> torch.dtype:
 
 
 def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str | torch.device = "cpu",
-               config=None, revision: str | None = None, quantize: str | None = None, strict: bool = False) -> CausalLM:
+               config=None, revision: str | None = None, quantize: str | None = None, strict: bool = False,
+               release: bool = False) -> CausalLM:
     """Load a checkpoint folder or hub id (`org/name`, optional `revision`) -> model in eval mode.
 
     dtype "auto" keeps the checkpoint's (bf16 stays bf16, and the weights stay memory-mapped). On the CPU a bf16
     model's linear layers get oneDNN-packed copies for inference; `quantize="int8"` (per-channel) or "int4" (groups
     of 128) quantizes them and the routed experts (weight-only; the model is then bf16) - see `model/linear.py`. A
-    quantized checkpoint (FP8: `model/quantized.py`) is decoded at load to `dtype` (auto: bf16).
+    quantized checkpoint (FP8: `model/quantized.py`) is decoded at load to `dtype` (auto: bf16). Quantizing goes layer
+    by layer, and the memory-mapped pages of each weight it has read are dropped from memory as it goes (read again
+    from the file if the float weight is ever used: training, `mtp quantize`). `release=True` with `quantize`
+    (inference only: what `mtp generate / serve / bench / check` load) also lets go of the quantized layers' float
+    weights (`CausalLM.prepare_for_inference`): memory then holds the codes, the bf16 embedding and output heads.
     Errors (CheckpointError, ConfigError) name the file and the tensor or key: missing, unexpected, wrong shape,
     wrong dtype, truncated or corrupt, a quantized tensor without its scale, a config that asks for more layers
     or a wider embedding than the tensors hold, a model larger than the memory available. A config with MTP layers
     but no MTP tensors loads with a MissingMTPWarning and `model.has_mtp == False` (never random heads). A tensor
     holding NaN or Inf gives a NonFiniteWeightsWarning naming it; `strict=True` refuses the checkpoint."""
+    if release and quantize is None:
+        raise ValueError("release=True lets go of the float weights of quantized layers: it needs quantize='int8' or 'int4'")
     path = resolve_checkpoint(path, revision=revision)
     want_dtype = parse_dtype(dtype)
     if quantize is not None and want_dtype is None:
@@ -131,17 +138,43 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
         expected = {n: p for n, p in model.state_dict(keep_vars=True).items() if not _is_tied(model, n)}
         state = {name: materialize(files, sources[name], tuple(p.shape), torch.float32 if cls.keeps_fp32(name) else dtype_,
                                    device) for name, p in expected.items()}
-        check_finite(files, sources, state, strict)
-    model.load_state_dict(state, strict=False, assign=True)
-    _retie(model)
-    model.eval()
-    model.prepare_for_inference(quantize)
+        # quantizing: each weight's file pages are dropped once read (checked here, quantized below), so the load
+        # does not hold the whole float checkpoint in memory beside its codes
+        drop = _page_dropper(files, sources, state) if quantize is not None else None
+        check_finite(files, sources, state, strict, drop)
+        model.load_state_dict(state, strict=False, assign=True)
+        _retie(model)
+        model.eval()
+        del state  # the model holds the weights now: a released one is freed at once
+        model.prepare_for_inference(quantize, release=release, on_quantized=drop)
     model.source_path = str(path)
     model.checkpoint_layout = layout
     model.tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
     if (path / MASKS_CONFIG).exists():  # a mask-token adapter trained onto this checkpoint (`mtp retrofit --style masks`)
         load_adapter(model, path)
     return model
+
+
+def _page_dropper(files: TensorIndex, sources: dict, state: dict[str, torch.Tensor]):
+    """weight -> None: drop the memory-mapped file pages of a loaded weight (found by its data pointer) once it has
+    been quantized. Its pages are clean copies of the file (nothing wrote to them since loading), so dropping them
+    loses nothing: a later read of the float weight faults them in again. A weight that was copied at load (another
+    dtype, stacked experts) had its pages dropped then; a weight not from the map (a release's copy) is left."""
+    mapped = {}
+    for name, t in state.items():
+        src = sources.get(name)
+        if isinstance(src, str) and t.device.type == "cpu" and t.numel() > 0:
+            st, key = files[src]
+            # a stored tensor (a decoded one's `tensor` would decode it again) that is a view of the map, not a copy
+            if isinstance(st, SafetensorsFile) and st.tensor(key).data_ptr() == t.data_ptr():
+                mapped[t.data_ptr()] = src
+
+    def drop(weight: torch.Tensor) -> None:
+        src = mapped.get(weight.data_ptr())
+        if src is not None:
+            st, key = files[src]
+            st.release(key)
+    return drop
 
 
 def _meta_or_none(cls, config, with_mtp: bool) -> CausalLM | None:
@@ -296,10 +329,16 @@ def non_finite(t: torch.Tensor) -> int:
     return sum(int((~torch.isfinite(flat[i : i + FINITE_CHUNK])).sum()) for i in range(0, flat.numel(), FINITE_CHUNK))
 
 
-def check_finite(files: TensorIndex, sources: dict, state: dict[str, torch.Tensor], strict: bool) -> None:
+def check_finite(files: TensorIndex, sources: dict, state: dict[str, torch.Tensor], strict: bool, drop=None) -> None:
     """NaN or Inf in a weight makes every forward non-finite (greedy decoding then emits token 0, often end-of-text,
-    with no other sign): warn naming the tensors (NonFiniteWeightsWarning), or refuse under `strict`."""
-    bad = [(name, n) for name, t in state.items() if t.is_floating_point() and (n := non_finite(t))]
+    with no other sign): warn naming the tensors (NonFiniteWeightsWarning), or refuse under `strict`. `drop(t)`,
+    when given, is called on each tensor once checked (the loader drops its file pages there)."""
+    bad = []
+    for name, t in state.items():
+        if t.is_floating_point() and (n := non_finite(t)):
+            bad.append((name, n))
+        if drop is not None:
+            drop(t)
     if not bad:
         return
     key = first_tensor(sources[bad[0][0]])
@@ -332,8 +371,12 @@ def save_model(model: CausalLM, path: str | Path, max_shard_size: int | None = N
     `state` (checkpoint name -> tensor) replaces the model's own tensors and `quantization_config` goes into
     config.json: how `mtp quantize` (quantize.py) writes a quantized checkpoint of the model."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     state = model.checkpoint_state() if state is None else state
+    if gone := [k for k, v in state.items() if v.is_meta]:  # before the folder is touched
+        raise ValueError(f"cannot save tensor '{gone[0]}'{f' and {len(gone) - 1} more' if len(gone) > 1 else ''}: the "
+                         "model was loaded for inference with release=True and holds only its quantized codes; load it "
+                         "without release=True to save it")
+    path.mkdir(parents=True, exist_ok=True)
     if dtype is not None and (dt := parse_dtype(dtype)) is not None:
         state = {k: v if model.keeps_fp32(k) or not v.is_floating_point() else v.to(dt) for k, v in state.items()}
     config = model.config.text_only()

@@ -27,7 +27,9 @@ that runs it):
 with one scale per call, so it is not row-invariant: not used, docs/decisions.md.)
 
 The prepared kernel is used only under no_grad/inference mode and only while the weight is unchanged (its version
-counter is checked at each eager call), so a model that trains afterwards silently goes back to `F.linear`. Compiled
+counter is checked at each eager call), so a model that trains afterwards silently goes back to `F.linear`. An inference-only
+load (`load_model(release=True)`) lets the int8 / int4 layers go of their float weights (`FastLinear.release`): the
+codes are then all they hold, and a call that would need the weight raises `ReleasedWeightError` instead. Compiled
 graphs cannot read a version counter without breaking the graph: they call the prepared kernels unchecked, and
 decode/compiled.py renews whatever changed (`renew_prepared`) as each decoder starts.
 """
@@ -37,7 +39,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -53,6 +55,8 @@ KERNELS = ("bf16", "int8", "int4", "fp32")
 INT4_KERNEL_GROUPS = (32, 64, 128, 256)
 # The group size `--quantize int4` uses (the common GPTQ/AWQ choice; the kernel's fastest at 4 rows, decisions.md).
 INT4_GROUP = 128
+# Output rows quantized at a time: the fp32 temporaries of a [248320, 1024] output head stay near 64 MB, not 2 GB.
+QUANT_ROWS = 16384
 
 _PACKED_BF16: bool | None = None
 
@@ -99,6 +103,13 @@ class Int4Weight:
         zero points are those a GPTQ/compressed-tensors int4 checkpoint stores, so the result can be written in those
         formats unchanged."""
         N, K = w.shape
+        if N > QUANT_ROWS:  # per-row arithmetic: rows in chunks give the same codes with bounded fp32 temporaries
+            out = Int4Weight(torch.empty(N, K, dtype=torch.uint8), torch.empty(N, K // group),
+                             torch.empty(N, K // group, dtype=torch.uint8), group)
+            for i in range(0, N, QUANT_ROWS):
+                q = Int4Weight.quantize(w[i : i + QUANT_ROWS], group, symmetric)
+                out.codes[i : i + QUANT_ROWS], out.scale[i : i + QUANT_ROWS], out.zero[i : i + QUANT_ROWS] = q.codes, q.scale, q.zero
+            return out
         g = w.detach().float().reshape(N, K // group, group)
         if symmetric:
             scale = (g.abs().amax(-1) / 7).clamp_min(1e-10)
@@ -115,6 +126,11 @@ class Int4Weight:
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The "int8" kernel's weights: symmetric per output channel, round to nearest: w [N, K] -> (codes int8 [N, K] in
     -127..127, scale fp32 [N]) with w ~ codes * scale[:, None] (a symmetric channel-wise int8 checkpoint stores them)."""
+    if w.shape[0] > QUANT_ROWS:  # per-row arithmetic: chunks of rows give the same codes with bounded temporaries
+        codes, scale = torch.empty(w.shape, dtype=torch.int8), torch.empty(w.shape[0])
+        for i in range(0, w.shape[0], QUANT_ROWS):
+            codes[i : i + QUANT_ROWS], scale[i : i + QUANT_ROWS] = quantize_int8(w[i : i + QUANT_ROWS])
+        return codes, scale
     scale = (w.float().abs().amax(dim=1) / 127).clamp_min(1e-12)
     return (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous(), scale
 
@@ -153,26 +169,38 @@ def _int4_pack(wq: Int4Weight) -> tuple[torch.Tensor, torch.Tensor, int]:
     return packed, sz, g
 
 
+class ReleasedWeightError(RuntimeError):
+    """A call needed the float weight of a linear layer that let it go (`FastLinear.release`)."""
+
+
 class FastLinear(nn.Linear):
     """nn.Linear with a prepared inference copy of its weight: [..., in] -> [..., out].
 
     Inside a compiled graph (`torch.compile`) the prepared kernel is called through the `mtp::prepared_linear`
     custom op, so the compiler neither decomposes nor replaces it: a compiled decode step multiplies with exactly the
-    kernel the eager one uses (and so keeps its row invariance)."""
+    kernel the eager one uses (and so keeps its row invariance).
+
+    An "int8" / "int4" layer can `release` its float weight (inference only: the codes are all it runs); the weight
+    is then a meta tensor of the same shape, and a call that would need it raises `ReleasedWeightError`."""
 
     kernel: str | None = None
+    _released: nn.Parameter | None = None  # the meta placeholder `release` put in place of the weight
 
     @classmethod
-    def wrap(cls, linear: nn.Linear, kernel: str) -> FastLinear:
-        """The same module (same parameters) with a prepared copy for `kernel`."""
+    def wrap(cls, linear: nn.Linear, kernel: str, int4: Int4Weight | None = None) -> FastLinear:
+        """The same module (same parameters) with a prepared copy for `kernel` (int4: from `int4`'s codes when given)."""
         linear.__class__ = cls
-        linear.prepare(kernel)
+        linear.prepare(kernel, int4)
         return linear
 
     @torch.no_grad()
-    def prepare(self, kernel: str) -> None:
+    def prepare(self, kernel: str, int4: Int4Weight | None = None) -> None:
+        """Build the prepared copy of the weight for `kernel`; "int4" from `int4` (the codes of this weight,
+        `Int4Weight.quantize` of it) when given, else quantized here."""
         if kernel not in KERNELS:
             raise ValueError(f"unknown linear kernel {kernel!r}; expected one of {KERNELS}")
+        if self._released is not None:
+            raise ReleasedWeightError(self._released_message("be prepared again"))
         w = self.weight.detach()
         self.kernel = kernel
         self._version = self.weight._version
@@ -187,13 +215,21 @@ class FastLinear(nn.Linear):
             group = int4_group_for(self.in_features)
             if group is None or not int4_supported(self.out_features, self.in_features, group):
                 raise ValueError(f"int4 needs out_features % 16 == 0 and in_features % 32 == 0, got {list(w.shape)}")
-            self._set_int4(Int4Weight.quantize(w, group))
+            if int4 is None and qmatmul.available() and qmatmul.supports(self.in_features, group):
+                self._set_int4_rows(w, group)
+            else:
+                self._set_int4(int4 if int4 is not None else Int4Weight.quantize(w, group))
         else:
-            self._packed, scale = quantize_int8(w)
-            self._native = qmatmul.available() and qmatmul.supports(self.in_features)
-            self._scale = scale if self._native else scale.to(torch.bfloat16)
+            packed, scale = quantize_int8(w)
+            self._set_int8(packed, scale)
         if not hasattr(self, "_slot"):
             self._slot = _register(self)
+
+    def _set_int8(self, codes: torch.Tensor, scale: torch.Tensor) -> None:
+        """codes int8 [N, K], scale fp32 [N] (`quantize_int8`)."""
+        self._packed = codes
+        self._native = qmatmul.available() and qmatmul.supports(self.in_features)
+        self._scale = scale if self._native else scale.to(torch.bfloat16)
 
     def _set_int4(self, wq: Int4Weight) -> None:
         self._perm = wq.perm
@@ -205,19 +241,62 @@ class FastLinear(nn.Linear):
         else:
             self._packed, self._sz, self._group = _int4_pack(wq)
 
+    def _set_int4_rows(self, w: torch.Tensor, group: int) -> None:
+        """`_set_int4(Int4Weight.quantize(w, group))` for the qmatmul kernel, QUANT_ROWS output rows at a time (its
+        packing is by row, so the result is the same): the [N, K] unpacked codes are never held at once."""
+        N, K = w.shape
+        self._perm, self._native, self._group = None, True, group
+        self._packed = torch.empty(N, K // 2, dtype=torch.uint8)
+        self._sz, self._low = torch.empty(N, K // group), torch.empty(N, K // group)
+        for i in range(0, N, QUANT_ROWS):
+            wq = Int4Weight.quantize(w[i : i + QUANT_ROWS], group)
+            self._packed[i : i + QUANT_ROWS] = qmatmul.pack_int4(wq.codes)
+            self._sz[i : i + QUANT_ROWS] = wq.scale
+            self._low[i : i + QUANT_ROWS] = -wq.zero.float() * wq.scale
+
+    @property
+    def released(self) -> bool:
+        """Was the float weight let go (`release`)?"""
+        return self._released is not None
+
+    def release(self) -> None:
+        """Let go of the float weight of an "int8" / "int4" layer (inference only): the module then holds its codes
+        and scales, and `weight` is a meta tensor of the same shape and dtype (no memory). A call with grad enabled,
+        or after the weight was changed or replaced, raises `ReleasedWeightError` instead of running stale codes."""
+        if self.kernel not in ("int8", "int4"):
+            raise ValueError(f"only an int8 / int4 layer can release its float weight (kernel {self.kernel})")
+        if self._released is not None:
+            return
+        w = self.weight
+        placeholder = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+        self.weight = placeholder  # only this module's reference: a weight tied to another module stays there
+        self._version = placeholder._version
+        self.__dict__["_released"] = placeholder  # a plain attribute, not a second registered parameter
+
+    def _released_message(self, what: str) -> str:
+        return (f"linear layer [{self.out_features} <- {self.in_features}] ({self.kernel}) holds only its quantized codes "
+                f"(loaded for inference with release=True, as `mtp generate/serve/bench/check` load): it cannot {what}; "
+                "load the model without release=True to train or change its weights")
+
     def int4_weight(self) -> Int4Weight:
         """The int4 codes, scales and zero points `prepare("int4")` ran (an "int4" layer only)."""
         if self.kernel != "int4":
             raise ValueError(f"not an int4 layer (kernel {self.kernel})")
+        if self._released is not None:
+            raise ReleasedWeightError(self._released_message("give its float weight's int4 codes again"))
         return Int4Weight.quantize(self.weight.detach(), int4_group_for(self.in_features))  # as `prepare` did: same codes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             if self.kernel is None:
                 return F.linear(x, self.weight, self.bias)
-            return torch.ops.mtp.prepared_linear(x, self.weight, self._slot)
+            return torch.ops.mtp.prepared_linear(x, self._slot, self.out_features)
         if self.kernel is None or torch.is_grad_enabled() or self.weight._version != self._version:
+            if self._released is not None:
+                raise ReleasedWeightError(self._released_message("run with gradients enabled or after its weight changed"))
             return F.linear(x, self.weight, self.bias)
+        if self._released is not None and self.weight is not self._released:  # a new weight assigned (load_state_dict)
+            raise ReleasedWeightError(self._released_message("take a new weight"))
         return self.run(x)
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
@@ -289,33 +368,84 @@ def _register(layer: FastLinear) -> int:
 
 
 @torch.library.custom_op("mtp::prepared_linear", mutates_args=())
-def prepared_linear(x: torch.Tensor, weight: torch.Tensor, slot: int) -> torch.Tensor:
-    """The prepared kernel of the FastLinear in `slot` (whose parameter is `weight`): [..., in] -> [..., out]."""
+def prepared_linear(x: torch.Tensor, slot: int, out_features: int) -> torch.Tensor:
+    """The prepared kernel of the FastLinear in `slot`: [..., in] -> [..., out_features]. The weight is not an input:
+    a released layer's is a meta tensor, and a graph given one does not run the op on the host's tensors."""
     return _SLOTS[slot].run(x)
 
 
 @prepared_linear.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, slot: int) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+def _(x: torch.Tensor, slot: int, out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
 
 
 class FusedProjections:
     """Several prepared linear layers that read the same input, run as ONE prepared matmul over their concatenated
     weights (fewer, larger kernel calls per decoding step: q|k|v, gate|up, the Gated DeltaNet's four input
     projections). Held as a plain attribute of the module that owns the layers, never a submodule, so parameter
-    names and the state dict do not change. Used only while every part is prepared, unchanged and grad is off."""
+    names and the state dict do not change. Used only while every part is prepared, unchanged and grad is off.
 
-    def __init__(self, parts: list[FastLinear]):
+    int8 and int4 parts are quantized per output row, so the fused codes are the parts' codes concatenated along the
+    outputs (exactly what quantizing the concatenated weight gives): the fusion is built from them, with no float
+    copy, and the parts then run on views of the fused codes (no second copy) where the layout is row-major (the
+    qmatmul kernels, torch's int8 kernel). torch's CPU int4 packing is not, so there the fused packing is built from
+    the parts' unpacked codes (`int4`) and each part keeps its own. bf16 / fp32 parts are fused from their weights."""
+
+    def __init__(self, parts: list[FastLinear], int4: list[Int4Weight] | None = None):
         self.parts = parts
         self.sizes = [p.out_features for p in parts]
-        weight = torch.cat([p.weight.detach() for p in parts], dim=0)
-        bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
-        self.fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
-        self.fused.weight = nn.Parameter(weight, requires_grad=False)
-        if bias is not None:
-            self.fused.bias = nn.Parameter(bias, requires_grad=False)
-        FastLinear.wrap(self.fused, parts[0].kernel)
+        kernel = parts[0].kernel
+        if kernel in ("int8", "int4"):
+            bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
+            self.fused = nn.Linear(parts[0].in_features, sum(self.sizes), bias=bias is not None, device="meta")
+            if bias is not None:
+                self.fused.bias = nn.Parameter(bias, requires_grad=False)
+            self.fused.__class__ = FastLinear
+            self._fuse_codes(int4)
+        else:
+            weight = torch.cat([p.weight.detach() for p in parts], dim=0)
+            bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
+            self.fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+            self.fused.weight = nn.Parameter(weight, requires_grad=False)
+            if bias is not None:
+                self.fused.bias = nn.Parameter(bias, requires_grad=False)
+            FastLinear.wrap(self.fused, kernel)
         self.versions = [p.weight._version for p in parts]
+
+    @torch.no_grad()
+    def _fuse_codes(self, int4: list[Int4Weight] | None) -> None:
+        """The fused layer's codes from the parts' prepared ones (int4 on torch's kernel: from `int4`, the parts'
+        Int4Weights); then the parts run on row views of them. The fused layer holds no float weight (a meta
+        placeholder, as a released layer does: it is only ever called through `usable`)."""
+        f, parts = self.fused, self.parts
+        f.kernel = parts[0].kernel
+        f.__dict__["_released"] = None
+        f.weight = nn.Parameter(torch.empty(sum(self.sizes), f.in_features, dtype=parts[0].weight.dtype, device="meta"),
+                                requires_grad=False)
+        cat = lambda attr: torch.cat([getattr(p, attr) for p in parts])  # noqa: E731
+        f._native = parts[0]._native
+        if f.kernel == "int8":
+            f._packed, f._scale = cat("_packed"), cat("_scale")
+            views = ("_packed", "_scale")
+        elif f._native:
+            f._perm, f._group = None, parts[0]._group
+            f._packed, f._sz, f._low = cat("_packed"), cat("_sz"), cat("_low")
+            views = ("_packed", "_sz", "_low")
+        else:
+            if int4 is None:
+                raise ValueError("fusing int4 layers for torch's kernel needs their Int4Weights (its packing is not by row)")
+            f._set_int4(Int4Weight(torch.cat([q.codes for q in int4]), torch.cat([q.scale for q in int4]),
+                                   torch.cat([q.zero for q in int4]), int4[0].group))
+            views = ()
+        start = 0
+        for p, n in zip(parts, self.sizes):
+            for attr in views:
+                setattr(p, attr, getattr(f, attr)[start : start + n])
+            start += n
+        f._version = f.weight._version
+        f.__dict__["_released"] = f.weight
+        if not hasattr(f, "_slot"):
+            f._slot = _register(f)
 
     def usable(self) -> bool:
         if not torch.is_grad_enabled() and all(p.kernel == self.fused.kernel for p in self.parts):
@@ -326,16 +456,21 @@ class FusedProjections:
         return False
 
     def fresh(self) -> bool:
-        """No part's weight was changed in place since the fusion."""
-        return [p.weight._version for p in self.parts] == self.versions
+        """No part's weight was changed in place (or replaced, for a released part) since the fusion."""
+        return ([p.weight._version for p in self.parts] == self.versions
+                and all(p._released is None or p.weight is p._released for p in self.parts))
 
     @torch.no_grad()
     def refresh(self) -> None:
         """Fuse the parts' current weights again (after an in-place change), into the same prepared layer."""
-        self.fused.weight.copy_(torch.cat([p.weight.detach() for p in self.parts], dim=0))
-        if self.fused.bias is not None:
-            self.fused.bias.copy_(torch.cat([p.bias.detach() for p in self.parts]))
-        self.fused.prepare(self.fused.kernel)
+        if self.fused.kernel in ("int8", "int4"):
+            int4 = prepare_parts(self.parts, self.fused.kernel)  # raises for a released part: its weight is gone
+            self._fuse_codes(int4)
+        else:
+            self.fused.weight.copy_(torch.cat([p.weight.detach() for p in self.parts], dim=0))
+            if self.fused.bias is not None:
+                self.fused.bias.copy_(torch.cat([p.bias.detach() for p in self.parts]))
+            self.fused.prepare(self.fused.kernel)
         self.versions = [p.weight._version for p in self.parts]
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -352,23 +487,52 @@ def project(module: nn.Module, x: torch.Tensor, *names: str) -> list[torch.Tenso
     return [getattr(module, n)(x) for n in names]
 
 
-def prepare_for_inference(model: nn.Module, kernel: str, skip: tuple[str, ...] = ()) -> int:
+def prepare_parts(parts: list[nn.Linear], kernel: str) -> list[Int4Weight] | None:
+    """Prepare the layers of one fusion for `kernel`; for "int4" on torch's kernel also return their Int4Weights
+    (what `FusedProjections` builds the fused packing from), else None."""
+    int4 = None
+    groups = [int4_group_for(p.in_features) for p in parts]
+    if (kernel == "int4" and None not in groups
+            and not all(qmatmul.available() and qmatmul.supports(p.in_features, g) for p, g in zip(parts, groups))):
+        int4 = [Int4Weight.quantize(p.weight.detach(), g) for p, g in zip(parts, groups)]
+    for i, p in enumerate(parts):
+        if isinstance(p, FastLinear):
+            p.prepare(kernel, None if int4 is None else int4[i])
+        else:
+            FastLinear.wrap(p, kernel, None if int4 is None else int4[i])
+    return int4
+
+
+def prepare_for_inference(model: nn.Module, kernel: str, skip: tuple[str, ...] = (),
+                          prepared: Callable[[FastLinear], None] | None = None) -> int:
     """Swap every nn.Linear of `model` (but those whose name ends with one of `skip`) for a FastLinear prepared for
-    `kernel`. Returns how many layers were prepared. Parameters, names and the state dict do not change."""
+    `kernel`, and fuse each module's `fused_projections`. Returns how many layers were prepared. Parameters, names
+    and the state dict do not change. `prepared(layer)` is called for each layer once its prepared form (and its
+    fusion's) exists, layer by layer: the caller may let go of its float weight there (`FastLinear.release`)."""
     n = 0
+    done: set[int] = set()
+    skipped = lambda name: any(name.endswith(s) for s in skip)  # noqa: E731
     for name, m in model.named_modules():
-        if type(m) is nn.Linear or isinstance(m, FastLinear):
-            if any(name.endswith(s) for s in skip):
-                continue
+        names = getattr(m, "fused_projections", None)
+        if names:
+            parts = [m._modules.get(x) for x in names]
+            if all((type(p) is nn.Linear or isinstance(p, FastLinear)) and not skipped(f"{name}.{x}" if name else x)
+                   for p, x in zip(parts, names)):
+                m.__dict__["_fused"] = FusedProjections(parts, prepare_parts(parts, kernel))
+                for p in parts:
+                    done.add(id(p))
+                    if prepared is not None:
+                        prepared(p)
+                n += len(parts)
+        if (type(m) is nn.Linear or isinstance(m, FastLinear)) and id(m) not in done and not skipped(name):
             if isinstance(m, FastLinear):
                 m.prepare(kernel)
             else:
                 FastLinear.wrap(m, kernel)
+            done.add(id(m))
+            if prepared is not None:
+                prepared(m)
             n += 1
-    for m in model.modules():
-        names = getattr(m, "fused_projections", None)
-        if names and all(isinstance(getattr(m, x), FastLinear) and getattr(m, x).kernel == kernel for x in names):
-            m.__dict__["_fused"] = FusedProjections([getattr(m, x) for x in names])
     return n
 
 

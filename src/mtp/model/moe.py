@@ -79,6 +79,18 @@ class Experts(nn.Module):
 
         self.__dict__["_kernels"] = [(layer(self.gate_up_proj[e]), layer(self.down_proj[e])) for e in range(self.num_experts)]
 
+    def release(self) -> None:
+        """Inference only, after `prepare`: let go of the float expert weights (the parameters become meta tensors of
+        the same shapes; each expert's prepared layers hold only their codes, `FastLinear.release`)."""
+        if "_kernels" not in self.__dict__:
+            raise ValueError("Experts.release needs prepared experts (call prepare first)")
+        for gate_up, down in self._kernels:
+            gate_up.release()
+            down.release()
+        for name in ("gate_up_proj", "down_proj"):
+            p = getattr(self, name)
+            setattr(self, name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False))
+
 
 class SparseMoE(nn.Module):
     """The Qwen3.5-MoE block (`mlp`): router `gate` [E, H] -> softmax (fp32) -> top-k -> weights renormalised to sum 1

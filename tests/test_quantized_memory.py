@@ -1,0 +1,159 @@
+"""int8 / int4 memory (issue 19): fused projections are built from their parts' codes (bit for bit what quantizing the
+concatenated weight gives, and what the parts give concatenated), on the qmatmul kernels and on torch's fallback
+kernels; `load_model(release=True)` (what the inference commands load) keeps only the codes, decodes the same
+tokens, and refuses what would need the float weights it let go."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import mtp
+from conftest import MOE, tiny_model
+from mtp.check import all_zero
+from mtp.model import qmatmul
+from mtp.model.linear import FastLinear, FusedProjections, ReleasedWeightError
+
+KERNELS = ["native", "fallback"]
+
+
+def kernels(monkeypatch, which: str) -> None:
+    if which == "fallback":
+        monkeypatch.setattr(qmatmul, "available", lambda: False)
+    elif not qmatmul.available():
+        pytest.skip(f"the qmatmul kernels do not run here: {qmatmul.reason()}")
+
+
+def fusions(model) -> list[tuple[str, FusedProjections]]:
+    return [(n, m.__dict__["_fused"]) for n, m in model.named_modules() if m.__dict__.get("_fused") is not None]
+
+
+def bf16_model(**overrides):
+    return tiny_model(std=0.05, **overrides).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("which", KERNELS)
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_fused_codes_are_the_parts_concatenated(quantize, which, monkeypatch):
+    """Each fusion's output == its parts' outputs concatenated == a layer prepared from the concatenated float weight
+    (the fusion before issue 19), bit for bit; on the row-major kernels the parts run on views of the fused codes."""
+    kernels(monkeypatch, which)
+    model = bf16_model()
+    model.prepare_for_inference(quantize)
+    found = fusions(model)
+    assert {n.rsplit(".", 1)[-1] for n, _ in found} >= {"self_attn", "mlp"} | ({"linear_attn"} if quantize == "int8" else set())
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, fused in found:
+            assert fused.fused.weight.is_meta and fused.fused.kernel == quantize  # no float copy
+            assert fused.fused._native == (which == "native")
+            x = torch.randn(5, fused.fused.in_features, generator=g).to(torch.bfloat16)
+            parts = [p.run(x) for p in fused.parts]
+            assert torch.equal(torch.cat(fused(x), -1), torch.cat(parts, -1)), name
+            old = nn.Linear(fused.fused.in_features, fused.fused.out_features, bias=False)
+            old.weight = nn.Parameter(torch.cat([p.weight.detach() for p in fused.parts]), requires_grad=False)
+            assert torch.equal(torch.cat(fused(x), -1), FastLinear.wrap(old, quantize).run(x)), name
+            shares = fused.parts[1]._packed.untyped_storage().data_ptr() == fused.fused._packed.untyped_storage().data_ptr()
+            assert shares == (quantize == "int8" or which == "native"), name  # torch's int4 packing is not by row
+
+
+@pytest.mark.parametrize("which", KERNELS)
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_released_model_holds_codes_and_decodes_the_same(tmp_path, quantize, which, monkeypatch):
+    """release=True: every quantized layer's weight is a meta placeholder (float bytes left: the embedding, the norms
+    and the layers kept in bf16), and greedy plain and speculative decoding give the tokens of the unreleased load."""
+    kernels(monkeypatch, which)
+    mtp.save_model(bf16_model(), tmp_path / "m")
+    kept = mtp.load_model(tmp_path / "m", quantize=quantize)
+    released = mtp.load_model(tmp_path / "m", quantize=quantize, release=True)
+    for name, m in released.named_modules():
+        if isinstance(m, FastLinear) and m.kernel == quantize:
+            assert m.released == (name != "lm_head") and m.weight.is_meta == m.released, name
+    float_bytes = sum(p.numel() * p.element_size() for p in released.parameters() if not p.is_meta)
+    small = sum(p.numel() * p.element_size() for n, p in released.named_parameters()
+                if p.dim() < 2 or "embed_tokens" in n or n.startswith("mtp.fc") or "conv1d" in n)
+    assert float_bytes == small
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    plain = mtp.generate(kept, prompt, max_new_tokens=24, draft_tokens=0).tokens
+    assert mtp.generate(released, prompt, max_new_tokens=24, draft_tokens=0).tokens == plain
+    assert mtp.generate(released, prompt, max_new_tokens=24, draft_tokens=2).tokens == plain
+
+
+def test_released_moe_experts(tmp_path):
+    """Routed experts let go of their stacked float weights too, and decode as before."""
+    mtp.save_model(bf16_model(**MOE), tmp_path / "m")
+    kept = mtp.load_model(tmp_path / "m", quantize="int4")
+    released = mtp.load_model(tmp_path / "m", quantize="int4", release=True)
+    experts = [m for m in released.modules() if type(m).__name__ == "Experts"]
+    assert experts and all(m.gate_up_proj.is_meta and m.down_proj.is_meta for m in experts)
+    prompt = [7, 2, 9, 4, 4, 1, 8]
+    plain = mtp.generate(kept, prompt, max_new_tokens=16, draft_tokens=0).tokens
+    assert mtp.generate(released, prompt, max_new_tokens=16, draft_tokens=2).tokens == plain
+
+
+def test_released_layers_refuse_what_needs_their_weights(tmp_path):
+    """Grad enabled, an in-place change, a new weight, re-preparing or asking for the int4 codes again: a clear
+    ReleasedWeightError, never a result computed from stale codes."""
+    src = bf16_model()
+    mtp.save_model(src, tmp_path / "m")
+    model = mtp.load_model(tmp_path / "m", quantize="int4", release=True)
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ReleasedWeightError, match="holds only its quantized codes"):
+        model(ids)  # training forward: grad is on
+    layer = model.model.layers[0].mlp.down_proj
+    with pytest.raises(ReleasedWeightError):
+        layer.int4_weight()
+    with pytest.raises(ReleasedWeightError):
+        layer.prepare("int4")
+    with torch.no_grad():
+        model(ids)  # still fine
+        layer.weight.zero_()  # an in-place change of the placeholder
+        with pytest.raises(ReleasedWeightError, match="after its weight changed"):
+            model(ids)
+    model = mtp.load_model(tmp_path / "m", quantize="int8", release=True)
+    model.load_state_dict(src.state_dict(), assign=True)  # new float weights: the codes are stale
+    with torch.no_grad(), pytest.raises(ReleasedWeightError):
+        model(ids)
+    with pytest.raises(ValueError, match="needs quantize"):
+        mtp.load_model(tmp_path / "m", release=True)
+    with pytest.raises(ValueError, match="cannot save tensor 'model.layers.0"):
+        mtp.save_model(mtp.load_model(tmp_path / "m", quantize="int4", release=True), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_unreleased_quantized_load_keeps_exact_float_weights(tmp_path):
+    """Without release the loader only drops the file pages of what it quantized: the float weights read back
+    unchanged (a training forward, on F.linear, equals the plain bf16 load's)."""
+    mtp.save_model(bf16_model(), tmp_path / "m")
+    ref = mtp.load_model(tmp_path / "m")
+    model = mtp.load_model(tmp_path / "m", quantize="int4")
+    for (n, a), (_, b) in zip(ref.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), n
+    ids = torch.tensor([[5, 4, 3, 2, 1]])
+    assert torch.equal(model(ids), ref(ids))
+
+
+def test_check_probes_released_layers_through_their_codes(tmp_path):
+    """`mtp check --quantize` loads released: a zeroed MTP is still seen as zeroed, a trained one not."""
+    src = bf16_model()
+    mtp.save_model(src, tmp_path / "m")
+    assert not all_zero(mtp.load_model(tmp_path / "m", quantize="int4", release=True).mtp)
+    with torch.no_grad():
+        for p in src.mtp.parameters():
+            p.zero_()
+    mtp.save_model(src, tmp_path / "z")
+    assert all_zero(mtp.load_model(tmp_path / "z", quantize="int4", release=True).mtp)
+
+
+@pytest.mark.skipif(os.environ.get("MTP_TEST_COMPILE") != "1", reason="compiles a graph: set MTP_TEST_COMPILE=1 to run")
+def test_compiled_call_of_a_released_layer():
+    """A compiled graph calls the prepared kernel without the (meta) weight as an input."""
+    layer = FastLinear.wrap(nn.Linear(64, 32, bias=False).to(torch.bfloat16), "int4")
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        want = layer(x)
+        layer.release()
+        assert torch.equal(torch.compile(lambda t: layer(t))(x), want)
