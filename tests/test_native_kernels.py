@@ -16,7 +16,7 @@ import torch
 
 from conftest import tiny_model
 from mtp.config import Qwen35Config
-from mtp.model import attention_kernel, deltanet_kernel, norm_kernel
+from mtp.model import attention_kernel, deltanet_kernel, norm_kernel, qmatmul
 from mtp.model.attention import attend_rows
 from mtp.model.deltanet import GatedDeltaNet
 from mtp.model.linear import row_invariant
@@ -38,10 +38,11 @@ def torch_forms(monkeypatch) -> None:
 
 
 def test_the_kernels_build_where_they_can():
-    """Not a skip: on an x86-64 Linux machine with AVX2 and a C compiler the kernels must build and load."""
+    """Not a skip: on an x86-64 Linux machine with AVX2 and a C compiler every C kernel (native.py) must build and
+    load."""
     if cpu_problem() or not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
         pytest.skip(f"not a machine for the kernels: {cpu_problem() or 'no C compiler'}")
-    for k in KERNELS:
+    for k in (*KERNELS, qmatmul):
         assert k.LIBRARY.available(), k.LIBRARY.reason()
 
 

@@ -1,11 +1,11 @@
 """The int8/int4 x int8 CPU kernels (`model/qmatmul.c`): their arithmetic against an fp64 reference of the same
 scheme, row and thread invariance (what lossless speculative decoding rests on), the linear layers' use of them,
-and the fallback to torch's kernels where they cannot be built."""
+and the fallback to torch's kernels where they cannot be built (that they build where they can:
+tests/test_native_kernels.py)."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -15,16 +15,8 @@ import torch
 
 from mtp.model import qmatmul
 from mtp.model.linear import FastLinear, Int4Weight, quantize_int8
-from mtp.model.native import cpu_problem
 
 needs_kernels = pytest.mark.skipif(not qmatmul.available(), reason=f"qmatmul kernels unavailable: {qmatmul.reason()}")
-
-
-def test_the_kernels_build_where_they_can():
-    """On x86-64 Linux with AVX2/FMA/F16C and a C compiler they must build (a broken source must not pass as a skip)."""
-    if cpu_problem() or not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
-        pytest.skip(f"not a machine for the kernels: {cpu_problem() or 'no C compiler'}")
-    assert qmatmul.available(), qmatmul.reason()
 
 
 def quantized_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

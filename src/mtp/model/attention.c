@@ -12,20 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16_to_f(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+#include "native.h"
 
 static void widen(const void* src, int64_t n, int bf16, float* dst) {
     if (bf16)

@@ -226,9 +226,8 @@ class CausalLM(nn.Module, ABC):
     def _output_heads(self) -> list[nn.Module]:
         """The backbone's output head and every MTP depth's own one (`head_for_depth`)."""
         heads = [self.lm_head]
-        mtp = getattr(self, "mtp", None)
-        if mtp is not None:
-            heads += [h for d in range(1, mtp.num_layers + 1) if (h := mtp.head_for_depth(d)) is not None]
+        if self.mtp is not None:
+            heads += [h for d in range(1, self.mtp.num_layers + 1) if (h := self.mtp.head_for_depth(d)) is not None]
         return heads
 
     def router_aux_loss(self, router_logits: list) -> torch.Tensor | None:

@@ -18,44 +18,21 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "native.h"
+
 typedef struct {
     int64_t B, T, Hk, Hv, Kd, Vd, kernel;
     int bf16; /* window, taps, b, a, z, norm weight and out in bf16 (else fp32) */
 } Shape;
-
-static inline float bf16_to_f(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline float round_bf16(float f) { /* float -> bfloat16 (nearest even, as torch) -> float */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return f;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    u &= 0xffff0000u;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 static inline float load(const void* p, int64_t i, int bf16) {
     return bf16 ? bf16_to_f(((const uint16_t*)p)[i]) : ((const float*)p)[i];
 }
 
 static inline void store(void* p, int64_t i, float v, int bf16) {
-    if (bf16) {
-        uint32_t u;
-        memcpy(&u, &v, 4);
-        if ((u & 0x7fffffffu) > 0x7f800000u) u |= 0x400000u;
-        else u += 0x7fffu + ((u >> 16) & 1u);
-        ((uint16_t*)p)[i] = (uint16_t)(u >> 16);
-    } else {
-        ((float*)p)[i] = v;
-    }
+    if (bf16) ((uint16_t*)p)[i] = to_bf16(v);
+    else ((float*)p)[i] = v;
 }
-
 
 /* exp on 8 lanes (Cody-Waite range reduction and a degree-6 polynomial, as Cephes' expf: ~1 ulp), the same
  * arithmetic for every lane: a value rounds alike wherever it sits in a vector. */

@@ -169,6 +169,13 @@ def _int4_pack(wq: Int4Weight) -> tuple[torch.Tensor, torch.Tensor, int]:
     return packed, sz, g
 
 
+def _native_int4(wq: Int4Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Int4Weight (natural input order) -> the qmatmul int4 operands: packed codes uint8 [N, K/2], scale and offset
+    fp32 [N, K/group], with w = (q - zero) * scale = q * scale + low."""
+    scale = wq.scale.float().contiguous()
+    return qmatmul.pack_int4(wq.codes), scale, (-wq.zero.float() * scale).contiguous()
+
+
 class ReleasedWeightError(RuntimeError):
     """A call needed the float weight of a linear layer that let it go (`FastLinear.release`)."""
 
@@ -234,10 +241,9 @@ class FastLinear(nn.Linear):
     def _set_int4(self, wq: Int4Weight) -> None:
         self._perm = wq.perm
         self._native = qmatmul.available() and qmatmul.supports(self.in_features, wq.group)
-        if self._native:  # w = (q - zero) * scale = q * scale + low
-            self._packed, self._group = qmatmul.pack_int4(wq.codes), wq.group
-            self._sz = wq.scale.float().contiguous()
-            self._low = (-wq.zero.float() * self._sz).contiguous()
+        if self._native:
+            self._group = wq.group
+            self._packed, self._sz, self._low = _native_int4(wq)
         else:
             self._packed, self._sz, self._group = _int4_pack(wq)
 
@@ -249,10 +255,8 @@ class FastLinear(nn.Linear):
         self._packed = torch.empty(N, K // 2, dtype=torch.uint8)
         self._sz, self._low = torch.empty(N, K // group), torch.empty(N, K // group)
         for i in range(0, N, QUANT_ROWS):
-            wq = Int4Weight.quantize(w[i : i + QUANT_ROWS], group)
-            self._packed[i : i + QUANT_ROWS] = qmatmul.pack_int4(wq.codes)
-            self._sz[i : i + QUANT_ROWS] = wq.scale
-            self._low[i : i + QUANT_ROWS] = -wq.zero.float() * wq.scale
+            rows = slice(i, i + QUANT_ROWS)
+            self._packed[rows], self._sz[rows], self._low[rows] = _native_int4(Int4Weight.quantize(w[rows], group))
 
     @property
     def released(self) -> bool:

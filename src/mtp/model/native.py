@@ -3,7 +3,10 @@ system's C compiler (`$CC`, else `cc`) into $MTP_CACHE (or ~/.cache/mtp)/kernels
 the compiler (about a second), then loaded with ctypes. They share torch's OpenMP runtime.
 
 - `qmatmul.c`: int8/int4 weights times int8 activations (the quantized linear kernels, qmatmul.py);
-- `deltanet.c`: the Gated DeltaNet decode step (deltanet.py).
+- `deltanet.c`: the Gated DeltaNet decode step and its keep (deltanet_kernel.py);
+- `attention.c`: decode attention (attention_kernel.py);
+- `norm.c`: RMSNorm (norm_kernel.py);
+- `native.h`: what they share (bf16 conversions); a build is keyed on it too.
 
 Where a library cannot be used (not x86-64 Linux with AVX2/FMA/F16C, no compiler, a failed build, or disabled by its
 environment switch or by MTP_NATIVE=0) the callers keep torch's kernels; `NativeLibrary.available()` says which and
@@ -32,6 +35,7 @@ log = logging.getLogger(__name__)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
 CPU_FLAGS = ("avx2", "fma", "f16c")
+HEADER = Path(__file__).with_name("native.h")  # included by every source
 
 
 def cpu_problem() -> str:
@@ -56,7 +60,8 @@ def build(source: Path) -> Path:
     if not cc:
         raise RuntimeError("no C compiler (set CC, or install gcc)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(source.read_bytes() + "\0".join(FLAGS + LIBS).encode() + version.encode()).hexdigest()[:16]
+    code = source.read_bytes() + HEADER.read_bytes()
+    key = hashlib.sha256(code + "\0".join(FLAGS + LIBS).encode() + version.encode()).hexdigest()[:16]
     for root in (kernels_dir(), Path(tempfile.gettempdir()) / f"mtp-kernels-{os.getuid()}"):
         path = root / f"{source.stem}-{key}.so"
         if path.exists():

@@ -17,19 +17,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "native.h"
+
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
-}
-
-static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch's float -> bfloat16 */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
 }
 
 static inline __m256 load8_bf16(const uint16_t* p) {
@@ -166,7 +160,7 @@ Q4_TILE(4)
 /* x bf16 [M, K], w int8 [N, K], sw fp32 [N], bias fp32 [N] or NULL -> y bf16 [M, N]. K % 32 == 0. 0 or -1 (memory). */
 int q8_linear(const uint16_t* x, int64_t M, int64_t K, const int8_t* w, const float* sw, const float* bias, int64_t N,
               uint16_t* y, int nthreads) {
-    QRows q;
+    QRows q = {0}; /* free_rows frees it whatever failed */
     if (quantize_rows(x, M, K, nthreads, &q)) {
         free_rows(&q);
         return -1;
@@ -196,7 +190,7 @@ int q8_linear(const uint16_t* x, int64_t M, int64_t K, const int8_t* w, const fl
  * [M, N]. G % 32 == 0, K % G == 0. 0 or -1 (memory). */
 int q4_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const float* s, const float* lo, int64_t G,
               const float* bias, int64_t N, uint16_t* y, int nthreads) {
-    QRows q;
+    QRows q = {0}; /* free_rows frees it whatever failed */
     const int64_t nb = K / 32, bpg = G / 32, ng = K / G;
     float* xg = malloc(sizeof(float) * (size_t)(M * ng));
     if (!xg || quantize_rows(x, M, K, nthreads, &q)) {
