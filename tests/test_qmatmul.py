@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from mtp.model import qmatmul
+from mtp.model import native, qmatmul
 from mtp.model.linear import FastLinear, Int4Weight, quantize_int8
 
 needs_kernels = pytest.mark.skipif(not qmatmul.available(), reason=f"qmatmul kernels unavailable: {qmatmul.reason()}")
@@ -71,7 +71,8 @@ def test_int8_kernel_computes_the_scheme(shape):
 
 
 @needs_kernels
-@pytest.mark.parametrize("shape,group", [((48, 64), 32), ((96, 256), 64), ((40, 1024), 128), ((16, 512), 256)])
+@pytest.mark.parametrize("shape,group", [((48, 64), 32), ((96, 256), 64), ((40, 1024), 128), ((16, 512), 256),
+                                         ((24, 96), 32), ((32, 288), 96), ((16, 352), 32)])  # odd blocks, odd groups
 def test_int4_kernel_computes_the_scheme(shape, group):
     g = torch.Generator().manual_seed(1)
     N, K = shape
@@ -147,9 +148,48 @@ def test_linear_layers_run_the_kernels_here():
         assert close_to_bf16(y, ref), kernel
 
 
+BUILDS = textwrap.dedent("""
+    import sys, torch
+    from mtp.model import native, qmatmul
+    from mtp.model.linear import Int4Weight, quantize_int8
+    print("isa:", qmatmul.isa())
+    g = torch.Generator().manual_seed(5)
+    out = {}
+    for N, K, group in ((40, 1024, 128), (24, 96, 32), (32, 288, 96), (16, 352, 32)):
+        w = torch.randn(N, K, generator=g) * 0.05
+        codes, scale = quantize_int8(w)
+        wq = Int4Weight.quantize(w, group)
+        s = wq.scale.float().contiguous()
+        packed, low = qmatmul.pack_int4(wq.codes), (-wq.zero.float() * s).contiguous()
+        for M in (1, 2, 3, 4, 6):
+            x = (torch.randn(M, K, generator=g) * 3).to(torch.bfloat16)
+            out[f"q8 {N} {K} {M}"] = qmatmul.q8_linear(x, codes, scale)
+            out[f"q4 {N} {K} {group} {M}"] = qmatmul.q4_linear(x, packed, s, low, group)
+    torch.save(out, sys.argv[1])
+""")
+
+
+@needs_kernels
+@pytest.mark.skipif(not all(f in native.cpu_flags() for f in native.AVX512_VNNI.cpu_flags),
+                    reason="this CPU has no AVX-512 VNNI: only the AVX2 build runs here")
+def test_vnni_and_avx2_builds_compute_the_same_bits(tmp_path):
+    """The AVX-512 VNNI build changes one instruction (the u8 x s8 products), not a rounding: both builds' outputs are
+    bit for bit the same, in real processes (MTP_NATIVE_ISA=avx2 asks for the baseline)."""
+    results = {}
+    for isa in ("avx512vnni", "avx2"):
+        env = {"MTP_NATIVE_ISA": isa if isa == "avx2" else ""}
+        done = subprocess.run([sys.executable, "-c", BUILDS, str(tmp_path / isa)], env={**os.environ, **env},
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and f"isa: {isa}" in done.stdout, done.stdout + done.stderr
+        results[isa] = torch.load(tmp_path / isa)
+    assert results["avx2"].keys() == results["avx512vnni"].keys()
+    for k, y in results["avx2"].items():
+        assert torch.equal(y, results["avx512vnni"][k]), k
+
+
 FALLBACK = textwrap.dedent("""
     import torch
-    from mtp.model import qmatmul
+    from mtp.model import native, qmatmul
     from mtp.model.linear import FastLinear
     assert not qmatmul.available(), "expected the fallback"
     print("reason:", qmatmul.reason())

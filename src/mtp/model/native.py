@@ -2,7 +2,8 @@
 system's C compiler (`$CC`, else `cc`) into $MTP_CACHE (or ~/.cache/mtp)/kernels, keyed by the source, the flags and
 the compiler (about a second), then loaded with ctypes. They share torch's OpenMP runtime.
 
-- `qmatmul.c`: int8/int4 weights times int8 activations (the quantized linear kernels, qmatmul.py);
+- `qmatmul.c`: int8/int4 weights times int8 activations (the quantized linear kernels, qmatmul.py), built for AVX-512
+  VNNI where the CPU has it (`Isa`: the same bits, fewer instructions);
 - `deltanet.c`: the Gated DeltaNet decode step and its keep (deltanet_kernel.py);
 - `attention.c`: decode attention (attention_kernel.py);
 - `norm.c`: RMSNorm (norm_kernel.py);
@@ -26,6 +27,7 @@ import subprocess
 import tempfile
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..io.files import cache_root
@@ -38,30 +40,64 @@ CPU_FLAGS = ("avx2", "fma", "f16c")
 HEADER = Path(__file__).with_name("native.h")  # included by every source
 
 
+@dataclass(frozen=True)
+class Isa:
+    """A build of a source for CPUs with more than the baseline: its extra compiler flags, and the /proc/cpuinfo flags
+    a CPU needs to run it."""
+
+    name: str
+    flags: tuple[str, ...]
+    cpu_flags: tuple[str, ...]
+
+
+# AVX-512 VNNI (Intel since Cascade Lake, AMD since Zen 4): qmatmul.c's u8 x s8 products in one instruction. 256-bit
+# vectors still (-mprefer-vector-width), so the code is the AVX2 code with that one instruction changed.
+AVX512_VNNI = Isa("avx512vnni", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mprefer-vector-width=256"),
+                  ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"))
+
+
+def cpu_flags() -> list[str]:
+    """This CPU's /proc/cpuinfo flags ([] where there is none)."""
+    try:
+        return next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+    except OSError:
+        return []
+
+
 def cpu_problem() -> str:
     """Why this machine cannot run the kernels ("" when it can)."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return f"not x86-64 Linux ({platform.system()} {platform.machine()})"
-    try:
-        flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
-    except OSError as e:
-        return f"cannot read /proc/cpuinfo: {e}"
+    if not os.path.exists("/proc/cpuinfo"):
+        return "cannot read /proc/cpuinfo"
+    flags = cpu_flags()
     missing = [f for f in CPU_FLAGS if f not in flags]
     return f"CPU lacks {', '.join(missing)}" if missing else ""
+
+
+def pick_isa(isas: tuple[Isa, ...]) -> Isa | None:
+    """The first of `isas` this CPU runs (None: the baseline AVX2 build). MTP_NATIVE_ISA=avx2 asks for the baseline
+    (the builds compute the same bits; tests compare them)."""
+    if os.environ.get("MTP_NATIVE_ISA", "") == "avx2":
+        return None
+    flags = cpu_flags()
+    return next((isa for isa in isas if all(f in flags for f in isa.cpu_flags)), None)
 
 
 def kernels_dir() -> Path:
     return cache_root() / "kernels"
 
 
-def build(source: Path) -> Path:
-    """Compile `source` (once per source, flags and compiler) and return the shared library's path."""
+def build(source: Path, isa: Isa | None = None) -> Path:
+    """Compile `source` (once per source, flags and compiler; with `isa`'s flags too) and return the shared
+    library's path."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler (set CC, or install gcc)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     code = source.read_bytes() + HEADER.read_bytes()
-    key = hashlib.sha256(code + "\0".join(FLAGS + LIBS).encode() + version.encode()).hexdigest()[:16]
+    flags = FLAGS + (isa.flags if isa else ())
+    key = hashlib.sha256(code + "\0".join(flags + LIBS).encode() + version.encode()).hexdigest()[:16]
     for root in (kernels_dir(), Path(tempfile.gettempdir()) / f"mtp-kernels-{os.getuid()}"):
         path = root / f"{source.stem}-{key}.so"
         if path.exists():
@@ -73,7 +109,7 @@ def build(source: Path) -> Path:
         except OSError:
             continue  # an unwritable cache: try the next place
         try:
-            done = subprocess.run([cc, *FLAGS, str(source), "-o", tmp, *LIBS], capture_output=True, text=True, timeout=300)
+            done = subprocess.run([cc, *flags, str(source), "-o", tmp, *LIBS], capture_output=True, text=True, timeout=300)
             if done.returncode != 0:
                 raise RuntimeError(f"{cc} failed on {source.name}: {done.stderr.strip()[-500:]}")
             os.replace(tmp, path)  # atomic: concurrent builders each write their own file, the last rename wins
@@ -88,9 +124,11 @@ class NativeLibrary:
     """One C source, built and loaded on first use. `declare(lib)` sets the functions' ctypes signatures; `switch` is
     the environment variable that turns this library off (=0); `fallback` says what runs instead, for the warning."""
 
-    def __init__(self, source: str, switch: str | None, fallback: str, declare: Callable[[ctypes.CDLL], None]):
+    def __init__(self, source: str, switch: str | None, fallback: str, declare: Callable[[ctypes.CDLL], None],
+                 isas: tuple[Isa, ...] = ()):
         self.source = Path(__file__).with_name(source)
-        self.switch, self.fallback, self.declare = switch, fallback, declare
+        self.switch, self.fallback, self.declare, self.isas = switch, fallback, declare, isas
+        self.isa: Isa | None = None  # the build loaded (None: the baseline)
         self._lock = threading.Lock()
         self._lib: ctypes.CDLL | None = None
         self._why: str | None = None  # None until probed; "" when the library loaded
@@ -103,8 +141,9 @@ class NativeLibrary:
         if why := cpu_problem():
             self._why = why
             return
+        self.isa = pick_isa(self.isas)
         try:
-            lib = ctypes.CDLL(str(build(self.source)))
+            lib = ctypes.CDLL(str(build(self.source, self.isa)))
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             self._why = str(e).splitlines()[0]
             log.warning("%s: %s", self.fallback, self._why)

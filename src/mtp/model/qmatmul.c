@@ -31,6 +31,22 @@ static inline __m256 load8_bf16(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
 
+/* The exact integer dot products of u8 x s8 byte pairs, summed in fours into eight int32 lanes. With AVX-512 VNNI one
+ * vpdpbusd (the build native.py makes where the CPU has it); else vpmaddubsw + vpmaddwd, which give the same
+ * integers (their int16 pair sums cannot saturate here: |w| * |x| <= 127 * 127 for int8 codes, 15 * 127 for int4), so
+ * both builds' outputs are bit for bit the same. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define QMATMUL_ISA "avx512vnni"
+static inline __m256i dot_u8s8(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
+#else
+#define QMATMUL_ISA "avx2"
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+#endif
+
+const char* qmatmul_isa(void) { return QMATMUL_ISA; }
+
 /* One row of K bf16 values -> codes xq [K], block scales dx [K/32], block sums of the codes xs [K/32]. */
 static void quantize_row(const uint16_t* x, int64_t K, int8_t* xq, float* dx, int32_t* xs) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -92,18 +108,17 @@ static void free_rows(QRows* q) {
     {                                                                                                                 \
         const __m256i wv = _mm256_loadu_si256((const __m256i*)(w + (B) * 32));                                       \
         const __m256i aw = _mm256_sign_epi8(wv, wv); /* |w|, x takes w's sign: u8 x s8 pairs cannot saturate */      \
-        for (int i = 0; i < R; i++) {                                                                                \
+        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {                                                                                \
             const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + i * K + (B) * 32));                          \
-            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones);           \
+            const __m256i p = dot_u8s8(aw, _mm256_sign_epi8(xv, wv));                                             \
             ACC[i] = _mm256_fmadd_ps(_mm256_set1_ps(dx[i * nb + (B)]), _mm256_cvtepi32_ps(p), ACC[i]);               \
         }                                                                                                            \
     }
 #define Q8_TILE(R)                                                                                                    \
     static inline void q8_tile_##R(const int8_t* w, const int8_t* xq, const float* dx, int64_t K, int64_t nb,        \
                                    float* out) {                                                                     \
-        const __m256i ones = _mm256_set1_epi16(1);                                                                   \
         __m256 even[R], odd[R];                                                                                      \
-        for (int i = 0; i < R; i++) even[i] = odd[i] = _mm256_setzero_ps();                                          \
+        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) even[i] = odd[i] = _mm256_setzero_ps();                                          \
         int64_t b = 0;                                                                                               \
         for (; b + 1 < nb; b += 2) {                                                                                 \
             _mm_prefetch((const char*)(w + b * 32 + PREFETCH), _MM_HINT_T0);                                         \
@@ -111,46 +126,72 @@ static void free_rows(QRows* q) {
             Q8_BLOCK(R, odd, b + 1)                                                                                     \
         }                                                                                                            \
         if (b < nb) Q8_BLOCK(R, even, b)                                                                                \
-        for (int i = 0; i < R; i++) out[i] = hsum(_mm256_add_ps(even[i], odd[i]));                                   \
+        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) out[i] = hsum(_mm256_add_ps(even[i], odd[i]));                                   \
     }
 Q8_TILE(1)
 Q8_TILE(2)
 Q8_TILE(3)
 Q8_TILE(4)
 
-/* int4 codes: a block of 32 in 16 bytes, byte j = q[j] | q[j + 16] << 4. The offset term of a group,
- * lo * sum_k x[k], uses the block sums of the activation codes (xg: per group, sum of dx * xs). */
+/* int4 codes (pack_int4 in qmatmul.py): blocks of 32 codes in pairs, 32 bytes a pair, byte j = q[j] | q[32 + j] << 4
+ * (one load, one shift and two masks widen both blocks); an odd last block alone in 16 bytes, byte j = q[j] |
+ * q[16 + j] << 4. */
+static inline __m256i q4_block(const uint8_t* w, int64_t b, int64_t nb) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    if ((b | 1) < nb) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(w + (b & ~(int64_t)1) * 16));
+        return _mm256_and_si256(b & 1 ? _mm256_srli_epi16(v, 4) : v, low);
+    }
+    const __m128i t = _mm_loadu_si128((const __m128i*)(w + b * 16));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), low);
+}
+
+/* One group's products for R rows, dx * (block's integer product) summed per row in block order: groups of an even
+ * number of blocks run their even and odd blocks in two chains (added at the group's end), which halves the chain
+ * of dependent multiply-adds; the order depends only on K and the group size, never on R. */
+#define Q4_STEP(R, ACC, Q, B)                                                                                           \
+    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {                                                                                      \
+        const __m256i p = dot_u8s8(Q, _mm256_loadu_si256((const __m256i*)(xq + i * K + (B) * 32)));                   \
+        ACC[i] = _mm256_fmadd_ps(_mm256_set1_ps(dx[i * nb + (B)]), _mm256_cvtepi32_ps(p), ACC[i]);                    \
+    }
+
+/* The offset term of a group, lo * sum_k x[k], uses the block sums of the activation codes (xg: per group, sum of
+ * dx * xs). */
 #define Q4_TILE(R)                                                                                                    \
     static inline void q4_tile_##R(const uint8_t* w, const float* s, const float* lo, const int8_t* xq,             \
                                    const float* dx, const float* xg, int64_t K, int64_t nb, int64_t bpg, int64_t ng, \
                                    float* out) {                                                                     \
-        const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);                                    \
+        const __m256i low = _mm256_set1_epi8(0x0F);                                                                  \
         __m256 acc[R];                                                                                               \
         float off[R];                                                                                                \
-        for (int i = 0; i < R; i++) {                                                                                \
+        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {                                                                                \
             acc[i] = _mm256_setzero_ps();                                                                            \
             off[i] = 0.0f;                                                                                           \
         }                                                                                                            \
         for (int64_t g = 0; g < ng; g++) {                                                                           \
-            __m256 gacc[R];                                                                                          \
-            for (int i = 0; i < R; i++) gacc[i] = _mm256_setzero_ps();                                               \
+            __m256 ge[R], go[R];                                                                                     \
+            _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) ge[i] = go[i] = _mm256_setzero_ps();                                         \
             _mm_prefetch((const char*)(w + g * bpg * 16 + PREFETCH / 2), _MM_HINT_T0);                               \
-            for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {                                                      \
-                const __m128i t = _mm_loadu_si128((const __m128i*)(w + b * 16));                                     \
-                const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), low);                  \
-                for (int i = 0; i < R; i++) {                                                                        \
-                    const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + i * K + b * 32));                    \
-                    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);                          \
-                    gacc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dx[i * nb + b]), _mm256_cvtepi32_ps(p), gacc[i]);       \
+            if (bpg % 2 == 0) {                                                                                      \
+                for (int64_t b = g * bpg; b < (g + 1) * bpg; b += 2) {                                               \
+                    const __m256i v = _mm256_loadu_si256((const __m256i*)(w + b * 16));                              \
+                    const __m256i qe = _mm256_and_si256(v, low), qo = _mm256_and_si256(_mm256_srli_epi16(v, 4), low); \
+                    Q4_STEP(R, ge, qe, b)                                                                             \
+                    Q4_STEP(R, go, qo, b + 1)                                                                         \
+                }                                                                                                    \
+            } else {                                                                                                 \
+                for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {                                                  \
+                    const __m256i q = q4_block(w, b, nb);                                                            \
+                    Q4_STEP(R, ge, q, b)                                                                              \
                 }                                                                                                    \
             }                                                                                                        \
             const __m256 sg = _mm256_set1_ps(s[g]);                                                                  \
-            for (int i = 0; i < R; i++) {                                                                            \
-                acc[i] = _mm256_fmadd_ps(sg, gacc[i], acc[i]);                                                       \
+            _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {                                                                            \
+                acc[i] = _mm256_fmadd_ps(sg, _mm256_add_ps(ge[i], go[i]), acc[i]);                                   \
                 off[i] += lo[g] * xg[i * ng + g];                                                                    \
             }                                                                                                        \
         }                                                                                                            \
-        for (int i = 0; i < R; i++) out[i] = hsum(acc[i]) + off[i];                                                  \
+        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) out[i] = hsum(acc[i]) + off[i];                                                  \
     }
 Q4_TILE(1)
 Q4_TILE(2)

@@ -20,7 +20,7 @@ import ctypes
 
 import torch
 
-from .native import NativeLibrary
+from .native import AVX512_VNNI, NativeLibrary
 
 BLOCK = 32  # activation block, and the granularity of K and of int4 groups
 
@@ -30,9 +30,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.q8_linear.argtypes = [p, i64, i64, p, p, p, i64, p, i32]
     lib.q4_linear.argtypes = [p, i64, i64, p, p, p, i64, p, i64, p, i32]
     lib.q8_linear.restype = lib.q4_linear.restype = i32
+    lib.qmatmul_isa.restype = ctypes.c_char_p
 
 
-LIBRARY = NativeLibrary("qmatmul.c", "MTP_QMATMUL", "int8/int4 layers use torch's kernels", _declare)
+LIBRARY = NativeLibrary("qmatmul.c", "MTP_QMATMUL", "int8/int4 layers use torch's kernels", _declare, (AVX512_VNNI,))
 
 
 def available() -> bool:
@@ -45,6 +46,11 @@ def reason() -> str:
     return LIBRARY.reason()
 
 
+def isa() -> str:
+    """The instruction set the loaded kernels were built for ("avx2" or "avx512vnni"; "" when not loaded)."""
+    return _library().qmatmul_isa().decode() if available() else ""
+
+
 def supports(in_features: int, group: int | None = None) -> bool:
     """Can the kernels run a layer of this input width (and int4 group size)?"""
     ok = in_features % BLOCK == 0
@@ -52,11 +58,17 @@ def supports(in_features: int, group: int | None = None) -> bool:
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """int4 codes uint8 [N, K] in 0..15 -> uint8 [N, K/2]: per block of 32 codes 16 bytes, byte j = q[j] | q[j+16] << 4
-    (the kernel widens a block with one shift and one mask)."""
+    """int4 codes uint8 [N, K] in 0..15 -> uint8 [N, K/2]: the blocks of 32 codes in pairs, 32 bytes a pair, byte j =
+    q[j] | q[32 + j] << 4 (the kernel widens both blocks with one load, one shift and two masks); an odd last block
+    alone in 16 bytes, byte j = q[j] | q[16 + j] << 4."""
     N, K = codes.shape
-    c = codes.reshape(N, K // BLOCK, BLOCK)
-    return (c[..., :16] | (c[..., 16:] << 4)).reshape(N, K // 2).contiguous()
+    pairs = K // (2 * BLOCK) * 2 * BLOCK
+    c = codes[:, :pairs].reshape(N, -1, 2, BLOCK)
+    parts = [(c[:, :, 0] | (c[:, :, 1] << 4)).reshape(N, pairs // 2)]
+    if pairs < K:
+        t = codes[:, pairs:]
+        parts.append(t[:, :16] | (t[:, 16:] << 4))
+    return torch.cat(parts, 1).contiguous() if len(parts) > 1 else parts[0].contiguous()
 
 
 def _library() -> ctypes.CDLL:
