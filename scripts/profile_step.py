@@ -33,6 +33,7 @@ def step_fn(model, context: int = 128):
     model.prepare_decode(context + 8)
     tok = torch.randint(0, model.config.vocab_size, (1, 1), generator=g)
     pos = model.decode_positions(torch.tensor([[cache.pos]]), [cache.pos])
+    pos.commit = True  # the plain step of decode/round.py: the recurrent states update in place
     keep = torch.tensor([1])
 
     def f():

@@ -93,6 +93,13 @@ def test_deltanet_step_matches_its_torch_form_and_is_row_invariant(dtype, heads,
         whole.keep_at(steps, torch.full((3,), 4))
         assert torch.equal(whole.ssm, one.ssm) and torch.equal(whole.conv, one.conv)
     assert torch.equal(layer.decode(x[1:2], state.rows(1, 2))[0], out[1:2])  # a batch row is its row alone
+    kept, in_place = copy.deepcopy(state), copy.deepcopy(state)  # a plain step every row keeps: in place, same bits
+    for t in range(4):
+        o, st = layer.decode(x[:, t : t + 1], kept)
+        kept.keep_at(st, torch.ones(3, dtype=torch.long))
+        o2, none = layer.decode(x[:, t : t + 1], in_place, commit=True)
+        assert none is None and torch.equal(o2, o), t
+        assert torch.equal(in_place.ssm, kept.ssm) and torch.equal(in_place.conv, kept.conv), t
     mixed = copy.deepcopy(state)
     mixed.keep_at(steps, torch.tensor([0, 2, 4]))  # keep nothing / two tokens / all
     assert torch.equal(mixed.ssm[0], state.ssm[0]) and torch.equal(mixed.conv[0], state.conv[0])

@@ -150,7 +150,7 @@ def test_linear_layers_run_the_kernels_here():
 
 BUILDS = textwrap.dedent("""
     import sys, torch
-    from mtp.model import native, qmatmul
+    from mtp.model import qmatmul
     from mtp.model.linear import Int4Weight, quantize_int8
     print("isa:", qmatmul.isa())
     g = torch.Generator().manual_seed(5)
@@ -187,12 +187,34 @@ def test_vnni_and_avx2_builds_compute_the_same_bits(tmp_path):
         assert torch.equal(y, results["avx512vnni"][k]), k
 
 
+@torch.no_grad()
+def check_int8_widths():
+    """int8 layers of widths that are not a multiple of 32 (tiny models; torch 2.13's int8 kernel returned NaN or
+    crashed at K % 16 = 8 on AVX-512 CPUs): finite, close to the float product, every row its 1-row product."""
+    g = torch.Generator().manual_seed(6)
+    for K in (8, 24, 40, 72):
+        lin = FastLinear(K, 32, bias=False).to(torch.bfloat16)
+        lin.weight.copy_(torch.randn(32, K, generator=g) * 0.05)
+        lin.prepare("int8")
+        x = torch.randn(6, K, generator=g).to(torch.bfloat16)
+        y = lin(x)
+        exact = torch.nn.functional.linear(x.float(), lin.weight.float())
+        assert torch.isfinite(y).all() and ((y.float() - exact).norm() / exact.norm()) < 0.03, K
+        assert torch.equal(y, torch.cat([lin(x[i : i + 1]) for i in range(6)])), K
+
+
+def test_int8_layers_of_any_width():
+    check_int8_widths()
+
+
 FALLBACK = textwrap.dedent("""
     import torch
-    from mtp.model import native, qmatmul
+    from mtp.model import qmatmul
     from mtp.model.linear import FastLinear
+    from test_qmatmul import check_int8_widths
     assert not qmatmul.available(), "expected the fallback"
     print("reason:", qmatmul.reason())
+    check_int8_widths()
     g = torch.Generator().manual_seed(0)
     for kernel in ("int8", "int4"):
         lin = FastLinear(256, 64).to(torch.bfloat16)
@@ -211,7 +233,7 @@ FALLBACK = textwrap.dedent("""
 
 def run_py(code: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, cwd=os.path.dirname(os.path.abspath(__file__)))
 
 
 @needs_kernels

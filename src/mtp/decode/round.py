@@ -139,6 +139,10 @@ def verify(model, st: RoundState, drafts: torch.Tensor, limit: torch.Tensor, act
     rows = torch.arange(B, device=dev)
     ids = torch.cat([st.last[:, None], drafts], dim=1) if appended is None else appended.ids(st.last, drafts, limit)
     at = model.decode_positions(st.pos[:, None] + torch.arange(ids.shape[1], device=dev), starts)
+    # an eager plain step that every row keeps: recurrent states may update in place (the CPU's C step; reading the
+    # mask on the host costs nothing there; a compiled step keeps its static shape and selects as ever)
+    at.commit = (ids.shape[1] == 1 and dev.type == "cpu" and not torch.compiler.is_compiling()
+                 and bool(active.all()))
     hidden, steps = model.decode(ids, st.cache, at)  # ONE backbone forward for every row
     if appended is not None:
         appended.read(hidden)

@@ -363,7 +363,8 @@ class CausalLM(nn.Module, ABC):
         """A decode forward (a plain step, a verify, many rows at their own positions): ids [B, T] at positions
         pos.index (`decode_positions`) -> (hidden [B, T, H], one entry per layer: `DeltaSteps` or None). Attention
         layers write their keys/values at those positions; recurrent states stay as they were until
-        `cache.keep_at(steps, n)` selects the state after each row's first n tokens. Static shapes and no host
+        `cache.keep_at(steps, n)` selects the state after each row's first n tokens (a `pos.commit` step may update
+        them in place instead, and return None for them). Static shapes and no host
         synchronisation (with `pos.starts` None), so the forward can be compiled or captured as a graph."""
         x = self.model.embed_tokens(ids)
         steps = []

@@ -28,7 +28,9 @@ class Positions:
     [B*T, E] to it. `key_selection`: layer index -> the keys that sparse-attention layer's indexer chose for each
     query, [B, T, S] bool (GLM-5's IndexShare layers reuse an earlier layer's; `dsa.py`). `rotary_by_kind`: for a
 family whose layer kinds use different RoPE tables (MiMo-V2-Flash: global vs sliding-window attention), layer kind
--> (cos, sin) shaped as `cos` / `sin`; None: every layer reads `cos` / `sin`."""
+-> (cos, sin) shaped as `cos` / `sin`; None: every layer reads `cos` / `sin`. `commit`: a decode forward of one token
+per row that every row keeps (a plain step, known before the forward): recurrent layers may then update their state
+in place and return no steps for `Cache.keep_at` (which must then keep 1 for every row)."""
 
     start: int
     length: int
@@ -39,6 +41,7 @@ family whose layer kinds use different RoPE tables (MiMo-V2-Flash: global vs sli
     index: torch.Tensor | None = None
     key_selection: dict[int, torch.Tensor] | None = None
     rotary_by_kind: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+    commit: bool = False
 
     @property
     def decoding(self) -> bool:

@@ -96,9 +96,9 @@ static void l2norm(float* x, int64_t n, float scale) {
 }
 
 /* One token of one value head: S_in [Kd, Vd] -> S_out (may not alias), o [Vd]. */
-static void delta_step(int64_t Kd, int64_t Vd, const float* restrict S_in, float* restrict S_out, const float* q,
-                       const float* k, const float* v, float decay, float beta, float* restrict kv,
-                       float* restrict o) {
+/* S_out may be S_in (a plain step that updates the state in place): each element is read before it is written. */
+static void delta_step(int64_t Kd, int64_t Vd, const float* S_in, float* S_out, const float* q, const float* k,
+                       const float* v, float decay, float beta, float* restrict kv, float* restrict o) {
     for (int64_t j = 0; j < Vd; j++) kv[j] = 0.0f;
     for (int64_t i = 0; i < Kd; i++) {
         const float* row = S_in + i * Vd;
@@ -111,6 +111,7 @@ static void delta_step(int64_t Kd, int64_t Vd, const float* restrict S_in, float
         const float* row = S_in + i * Vd;
         float* dst = S_out + i * Vd;
         const float ki = k[i], qi = q[i];
+#pragma GCC ivdep /* row and dst are the same memory in place, element for element: no dependence across j */
         for (int64_t j = 0; j < Vd; j++) {
             const float x = row[j] * decay + ki * kv[j];
             dst[j] = x;
@@ -121,7 +122,8 @@ static void delta_step(int64_t Kd, int64_t Vd, const float* restrict S_in, float
 
 /* window [B, C, kernel-1+T], taps [C, kernel]; b and a [B, T, Hv] at row strides (sb0, sb1) and (sa0, sa1); A_log and
  * dt_bias fp32 [Hv]; z [B, T, Hv*Vd] at strides (sz0, sz1); norm_w [Vd]; ssm fp32 [B, Hv, Kd, Vd] (read only) ->
- * states fp32 [B, Hv, T, Kd, Vd] (the state after each token), out [B, T, Hv*Vd] (the gated norm's output).
+ * states fp32 [B, Hv, T, Kd, Vd] (the state after each token), out [B, T, Hv*Vd] (the gated norm's output). With
+ * T = 1, states may be ssm: the state is then updated in place (the same arithmetic).
  * C = 2*Hk*Kd + Hv*Vd (all q heads, all k heads, all v heads); Hv a multiple of Hk. 0, or -1 when out of memory. */
 int deltanet_decode(int64_t B, int64_t T, int64_t Hk, int64_t Hv, int64_t Kd, int64_t Vd, int64_t kernel, int bf16,
                     const void* window, const void* taps, const void* b, int64_t sb0, int64_t sb1, const void* a,

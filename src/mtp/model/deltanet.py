@@ -125,9 +125,10 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, pos: Positions, cache: DeltaState | None = None
                 ) -> tuple[torch.Tensor, DeltaSteps | None]:
         """x [B, T, H] -> ([B, T, H], None); with a cache (a prefill), continue from its state and update it in place.
-        A decode forward (`pos.decoding`) leaves the cache as it is and returns `DeltaSteps` for `DeltaState.keep_at`."""
+        A decode forward (`pos.decoding`) leaves the cache as it is and returns `DeltaSteps` for `DeltaState.keep_at`
+        (or, for a step every row keeps, `pos.commit`, may update it in place and return None)."""
         if pos.decoding:
-            return self.decode(x, cache)
+            return self.decode(x, cache, pos.commit)
         B, T, _ = x.shape
         qkv, z, b, a = self.projections(x)
         qkv = qkv.transpose(1, 2)  # [B, C, T]
@@ -148,15 +149,21 @@ class GatedDeltaNet(nn.Module):
             cache.ssm.copy_(S)
         return self._out(o, z, x.dtype), None
 
-    def decode(self, x: torch.Tensor, cache: DeltaState) -> tuple[torch.Tensor, DeltaSteps]:
+    def decode(self, x: torch.Tensor, cache: DeltaState, commit: bool = False) -> tuple[torch.Tensor, DeltaSteps | None]:
         """A decode forward of T tokens per row continuing from `cache` (static shapes): ([B, T, H], the conv window
-        and the state after every token). The cache is not changed: `DeltaState.keep_at` selects."""
+        and the state after every token). The cache is not changed: `DeltaState.keep_at` selects. `commit` (one token
+        that every row keeps, `Positions.commit`): where the C step runs eagerly, the cache is updated in place and
+        the steps are None."""
         T = x.shape[1]
         qkv, z, b, a = self.projections(x)
         window = torch.cat([cache.conv, qkv.transpose(1, 2).to(cache.conv.dtype)], dim=-1)  # [B, C, kernel-1+T]
         if z.dtype == window.dtype and deltanet_kernel.usable(window, z, cache.ssm):  # one C call for all of it
-            out, states = deltanet_kernel.decode_step(window, self.conv1d.weight[:, 0, :], b, a, self.A_log, self.dt_bias,
-                                                      z, self.norm.weight, self.norm.eps, cache.ssm, self.num_k_heads)
+            args = (window, self.conv1d.weight[:, 0, :], b, a, self.A_log, self.dt_bias, z, self.norm.weight,
+                    self.norm.eps, cache.ssm)
+            if (commit and T == 1 and not torch.compiler.is_compiling() and cache.ssm.is_contiguous()
+                    and cache.conv.is_contiguous()):
+                return self.out_proj(deltanet_kernel.step_in_place(*args, cache.conv, self.num_k_heads)), None
+            out, states = deltanet_kernel.decode_step(*args, self.num_k_heads)
             return self.out_proj(out), DeltaSteps(window, states)
         q, k, v, g, beta = self._heads(self._short_conv(window, T), b, a)
         o, _, states = recurrent_gated_delta_rule(q, k, v, g, beta, cache.ssm, keep_states=True)

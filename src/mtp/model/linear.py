@@ -211,6 +211,7 @@ class FastLinear(nn.Linear):
         w = self.weight.detach()
         self.kernel = kernel
         self._version = self.weight._version
+        self._pad = 0  # int8: zero input columns the codes carry past in_features (`_set_int8`)
         if kernel == "fp32":
             # the parameter itself, or an aligned copy: MKL rounds differently for a weight at another alignment (a
             # memory-mapped tensor sits wherever the file put it), and the same checkpoint should give the same bits
@@ -233,9 +234,12 @@ class FastLinear(nn.Linear):
             self._slot = _register(self)
 
     def _set_int8(self, codes: torch.Tensor, scale: torch.Tensor) -> None:
-        """codes int8 [N, K], scale fp32 [N] (`quantize_int8`)."""
-        self._packed = codes
-        self._native = qmatmul.available() and qmatmul.supports(self.in_features)
+        """codes int8 [N, K], scale fp32 [N] (`quantize_int8`). K is padded with zero codes to a multiple of 32 (the
+        inputs with zeros as the layer runs: exact zero terms): qmatmul's blocks need it, and torch 2.13's int8
+        kernel reads past the row for K % 16 = 8 on AVX-512 CPUs (NaN outputs, or a crash; docs/decisions.md)."""
+        self._pad = -codes.shape[1] % qmatmul.BLOCK
+        self._packed = F.pad(codes, (0, self._pad)) if self._pad else codes
+        self._native = qmatmul.available() and qmatmul.supports(self.in_features + self._pad)
         self._scale = scale if self._native else scale.to(torch.bfloat16)
 
     def _set_int4(self, wq: Int4Weight) -> None:
@@ -311,6 +315,8 @@ class FastLinear(nn.Linear):
         x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
         if self.kernel == "int4" and self._perm is not None:  # act order: the codes' columns are the inputs in this order
             x2 = x2.index_select(1, self._perm)
+        if self._pad:
+            x2 = F.pad(x2, (0, self._pad))
         if self.kernel in ("int8", "int4") and self._native:  # qmatmul adds an fp32 bias before its one rounding
             bias = None if self.bias is None else self.bias.float()
             if self.kernel == "int4":
@@ -427,7 +433,7 @@ class FusedProjections:
         f.weight = nn.Parameter(torch.empty(sum(self.sizes), f.in_features, dtype=parts[0].weight.dtype, device="meta"),
                                 requires_grad=False)
         cat = lambda attr: torch.cat([getattr(p, attr) for p in parts])  # noqa: E731
-        f._native = parts[0]._native
+        f._native, f._pad = parts[0]._native, parts[0]._pad
         if f.kernel == "int8":
             f._packed, f._scale = cat("_packed"), cat("_scale")
             views = ("_packed", "_scale")
