@@ -21,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from mtp.bench.costmodel import build_shape_model
 from mtp.model import attention_kernel, deltanet_kernel, norm_kernel
+from mtp.model.argmax_kernel import argmax
 
 
 def step_fn(model, context: int = 128):
@@ -39,7 +40,7 @@ def step_fn(model, context: int = 128):
     def f():
         with torch.inference_mode():
             h, steps = model.decode(tok, cache, pos)
-            model.head(h).argmax(-1).tolist()
+            argmax(model.head(h)).tolist()
             cache.keep_at(steps, keep)
     return f
 

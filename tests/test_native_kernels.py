@@ -1,4 +1,5 @@
-"""Our non-matmul C kernels of decoding (model/deltanet.c, attention.c, norm.c): each close to its torch form (the
+"""Our non-matmul C kernels of decoding (model/deltanet.c, attention.c, norm.c, argmax.c): each close to (argmax:
+equal to) its torch form (the
 reference, which runs on every other machine), row-invariant (a block or a batch row is bit for bit its single-row
 call), and, disabled, decoding stays exact in the torch forms."""
 
@@ -16,14 +17,14 @@ import torch
 
 from conftest import tiny_model
 from mtp.config import Qwen35Config
-from mtp.model import attention_kernel, deltanet_kernel, norm_kernel, qmatmul
+from mtp.model import argmax_kernel, attention_kernel, deltanet_kernel, norm_kernel, qmatmul
 from mtp.model.attention import attend_rows
 from mtp.model.deltanet import GatedDeltaNet
 from mtp.model.linear import row_invariant
 from mtp.model.native import cpu_problem
 from mtp.model.norm import PlainRMSNorm, RMSNorm
 
-KERNELS = (deltanet_kernel, attention_kernel, norm_kernel)
+KERNELS = (deltanet_kernel, attention_kernel, norm_kernel, argmax_kernel)
 needs_kernels = pytest.mark.skipif(not all(k.LIBRARY.available() for k in KERNELS),
                                    reason=f"C kernels unavailable: {deltanet_kernel.LIBRARY.reason()}")
 
@@ -109,6 +110,26 @@ def test_deltanet_step_matches_its_torch_form_and_is_row_invariant(dtype, heads,
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_argmax_is_torchs(dtype):
+    """The first index of the largest value, a row's first NaN where it holds one, ties and signed zeros and -inf
+    rows as torch chooses; any number of rows, any width (tails of the 8- and 16-lane passes), strided rows."""
+    g = torch.Generator().manual_seed(7)
+    for V in (1, 7, 8, 9, 16, 33, 1000, 40000):
+        x = torch.randn(5, 3, V, generator=g).to(dtype)
+        x[1, 0, V // 2] = float("nan")
+        x[1, 0, V - 1] = float("nan")
+        x[2, 1] = 0.0
+        x[2, 1, V // 3] = -0.0
+        x[3, 2] = float("-inf")
+        x[4, 0, :] = 1.0  # all tied: index 0
+        x[4, 1, V // 2 :] = 100.0  # tied maxima: the first
+        assert torch.equal(argmax_kernel.argmax(x), x.argmax(-1)), V
+        assert torch.equal(argmax_kernel.argmax(x[:, :, : max(1, V // 2)]), x[:, :, : max(1, V // 2)].argmax(-1)), V
+        assert torch.equal(argmax_kernel.argmax(x[0, 0]), x[0, 0].argmax(-1)), V
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(8, 2, 256, 256), (4, 4, 64, 32), (6, 2, 192, 128)])
 @torch.inference_mode()
 def test_decode_attention_matches_sdpa_and_is_row_invariant(dtype, shape):
@@ -152,8 +173,8 @@ DISABLED = textwrap.dedent("""
     import torch
     import mtp
     from conftest import tiny_model
-    from mtp.model import attention_kernel, deltanet_kernel, norm_kernel
-    for k in (attention_kernel, deltanet_kernel, norm_kernel):
+    from mtp.model import argmax_kernel, attention_kernel, deltanet_kernel, norm_kernel
+    for k in (argmax_kernel, attention_kernel, deltanet_kernel, norm_kernel):
         assert not k.LIBRARY.available() and k.LIBRARY.reason() == "disabled by MTP_NATIVE=0", k.LIBRARY.reason()
     model = tiny_model(seed=4).to(torch.bfloat16)
     model.prepare_for_inference("int8")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..model.argmax_kernel import argmax
 from .sampling import RowSampling
 
 
@@ -29,7 +30,7 @@ def accepted_count(match: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
 
 def accept_argmax(drafts: torch.Tensor, limit: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy rows with no logit shaping: drafts [B, K], limit [B], verify logits [B, K+1, V] -> (n [B], next [B])."""
-    target = logits.argmax(dim=-1)  # [B, K+1]
+    target = argmax(logits)  # [B, K+1]
     n = accepted_count(drafts == target[:, :-1], limit)
     return n, target.gather(1, n[:, None])[:, 0]
 
@@ -43,7 +44,7 @@ def accept_rows(drafts: torch.Tensor, limit: torch.Tensor, target: torch.Tensor,
     B, K = drafts.shape
     rows = torch.arange(B, device=drafts.device)
     picked = target if noise is None else torch.where(rs.greedy[:, None, None], target, target + noise)
-    token = picked.argmax(dim=-1)  # [B, K+1]: greedy rows' argmax, seeded rows' coupled sample
+    token = argmax(picked)  # [B, K+1]: greedy rows' argmax, seeded rows' coupled sample
     match = drafts == token[:, :-1]
     if not rs.any_unseeded:
         n = accepted_count(match, limit)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..model.argmax_kernel import argmax
 from ..model.linear import FastLinear, row_invariant
 from .compiled import Runner
 from .draft_vocab import DraftVocab
@@ -249,7 +250,7 @@ class Decoder:
         """The token after the prompt from the prefill's last logits [V] (the round's shaping and sampling rule)."""
         params = session.params
         if session.plain_argmax:
-            return int(logits.argmax())
+            return int(argmax(logits))
         rs = RowSampling.build([params], logits.shape[-1], logits.device)
         seen = None
         if params.repetition_penalty != 1.0:
@@ -257,10 +258,10 @@ class Decoder:
             seen[0, 0, torch.tensor(session.tokens, device=logits.device)] = True
         x = shape_logits(logits[None, None], rs, seen)[0, 0]
         if params.greedy:
-            return int(x.argmax())
+            return int(argmax(x))
         at = len(session.tokens)
         noise = session.gumbel(at, x.shape[-1]) if session.seeded else gumbel(torch.rand(x.shape[-1], device=x.device))
-        return int((x + noise).argmax())
+        return int(argmax(x + noise))
 
     # ------------------------------------------------------------------ the round
     def _view(self, B: int) -> RoundState:

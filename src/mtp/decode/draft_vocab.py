@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from ..model.argmax_kernel import argmax
+
 FREQUENCIES = "token_frequencies.json"
 
 
@@ -80,7 +82,7 @@ class DraftVocab:
 
     def argmax(self, model, hidden: torch.Tensor, d: int) -> torch.Tensor:
         """MTP depth-d hidden [B, H] -> the greedy draft [B] (a token id of the full vocabulary)."""
-        return self.ids[self.logits(model, hidden, d).argmax(-1)]
+        return self.ids[argmax(self.logits(model, hidden, d))]
 
     def full_logits(self, model, hidden: torch.Tensor, d: int) -> torch.Tensor:
         """MTP depth-d hidden [B, H] -> full-vocabulary logits [B, V], -inf outside the reduced vocabulary."""

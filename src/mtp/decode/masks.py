@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ..model.argmax_kernel import argmax
 from .sampling import RowSampling, shape_logits
 
 
@@ -61,10 +62,10 @@ class MaskDrafter:
             s = self.adapter.sampler(z[:, j], model.model.embed_tokens(last).to(z.dtype))
             logits = model.head(s)  # [B, V]
             if rs is None:
-                pick = logits.argmax(-1)
+                pick = argmax(logits)
             else:
                 x = shape_logits(logits[:, None], rs, None)[:, 0]
-                pick = (x if noise is None else torch.where(rs.greedy[:, None], x, x + noise[:, j])).argmax(-1)
+                pick = argmax(x if noise is None else torch.where(rs.greedy[:, None], x, x + noise[:, j]))
                 shaped.append(x)
             drafts.append(pick)
             last = pick

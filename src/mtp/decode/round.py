@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.argmax_kernel import argmax
 from ..model.cache import Cache
 from . import accept
 from .sampling import RowSampling, shape_logits
@@ -110,13 +111,13 @@ def draft(model, st: RoundState, K: int, rs: RowSampling | None, noise: torch.Te
                                               None if host is None else [s + n - 2 + j for s, n in zip(*host)])
             h = model.mtp_step(j, h[:, None], drafts[-1][:, None], chain_at, st.mtp_cache)[:, 0]
         if rs is None:  # greedy with no shaping: the argmax (over the reduced vocabulary's head rows if one is given)
-            drafts.append(model.mtp_head(h, j).argmax(-1) if vocab is None else vocab.argmax(model, h, j))
+            drafts.append(argmax(model.mtp_head(h, j)) if vocab is None else vocab.argmax(model, h, j))
             continue
         logits = model.mtp_head(h, j) if vocab is None else vocab.full_logits(model, h, j)  # [B, V]
         seen = seen_before(st.seen, torch.stack(drafts, 1) if drafts else rows[:, None][:, :0])
         x = shape_logits(logits[:, None], rs, None if seen is None else seen[:, -1:])[:, 0]  # [B, V]
         picked = x if noise is None else torch.where(rs.greedy[:, None], x, x + noise[:, j - 1])
-        drafts.append(picked.argmax(-1))
+        drafts.append(argmax(picked))
         shaped.append(x)
     drafts_t = torch.stack(drafts, 1) if drafts else torch.zeros(B, 0, dtype=torch.long, device=dev)
     return drafts_t, (torch.stack(shaped, 1) if shaped and rs is not None and rs.any_unseeded else None)

@@ -7,6 +7,7 @@ the compiler (about a second), then loaded with ctypes. They share torch's OpenM
 - `deltanet.c`: the Gated DeltaNet decode step and its keep (deltanet_kernel.py);
 - `attention.c`: decode attention (attention_kernel.py);
 - `norm.c`: RMSNorm (norm_kernel.py);
+- `argmax.c`: the greedy choice over a vocabulary (argmax_kernel.py);
 - `native.h`: what they share (bf16 conversions); a build is keyed on it too.
 
 Where a library cannot be used (not x86-64 Linux with AVX2/FMA/F16C, no compiler, a failed build, or disabled by its
