@@ -110,7 +110,7 @@ def machine_info() -> dict:
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             # which kernels int8/int4 layers run here (they differ in speed and in whether activations are quantized)
-            "int8_int4_kernels": "qmatmul (int8 activations, AVX2)" if qmatmul.available()
+            "int8_int4_kernels": f"qmatmul (int8 activations, {qmatmul.isa()})" if qmatmul.available()
             else f"torch weight-only ({qmatmul.reason()})"}
     try:
         import transformers

@@ -312,18 +312,22 @@ class FastLinear(nn.Linear):
         if self.kernel == "fp32":
             return linear_rows(x, self._packed, self.bias)
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        x2 = x.reshape(-1, shape[-1])
+        if x2.dtype != torch.bfloat16:  # (no-op conversions skipped: at the shipped model's widths a step is dispatch)
+            x2 = x2.to(torch.bfloat16)
         if self.kernel == "int4" and self._perm is not None:  # act order: the codes' columns are the inputs in this order
             x2 = x2.index_select(1, self._perm)
         if self._pad:
             x2 = F.pad(x2, (0, self._pad))
         if self.kernel in ("int8", "int4") and self._native:  # qmatmul adds an fp32 bias before its one rounding
             bias = None if self.bias is None else self.bias.float()
+            if not x2.is_contiguous():
+                x2 = x2.contiguous()
             if self.kernel == "int4":
-                y = qmatmul.q4_linear(x2.contiguous(), self._packed, self._sz, self._low, self._group, bias)
+                y = qmatmul.q4_linear(x2, self._packed, self._sz, self._low, self._group, bias)
             else:
-                y = qmatmul.q8_linear(x2.contiguous(), self._packed, self._scale, bias)
-            return y.to(x.dtype).reshape(*shape[:-1], y.shape[-1])
+                y = qmatmul.q8_linear(x2, self._packed, self._scale, bias)
+            return (y if x.dtype == torch.bfloat16 else y.to(x.dtype)).reshape(*shape[:-1], y.shape[-1])
         bias = None if self.bias is None else self.bias.to(torch.bfloat16)
         if self.kernel == "bf16" and self._packed.layout == torch.strided:  # no oneDNN bf16 packing on this CPU
             y = F.linear(x2, self._packed, bias)

@@ -30,22 +30,22 @@ LIBRARY = NativeLibrary("norm.c", None, "RMSNorm runs in torch ops", _declare)
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Can the C kernel normalise x [..., D] with weight [D] here?"""
+    """Can the C kernel normalise x [..., D] with weight [D] here? (the cheap checks first: a norm runs dozens of
+    times a step, and at the shipped model's widths its dispatch is most of its time)"""
     D = x.shape[-1]
-    return (not torch.is_grad_enabled() and not torch.compiler.is_compiling() and x.device.type == "cpu"
-            and x.dtype == weight.dtype == torch.bfloat16 and D % 8 == 0 and D <= MAX_D
-            and x.numel() > 0 and LIBRARY.available())
+    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.is_cpu and D % 8 == 0 and D <= MAX_D
+            and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and x.numel() > 0
+            and weight.is_contiguous() and LIBRARY.available())
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool) -> torch.Tensor:
     """x [..., D] -> [..., D] in x's dtype: `rmsnorm(x) * (1 + w)` in fp32 (zero_centred), else `w * rmsnorm(x)`
-    with the normalised value rounded to x's dtype first."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
+    with the normalised value rounded to x's dtype first. weight [D] contiguous (`usable`)."""
+    D = x.shape[-1]
+    x2 = x.view(-1, D) if x.is_contiguous() else x.reshape(-1, D)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    w = weight.contiguous()
-    out = torch.empty(shape, dtype=x.dtype)
-    LIBRARY.lib().rmsnorm(x2.shape[0], x2.shape[1], x2.data_ptr(), x2.stride(0), w.data_ptr(), int(zero_centred), eps,
+    out = torch.empty(x.shape, dtype=x.dtype)
+    LIBRARY.lib().rmsnorm(x2.shape[0], D, x2.data_ptr(), x2.stride(0), weight.data_ptr(), int(zero_centred), eps,
                           int(x.dtype == torch.bfloat16), out.data_ptr(), torch.get_num_threads())
     return out
