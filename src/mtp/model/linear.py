@@ -15,10 +15,13 @@ that runs it):
   quantized to int8 in blocks of 32, integer products: 2-3x torch's kernel, docs/decisions.md), else torch's
   weight-only `_weight_int8pack_mm` (bf16 activations).
 - "int4": int4 weights with group-wise affine scales (`Int4Weight`), prepared from a float weight (round to nearest,
-  asymmetric, groups of 128 input features). On AVX2 `qmatmul.q4_linear` (int8 activations as above), else torch's
-  `_weight_int4pack_mm_for_cpu` (bf16 activations; torchao's CPU int4 weight-only tensor calls the same kernel). A
-  layer whose shape torch's kernel cannot run (outputs not a multiple of 16, inputs not of 32) gets int8, on every
-  machine, so a model quantizes alike everywhere. Both int4 kernels are row-invariant (1..64 rows, 1 and 2 threads).
+  asymmetric, groups of 128 input features) or taken from an int4 checkpoint's own codes. On AVX2
+  `qmatmul.q4_linear` (int8 activations as above), else torch's `_weight_int4pack_mm_for_cpu` (bf16 activations;
+  torchao's CPU int4 weight-only tensor calls the same kernel). A layer whose shape torch's kernel cannot run
+  (outputs not a multiple of 16, inputs not of 32) gets int8, on every machine, so a model quantizes alike
+  everywhere. Both int4 kernels are row-invariant (1..64 rows, 1 and 2 threads).
+  Quantizing (int8 and int4) is one C pass over each weight where it can run (`rtn.py`), else torch ops: the same
+  codes, scales and zero points bit for bit.
 - "fp32": `F.linear`, one row at a time in decode rounds (`linear_rows` within `row_invariant()`). MKL's fp32 GEMM
   is not row-invariant (a 1-row product takes its GEMV path, several rows its blocked GEMM, and they round
   differently), so a verify block multiplies row by row: each row reads the weights again (fp32 is not the fast
@@ -47,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import qmatmul
+from . import qmatmul, rtn
 from .packed import dequantize_codes
 
 KERNELS = ("bf16", "int8", "int4", "fp32")
@@ -102,34 +105,48 @@ class Int4Weight:
         max |w| / 7 (codes 1..15, as symmetric int4 checkpoints store q + 8 with q in -8..7). The codes, scales and
         zero points are those a GPTQ/compressed-tensors int4 checkpoint stores, so the result can be written in those
         formats unchanged."""
-        N, K = w.shape
-        if N > QUANT_ROWS:  # per-row arithmetic: rows in chunks give the same codes with bounded fp32 temporaries
-            out = Int4Weight(torch.empty(N, K, dtype=torch.uint8), torch.empty(N, K // group),
-                             torch.empty(N, K // group, dtype=torch.uint8), group)
-            for i in range(0, N, QUANT_ROWS):
-                q = Int4Weight.quantize(w[i : i + QUANT_ROWS], group, symmetric)
-                out.codes[i : i + QUANT_ROWS], out.scale[i : i + QUANT_ROWS], out.zero[i : i + QUANT_ROWS] = q.codes, q.scale, q.zero
-            return out
-        g = w.detach().float().reshape(N, K // group, group)
-        if symmetric:
-            scale = (g.abs().amax(-1) / 7).clamp_min(1e-10)
-            zero = torch.full_like(scale, 8.0)
-        else:
-            lo = g.amin(-1).clamp(max=0.0)
-            hi = g.amax(-1).clamp(min=0.0)
-            scale = ((hi - lo) / 15).clamp_min(1e-10)
-            zero = (-lo / scale).round().clamp(0, 15)
-        codes = (g / scale[..., None]).round().add_(zero[..., None]).clamp_(0, 15)
-        return Int4Weight(codes.reshape(N, K).to(torch.uint8), scale, zero.to(torch.uint8), group)
+        fast = rtn.quantize_int4(w.detach(), group, symmetric)  # the same codes in one C pass, where it runs
+        if fast is not None:
+            return Int4Weight(*fast, group)
+        return _quantize_int4_torch(w, group, symmetric)
+
+
+def _quantize_int4_torch(w: torch.Tensor, group: int, symmetric: bool) -> Int4Weight:
+    """`Int4Weight.quantize` in torch ops (the reference rtn.c reproduces bit for bit)."""
+    N, K = w.shape
+    if N > QUANT_ROWS:  # per-row arithmetic: rows in chunks give the same codes with bounded fp32 temporaries
+        out = Int4Weight(torch.empty(N, K, dtype=torch.uint8), torch.empty(N, K // group),
+                         torch.empty(N, K // group, dtype=torch.uint8), group)
+        for i in range(0, N, QUANT_ROWS):
+            q = _quantize_int4_torch(w[i : i + QUANT_ROWS], group, symmetric)
+            out.codes[i : i + QUANT_ROWS], out.scale[i : i + QUANT_ROWS], out.zero[i : i + QUANT_ROWS] = q.codes, q.scale, q.zero
+        return out
+    g = w.detach().float().reshape(N, K // group, group)
+    if symmetric:
+        scale = (g.abs().amax(-1) / 7).clamp_min(1e-10)
+        zero = torch.full_like(scale, 8.0)
+    else:
+        lo = g.amin(-1).clamp(max=0.0)
+        hi = g.amax(-1).clamp(min=0.0)
+        scale = ((hi - lo) / 15).clamp_min(1e-10)
+        zero = (-lo / scale).round().clamp(0, 15)
+    codes = (g / scale[..., None]).round().add_(zero[..., None]).clamp_(0, 15)
+    return Int4Weight(codes.reshape(N, K).to(torch.uint8), scale, zero.to(torch.uint8), group)
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The "int8" kernel's weights: symmetric per output channel, round to nearest: w [N, K] -> (codes int8 [N, K] in
     -127..127, scale fp32 [N]) with w ~ codes * scale[:, None] (a symmetric channel-wise int8 checkpoint stores them)."""
+    fast = rtn.quantize_int8(w.detach())  # the same codes in one C pass, where it runs
+    return fast if fast is not None else _quantize_int8_torch(w)
+
+
+def _quantize_int8_torch(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_int8` in torch ops (the reference rtn.c reproduces bit for bit)."""
     if w.shape[0] > QUANT_ROWS:  # per-row arithmetic: chunks of rows give the same codes with bounded temporaries
         codes, scale = torch.empty(w.shape, dtype=torch.int8), torch.empty(w.shape[0])
         for i in range(0, w.shape[0], QUANT_ROWS):
-            codes[i : i + QUANT_ROWS], scale[i : i + QUANT_ROWS] = quantize_int8(w[i : i + QUANT_ROWS])
+            codes[i : i + QUANT_ROWS], scale[i : i + QUANT_ROWS] = _quantize_int8_torch(w[i : i + QUANT_ROWS])
         return codes, scale
     scale = (w.float().abs().amax(dim=1) / 127).clamp_min(1e-12)
     return (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous(), scale
