@@ -21,14 +21,31 @@ The packers are the exact inverses (tests build checkpoints with them; a writer 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .linear import Int4Weight
 
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the scale dtypes the formats store
 ROWS = 128  # rows `dequantize_scaled` decodes at a time
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds output AWQ_ORDER[i] of its eight
 AWQ_REVERSE = tuple(AWQ_ORDER.index(c) for c in range(8))  # output c of a word's eight is nibble AWQ_REVERSE[c]
+
+
+@dataclass(frozen=True)
+class Int4Codes:
+    """A quantized weight stored as 4-bit codes in groups along its inputs, that `DecodedTensor.int4` gives as an
+    `Int4Weight` without a float copy: `group` inputs per scale (act order: after the permutation), `build(stored
+    parts) -> Int4Weight`. Only where the layout maps exactly: the checkpoint's groups whole and contiguous (K % group
+    == 0; act order: every group exactly `group` inputs)."""
+
+    group: int
+    build: Callable[[dict[str, torch.Tensor]], Int4Weight]
 
 
 def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -78,8 +95,8 @@ def gptq_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
 def awq_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group: int,
                dtype: torch.dtype) -> torch.Tensor:
     """AWQ GEMM tensors (module docstring) -> the float weight [N, K] in `dtype`, computed in fp32."""
-    q = _awq_unorder(unpack_cols(qweight, 4))  # [K, N]
-    z = _awq_unorder(unpack_cols(qzeros, 4))  # [G, N]
+    q = awq_unorder(unpack_cols(qweight, 4))  # [K, N]
+    z = awq_unorder(unpack_cols(qzeros, 4))  # [G, N]
     K, G = q.shape[0], z.shape[0]
     if K % group == 0:
         w = (q.view(G, group, -1).float() - z[:, None].float()).mul_(scales.float()[:, None]).view(K, -1)
@@ -104,7 +121,8 @@ def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
     return w.to(dtype)
 
 
-def _awq_unorder(codes: torch.Tensor) -> torch.Tensor:
+def awq_unorder(codes: torch.Tensor) -> torch.Tensor:
+    """Codes unpacked from AWQ words [R, C] (nibble order) -> [R, C] with the outputs in their natural order."""
     R, C = codes.shape
     return codes.reshape(R, C // 8, 8)[..., list(AWQ_REVERSE)].reshape(R, C)
 
