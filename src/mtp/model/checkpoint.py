@@ -90,6 +90,9 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
     from the file if the float weight is ever used: training, `mtp quantize`). `release=True` with `quantize`
     (inference only: what `mtp generate / serve / bench / check` load) also lets go of the quantized layers' float
     weights (`CausalLM.prepare_for_inference`): memory then holds the codes, the bf16 embedding and output heads.
+    An int4 checkpoint (GPTQ / AWQ 4-bit, compressed-tensors pack-quantized int4) with `quantize="int4"` runs its own
+    codes in every int4 layer whose shape the kernels take at its group size (`_int4_sources`; with `release` those
+    weights are never decoded); the others are decoded and quantized.
     Errors (CheckpointError, ConfigError) name the file and the tensor or key: missing, unexpected, wrong shape,
     wrong dtype, truncated or corrupt, a quantized tensor without its scale, a config that asks for more layers
     or a wider embedding than the tensors hold, a model larger than the memory available. A config with MTP layers

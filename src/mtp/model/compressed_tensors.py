@@ -30,7 +30,7 @@ import torch
 from ..config.compressed_tensors import CompressedTensors, Scheme
 from ..io.safetensors_mmap import CheckpointError
 from .linear import Int4Weight
-from .packed import SCALE_DTYPES, Int4Codes, dequantize_codes, dequantize_scaled, pack_cols, unpack_cols
+from .packed import SCALE_DTYPES, Int4Codes, dequantize_codes, dequantize_scaled, int4_nibbles, pack_cols, unpack_cols
 
 PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
 # Static activation / KV-cache quantization parameters: not applied (activations and the cache stay float).
@@ -210,12 +210,13 @@ def int4_weight(t: dict[str, torch.Tensor], s: Scheme, N: int, K: int, group: in
     """A pack-quantized int4 weight's stored tensors (group or channel strategy) -> its codes as an Int4Weight: the
     stored codes are q + 8 and the zero points z + 8 (symmetric: 8), so (codes - zero) * scale is `dequantize`'s
     (q - z) * s exactly; act order (weight_g_idx): the inputs permuted so that each group is contiguous (`perm`)."""
-    codes = unpack_cols(t["weight_packed"], 4)[:, :K].to(torch.uint8)
+    codes = int4_nibbles(t["weight_packed"]).reshape(N, -1)[:, :K]
     scale = t["weight_scale"].float().reshape(N, K // group)
     if s.symmetric:
         zero = torch.full((N, K // group), 8, dtype=torch.uint8)
     else:
-        zero = unpack_cols(t["weight_zero_point"].t().contiguous(), 4)[:, :N].t().to(torch.uint8).contiguous()
+        zp = t["weight_zero_point"]  # [ceil(N / 8), G], packed along the outputs
+        zero = int4_nibbles(zp).permute(0, 2, 1).reshape(-1, zp.shape[1])[:N].contiguous()
     perm = None
     if "weight_g_idx" in t and not torch.equal(t["weight_g_idx"].long(), torch.arange(K) // group):
         perm = torch.argsort(t["weight_g_idx"].long(), stable=True)  # as `dequantize` groups them

@@ -36,7 +36,7 @@ from ..config.quantization import Quantization, parse_quantization
 from ..io.safetensors_mmap import CheckpointError
 from .compressed_tensors import ct_entries
 from .linear import Int4Weight
-from .packed import SCALE_DTYPES, Int4Codes, awq_unorder, awq_weight, dequantize_scaled, gptq_weight, unpack_cols, unpack_rows
+from .packed import AWQ_REVERSE, SCALE_DTYPES, Int4Codes, awq_weight, dequantize_scaled, gptq_weight, int4_nibbles
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_SUFFIXES = ("_scale_inv", "_scale")  # the weight's own name + suffix (X.weight_scale_inv, X.gate_up_proj_scale_inv)
@@ -300,23 +300,24 @@ def gptq_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
     """GPTQ 4-bit tensors (model/packed.py) -> their codes as an Int4Weight [N, K] (act order: the inputs permuted so
     that each group is contiguous, `perm`), exactly `gptq_weight`'s weight when dequantized. K % group == 0, and with
     g_idx every group holds `group` inputs."""
-    q = unpack_rows(qweight, 4)  # [K, N]
-    K, N = q.shape
-    zero = (unpack_cols(qzeros, 4)[:, :N] + zero_offset) & 15  # [G, N]
+    R, N = qweight.shape
+    codes = int4_nibbles(qweight).permute(1, 0, 2).reshape(N, R * 8)  # input k = 8 r + i: nibble i of word r
+    K = codes.shape[1]
+    zero = (int4_nibbles(qzeros).reshape(qzeros.shape[0], -1)[:, :N] + zero_offset) & 15  # [G, N]
     perm = None
     if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(K) // group):
         perm = torch.argsort(g_idx.long(), stable=True)  # group g's inputs contiguous, in order
-        q = q[perm]
-    return Int4Weight(q.t().to(torch.uint8).contiguous(), scales.float().t().contiguous(),
-                      zero.t().to(torch.uint8).contiguous(), group, perm)
+        codes = codes[:, perm]
+    return Int4Weight(codes.contiguous(), scales.float().t().contiguous(), zero.t().contiguous(), group, perm)
 
 
 def awq_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group: int) -> Int4Weight:
     """AWQ GEMM tensors -> their codes as an Int4Weight [N, K], exactly `awq_weight`'s weight when dequantized."""
-    q = awq_unorder(unpack_cols(qweight, 4))  # [K, N]
-    zero = awq_unorder(unpack_cols(qzeros, 4))  # [G, N]
-    return Int4Weight(q.t().to(torch.uint8).contiguous(), scales.float().t().contiguous(),
-                      zero.t().to(torch.uint8).contiguous(), group)
+    unorder = list(AWQ_REVERSE)  # output c of a word's eight is nibble AWQ_REVERSE[c]
+    q = int4_nibbles(qweight)[..., unorder]  # [K, N / 8, 8]
+    zero = int4_nibbles(qzeros)[..., unorder].reshape(qzeros.shape[0], -1)  # [G, N]
+    K = q.shape[0]
+    return Int4Weight(q.reshape(K, -1).t().contiguous(), scales.float().t().contiguous(), zero.t().contiguous(), group)
 
 
 def _prod(xs) -> int:
