@@ -301,7 +301,9 @@ def gptq_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
     that each group is contiguous, `perm`), exactly `gptq_weight`'s weight when dequantized. K % group == 0, and with
     g_idx every group holds `group` inputs."""
     R, N = qweight.shape
-    codes = int4_nibbles(qweight).permute(1, 0, 2).reshape(N, R * 8)  # input k = 8 r + i: nibble i of word r
+    # transposed as words (an eighth of the elements a transpose of the codes moves), then input k = 8 r + i is
+    # nibble i of word r of each row
+    codes = int4_nibbles(qweight.t().contiguous()).reshape(N, R * 8)
     K = codes.shape[1]
     zero = (int4_nibbles(qzeros).reshape(qzeros.shape[0], -1)[:, :N] + zero_offset) & 15  # [G, N]
     perm = None
