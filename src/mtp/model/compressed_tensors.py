@@ -29,8 +29,8 @@ import torch
 
 from ..config.compressed_tensors import CompressedTensors, Scheme
 from ..io.safetensors_mmap import CheckpointError
-from .linear import Int4Weight
-from .packed import SCALE_DTYPES, Int4Codes, dequantize_codes, dequantize_scaled, int4_nibbles, pack_cols, unpack_cols
+from .linear import Int4Codes, Int4Weight
+from .packed import SCALE_DTYPES, dequantize_codes, dequantize_scaled, int4_nibbles, pack_cols, unpack_cols
 
 PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
 # Static activation / KV-cache quantization parameters: not applied (activations and the cache stay float).

@@ -134,6 +134,17 @@ def _quantize_int4_torch(w: torch.Tensor, group: int, symmetric: bool) -> Int4We
     return Int4Weight(codes.reshape(N, K).to(torch.uint8), scale, zero.to(torch.uint8), group)
 
 
+@dataclass(frozen=True)
+class Int4Codes:
+    """A quantized weight stored as 4-bit codes in groups along its inputs, that `DecodedTensor.int4` gives as an
+    `Int4Weight` without a float copy: `group` inputs per scale (act order: after the permutation), `build(stored
+    parts) -> Int4Weight`. Only where the layout maps exactly: the checkpoint's groups whole and contiguous (K % group
+    == 0; act order: every group exactly `group` inputs)."""
+
+    group: int
+    build: Callable[[dict[str, torch.Tensor]], Int4Weight]
+
+
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The "int8" kernel's weights: symmetric per output channel, round to nearest: w [N, K] -> (codes int8 [N, K] in
     -127..127, scale fp32 [N]) with w ~ codes * scale[:, None] (a symmetric channel-wise int8 checkpoint stores them)."""

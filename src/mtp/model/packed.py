@@ -22,31 +22,14 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from .linear import Int4Weight
 
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the scale dtypes the formats store
 ROWS = 128  # rows `dequantize_scaled` decodes at a time
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds output AWQ_ORDER[i] of its eight
 AWQ_REVERSE = tuple(AWQ_ORDER.index(c) for c in range(8))  # output c of a word's eight is nibble AWQ_REVERSE[c]
-
-
-@dataclass(frozen=True)
-class Int4Codes:
-    """A quantized weight stored as 4-bit codes in groups along its inputs, that `DecodedTensor.int4` gives as an
-    `Int4Weight` without a float copy: `group` inputs per scale (act order: after the permutation), `build(stored
-    parts) -> Int4Weight`. Only where the layout maps exactly: the checkpoint's groups whole and contiguous (K % group
-    == 0; act order: every group exactly `group` inputs)."""
-
-    group: int
-    build: Callable[[dict[str, torch.Tensor]], Int4Weight]
 
 
 def int4_nibbles(words: torch.Tensor) -> torch.Tensor:

@@ -35,8 +35,8 @@ import torch
 from ..config.quantization import Quantization, parse_quantization
 from ..io.safetensors_mmap import CheckpointError
 from .compressed_tensors import ct_entries
-from .linear import Int4Weight
-from .packed import AWQ_REVERSE, SCALE_DTYPES, Int4Codes, awq_weight, dequantize_scaled, gptq_weight, int4_nibbles
+from .linear import Int4Codes, Int4Weight
+from .packed import AWQ_REVERSE, SCALE_DTYPES, awq_weight, dequantize_scaled, gptq_weight, int4_nibbles
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_SUFFIXES = ("_scale_inv", "_scale")  # the weight's own name + suffix (X.weight_scale_inv, X.gate_up_proj_scale_inv)
