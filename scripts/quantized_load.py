@@ -1,9 +1,11 @@
 """What loading a quantized release costs next to the bf16 one of the same model: wall time and peak RSS of
 `mtp.load_model` in a fresh process, for a random-weight model of a named shape saved as bf16, as an FP8 release
-(128x128 block scales) and as a GPTQ 4-bit release (groups of 128, asymmetric, v1 zero points). Used for
-docs/decisions.md, 2026-12-01 (issue 19).
+(128x128 block scales) and as a GPTQ 4-bit release (groups of 128, asymmetric, v1 zero points); each variant
+CHECKPOINT[:QUANTIZE] loads that checkpoint, with `quantize=QUANTIZE, release=True` when given (what `mtp generate
+--quantize` loads). Used for docs/decisions.md, 2026-12-01 and 2026-12-02 ("quantized loads") (issue 19).
 
     python scripts/quantized_load.py [--shape qwen3.5-0.8b] [--dir /tmp/mtp-qload] [--threads 1]
+        [--variants bf16,fp8,gptq4,bf16:int8,bf16:int4,gptq4:int4] [--runs 1]
 """
 
 from __future__ import annotations
@@ -76,8 +78,9 @@ PROBE = """
 import resource, sys, time, torch
 torch.set_num_threads(int(sys.argv[2]))
 import mtp
+q = sys.argv[3] or None
 t0 = time.perf_counter()
-m = mtp.load_model(sys.argv[1])
+m = mtp.load_model(sys.argv[1], **({} if q is None else dict(dtype="bfloat16", quantize=q, release=True)))
 t = time.perf_counter() - t0
 print(f"{t:.2f} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} {m.dtype}")
 """
@@ -88,6 +91,8 @@ def main() -> None:
     p.add_argument("--shape", default="qwen3.5-0.8b")
     p.add_argument("--dir", type=Path, default=Path("/tmp/mtp-qload"))
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--variants", default="bf16,fp8,gptq4")
+    p.add_argument("--runs", type=int, default=1, help="loads per variant, interleaved (each a fresh process)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     import mtp
@@ -100,14 +105,20 @@ def main() -> None:
         if not (args.dir / name / "model.safetensors").exists():
             fn(bf16, args.dir / name)
     print(f"{args.shape}, {args.threads} thread(s): load_model in a fresh process (after one warm-up read of the files)")
-    for name in ("bf16", "fp8", "gptq4"):
-        path = args.dir / name
-        size = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e9
-        subprocess.run([sys.executable, "-c", PROBE, str(path), str(args.threads)], capture_output=True, check=True)
-        r = subprocess.run([sys.executable, "-c", PROBE, str(path), str(args.threads)], capture_output=True, text=True,
-                           check=True)
-        t, rss, dtype = r.stdout.split()
-        print(f"  {name:6s} files {size:5.2f} GB   load {float(t):6.2f} s   peak RSS {float(rss) / 1024:5.2f} GB   ({dtype})")
+    variants = args.variants.split(",")
+    for name in {v.split(":")[0] for v in variants}:  # warm the page cache
+        subprocess.run([sys.executable, "-c", PROBE, str(args.dir / name), str(args.threads), ""], capture_output=True,
+                       check=True)
+    for _ in range(args.runs):
+        for v in variants:
+            name, _, quantize = v.partition(":")
+            path = args.dir / name
+            size = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e9
+            r = subprocess.run([sys.executable, "-c", PROBE, str(path), str(args.threads), quantize], capture_output=True,
+                               text=True, check=True)
+            t, rss, dtype = r.stdout.split()
+            print(f"  {v:11s} files {size:5.2f} GB   load {float(t):6.2f} s   peak RSS {float(rss) / 1024:5.2f} GB   ({dtype})",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import torch
 
 from conftest import tiny_model
 from mtp.config import Qwen35Config
-from mtp.model import argmax_kernel, attention_kernel, deltanet_kernel, norm_kernel, qmatmul
+from mtp.model import argmax_kernel, attention_kernel, deltanet_kernel, norm_kernel, qmatmul, rtn
 from mtp.model.attention import attend_rows
 from mtp.model.deltanet import GatedDeltaNet
 from mtp.model.linear import row_invariant
@@ -43,7 +43,7 @@ def test_the_kernels_build_where_they_can():
     load."""
     if cpu_problem() or not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
         pytest.skip(f"not a machine for the kernels: {cpu_problem() or 'no C compiler'}")
-    for k in (*KERNELS, qmatmul):
+    for k in (*KERNELS, qmatmul, rtn):
         assert k.LIBRARY.available(), k.LIBRARY.reason()
 
 

@@ -64,8 +64,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", default=None, choices=["int8", "int4"],
                    help="weight-only quantization of the linear layers and experts, bf16 activations (the MTP's input "
                         "projection stays bf16): int8 (per-channel scales) or int4 (groups of 128, asymmetric); the "
-                        "quantized layers then hold only their codes. A checkpoint already quantized (FP8, GPTQ, AWQ) "
-                        "loads decoded with no flag")
+                        "quantized layers then hold only their codes. A checkpoint already quantized (FP8, GPTQ, AWQ, "
+                        "compressed-tensors) loads decoded with no flag; an int4 one (GPTQ/AWQ 4-bit, pack-quantized "
+                        "int4) with --quantize int4 runs its own codes where the kernel takes its group size")
     p.add_argument("--device", default="auto", choices=DEVICES, help="auto: cuda when available, else cpu")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: chosen from the cores that are free now, see `auto_threads`)")

@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .cache import Cache, KVCache, Positions
-from .linear import FastLinear, int4_group_for, int4_supported
+from .linear import FastLinear, Int4Sources, int4_group_for, int4_supported
 from .linear import prepare_for_inference as prepare_linears
 from .moe import Experts, group_experts, split_experts
 from .rope import RotaryTable
@@ -167,7 +167,8 @@ class CausalLM(nn.Module, ABC):
         return self.mtp_head_module(d)(hidden)
 
     def prepare_for_inference(self, quantize: str | None = None, release: bool = False,
-                              on_quantized: Callable[[torch.Tensor], None] | None = None) -> None:
+                              on_quantized: Callable[[torch.Tensor], None] | None = None,
+                              int4: Int4Sources | None = None) -> None:
         """Swap the linear layers for row-invariant CPU inference kernels (`model/linear.py`): bf16 weights use
         oneDNN's packed layout, fp32 weights a row-by-row product; `quantize` "int8" (weight-only, per-channel scales)
         or "int4" (weight-only, groups of 128, `linear.Int4Weight`) quantizes every linear layer and every routed
@@ -179,7 +180,8 @@ class CausalLM(nn.Module, ABC):
         (the loader drops its memory-mapped pages there). `release=True` (inference only) then lets go of each
         quantized layer's float weight (`FastLinear.release`, `Experts.release`): the model holds the codes, the
         embedding and the output heads (kept in bf16: the reduced draft vocabulary reads their rows); training it or
-        changing a released weight raises `ReleasedWeightError`."""
+        changing a released weight raises `ReleasedWeightError`. `int4` (quantize "int4"): the layers, by module name,
+        that run their int4 checkpoint's own codes instead of quantizing their weights (`int4_checkpoint_layers`)."""
         self.prepared = True
         if self.device.type != "cpu":
             return
@@ -205,7 +207,7 @@ class CausalLM(nn.Module, ABC):
         if quantize == "int4":
             unfit = [n for n, m in self.named_modules() if isinstance(m, nn.Linear) and not _int4_fits(m)
                      and not any(n.endswith(s) for s in keep)]
-            prepare_linears(self, "int4", skip=keep + tuple(unfit), prepared=quantized)
+            prepare_linears(self, "int4", skip=keep + tuple(unfit), prepared=quantized, int4=int4)
             for name in unfit:
                 prepare_linears(self.get_submodule(name), "int8", prepared=quantized)
         else:
@@ -222,6 +224,20 @@ class CausalLM(nn.Module, ABC):
                     m.release()
         if self.__dict__.get("masks") is not None:
             self.masks.unfuse(self)
+
+    def int4_checkpoint_layers(self, int4_groups: dict[str, int]) -> list[str]:
+        """Of the linear layers (module name -> the group size of their int4 checkpoint codes), those that
+        `prepare_for_inference("int4")` can run on the codes themselves: int4 layers (not `keep_precision`, not an
+        output head: those keep their float weights) whose shape the kernels run at the checkpoint's group size."""
+        keep = tuple(self.keep_precision)
+        heads = {id(h) for h in self._output_heads()}
+        out = []
+        for name, group in int4_groups.items():
+            m = self.get_submodule(name)
+            if (type(m) is nn.Linear and id(m) not in heads and not any(name.endswith(s) for s in keep) and _int4_fits(m)
+                    and int4_supported(m.out_features, m.in_features, group)):
+                out.append(name)
+        return out
 
     def _output_heads(self) -> list[nn.Module]:
         """The backbone's output head and every MTP depth's own one (`head_for_depth`)."""

@@ -30,7 +30,7 @@ from .budget import BUILD_ERRORS, TooLargeError, build_on_meta
 from .families import config_from_json, model_class_for
 from .masks import MASKS_CONFIG, load_adapter
 from .moe import Stack
-from .quantized import QuantizedIndex, decoded_index
+from .quantized import DecodedTensor, QuantizedIndex, decoded_index
 
 log = logging.getLogger("mtp")
 # Files that travel with the weights: the tokenizer, the chat template, the default sampling parameters, and the
@@ -90,6 +90,9 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
     from the file if the float weight is ever used: training, `mtp quantize`). `release=True` with `quantize`
     (inference only: what `mtp generate / serve / bench / check` load) also lets go of the quantized layers' float
     weights (`CausalLM.prepare_for_inference`): memory then holds the codes, the bf16 embedding and output heads.
+    An int4 checkpoint (GPTQ / AWQ 4-bit, compressed-tensors pack-quantized int4) with `quantize="int4"` runs its own
+    codes in every int4 layer whose shape the kernels take at its group size (`_int4_sources`; with `release` those
+    weights are never decoded); the others are decoded and quantized.
     Errors (CheckpointError, ConfigError) name the file and the tensor or key: missing, unexpected, wrong shape,
     wrong dtype, truncated or corrupt, a quantized tensor without its scale, a config that asks for more layers
     or a wider embedding than the tensors hold, a model larger than the memory available. A config with MTP layers
@@ -136,23 +139,44 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
             raise
         check_against(path, files, cls, config, sources, model)
         expected = {n: p for n, p in model.state_dict(keep_vars=True).items() if not _is_tied(model, n)}
-        state = {name: materialize(files, sources[name], tuple(p.shape), torch.float32 if cls.keeps_fp32(name) else dtype_,
-                                   device) for name, p in expected.items()}
+        # int4 from an int4 checkpoint: the layers that can run its codes as stored; released, they are never decoded
+        int4 = _int4_sources(model, files, sources) if quantize == "int4" and torch.device(device).type == "cpu" else {}
+        coded = {f"{m}.weight" for m in int4} if release else set()
+        state = {name: torch.empty(p.shape, dtype=dtype_, device="meta") if name in coded else
+                 materialize(files, sources[name], tuple(p.shape), torch.float32 if cls.keeps_fp32(name) else dtype_, device)
+                 for name, p in expected.items()}
         # quantizing: each weight's file pages are dropped once read (checked here, quantized below), so the load
         # does not hold the whole float checkpoint in memory beside its codes
         drop = _page_dropper(files, sources, state) if quantize is not None else None
         check_finite(files, sources, state, strict, drop)
+        if coded:  # the codes are integers: their scales are what could be NaN / Inf
+            scales = {key: files.raw.tensor(key) for m in int4 for key in int4[m].scale_names()}
+            check_finite(files.raw, {k: k for k in scales}, scales, strict)
         model.load_state_dict(state, strict=False, assign=True)
         _retie(model)
         model.eval()
         del state  # the model holds the weights now: a released one is freed at once
-        model.prepare_for_inference(quantize, release=release, on_quantized=drop)
+        model.prepare_for_inference(quantize, release=release, on_quantized=drop, int4={m: d.int4 for m, d in int4.items()})
     model.source_path = str(path)
     model.checkpoint_layout = layout
     model.tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
     if (path / MASKS_CONFIG).exists():  # a mask-token adapter trained onto this checkpoint (`mtp retrofit --style masks`)
         load_adapter(model, path)
     return model
+
+
+def _int4_sources(model: CausalLM, files, sources: dict) -> dict[str, DecodedTensor]:
+    """module name -> the int4 checkpoint entry (`DecodedTensor` with `int4_codes`) of each linear layer that
+    `prepare_for_inference("int4")` can run on the stored codes (`CausalLM.int4_checkpoint_layers`); the rest (other
+    formats, bit widths, group sizes the kernels do not take, stacked experts) are decoded and quantized again."""
+    entries = {}
+    for name, src in sources.items():
+        if name.endswith(".weight") and isinstance(src, str):
+            st, _ = files[src]
+            if isinstance(st, DecodedTensor) and st.int4_codes is not None:
+                entries[name.removesuffix(".weight")] = st
+    fits = model.int4_checkpoint_layers({m: e.int4_codes.group for m, e in entries.items()})
+    return {m: entries[m] for m in fits}
 
 
 def _page_dropper(files: TensorIndex, sources: dict, state: dict[str, torch.Tensor]):
@@ -170,6 +194,8 @@ def _page_dropper(files: TensorIndex, sources: dict, state: dict[str, torch.Tens
                 mapped[t.data_ptr()] = src
 
     def drop(weight: torch.Tensor) -> None:
+        if weight.is_meta:  # never loaded (a layer run on its checkpoint's int4 codes)
+            return
         src = mapped.get(weight.data_ptr())
         if src is not None:
             st, key = files[src]
@@ -335,7 +361,7 @@ def check_finite(files: TensorIndex, sources: dict, state: dict[str, torch.Tenso
     when given, is called on each tensor once checked (the loader drops its file pages there)."""
     bad = []
     for name, t in state.items():
-        if t.is_floating_point() and (n := non_finite(t)):
+        if t.is_floating_point() and not t.is_meta and (n := non_finite(t)):
             bad.append((name, n))
         if drop is not None:
             drop(t)

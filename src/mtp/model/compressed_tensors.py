@@ -29,8 +29,8 @@ import torch
 
 from ..config.compressed_tensors import CompressedTensors, Scheme
 from ..io.safetensors_mmap import CheckpointError
-from .linear import Int4Weight
-from .packed import SCALE_DTYPES, dequantize_codes, dequantize_scaled, pack_cols, unpack_cols
+from .linear import Int4Codes, Int4Weight
+from .packed import SCALE_DTYPES, dequantize_codes, dequantize_scaled, int4_nibbles, pack_cols, unpack_cols
 
 PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
 # Static activation / KV-cache quantization parameters: not applied (activations and the cache stay float).
@@ -105,7 +105,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, 
 
 
 def ct_entries(raw, ct: CompressedTensors) -> tuple[dict, set[str]]:
-    """The decoded entries (weight name -> (parts, shape, decode)) and the stored names they hide, for
+    """The decoded entries (weight name -> (parts, shape, decode, int4 codes or None)) and the stored names they hide, for
     `quantized.QuantizedIndex`; every rule of the module docstring checked from the headers (and the small
     weight_shape / g_idx tensors)."""
     modules: dict[str, dict[str, str]] = {}
@@ -199,7 +199,29 @@ def _entry(raw, ct: CompressedTensors, base: str, parts: dict[str, str]):
             zero = unpack(zero.t().contiguous(), s.bits, N).t() if zero_packed else zero
         return dequantize(q, t["weight_scale"], zero, s, dtype, t.get("weight_g_idx"))
 
-    return {role: parts[role] for role in parts if role != "weight_shape"}, (N, K), decode
+    int4 = None
+    if packed and s.kind == "int" and s.bits == 4 and s.strategy in ("group", "channel"):
+        group = s.group if s.strategy == "group" else K
+        int4 = Int4Codes(group, lambda t, N=N, K=K, s=s, group=group: int4_weight(t, s, N, K, group))
+    return {role: parts[role] for role in parts if role != "weight_shape"}, (N, K), decode, int4
+
+
+def int4_weight(t: dict[str, torch.Tensor], s: Scheme, N: int, K: int, group: int) -> Int4Weight:
+    """A pack-quantized int4 weight's stored tensors (group or channel strategy) -> its codes as an Int4Weight: the
+    stored codes are q + 8 and the zero points z + 8 (symmetric: 8), so (codes - zero) * scale is `dequantize`'s
+    (q - z) * s exactly; act order (weight_g_idx): the inputs permuted so that each group is contiguous (`perm`)."""
+    codes = int4_nibbles(t["weight_packed"]).reshape(N, -1)[:, :K]
+    scale = t["weight_scale"].float().reshape(N, K // group)
+    if s.symmetric:
+        zero = torch.full((N, K // group), 8, dtype=torch.uint8)
+    else:
+        zp = t["weight_zero_point"]  # [ceil(N / 8), G], packed along the outputs
+        zero = int4_nibbles(zp).permute(0, 2, 1).reshape(-1, zp.shape[1])[:N].contiguous()
+    perm = None
+    if "weight_g_idx" in t and not torch.equal(t["weight_g_idx"].long(), torch.arange(K) // group):
+        perm = torch.argsort(t["weight_g_idx"].long(), stable=True)  # as `dequantize` groups them
+        codes = codes[:, perm]
+    return Int4Weight(codes.contiguous(), scale.contiguous(), zero, group, perm)
 
 
 def _check_g_idx(raw, name: str, path, K: int, group: int) -> None:

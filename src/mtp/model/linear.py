@@ -15,10 +15,13 @@ that runs it):
   quantized to int8 in blocks of 32, integer products: 2-3x torch's kernel, docs/decisions.md), else torch's
   weight-only `_weight_int8pack_mm` (bf16 activations).
 - "int4": int4 weights with group-wise affine scales (`Int4Weight`), prepared from a float weight (round to nearest,
-  asymmetric, groups of 128 input features). On AVX2 `qmatmul.q4_linear` (int8 activations as above), else torch's
-  `_weight_int4pack_mm_for_cpu` (bf16 activations; torchao's CPU int4 weight-only tensor calls the same kernel). A
-  layer whose shape torch's kernel cannot run (outputs not a multiple of 16, inputs not of 32) gets int8, on every
-  machine, so a model quantizes alike everywhere. Both int4 kernels are row-invariant (1..64 rows, 1 and 2 threads).
+  asymmetric, groups of 128 input features) or taken from an int4 checkpoint's own codes. On AVX2
+  `qmatmul.q4_linear` (int8 activations as above), else torch's `_weight_int4pack_mm_for_cpu` (bf16 activations;
+  torchao's CPU int4 weight-only tensor calls the same kernel). A layer whose shape torch's kernel cannot run
+  (outputs not a multiple of 16, inputs not of 32) gets int8, on every machine, so a model quantizes alike
+  everywhere. Both int4 kernels are row-invariant (1..64 rows, 1 and 2 threads).
+  Quantizing (int8 and int4) is one C pass over each weight where it can run (`rtn.py`), else torch ops: the same
+  codes, scales and zero points bit for bit.
 - "fp32": `F.linear`, one row at a time in decode rounds (`linear_rows` within `row_invariant()`). MKL's fp32 GEMM
   is not row-invariant (a 1-row product takes its GEMV path, several rows its blocked GEMM, and they round
   differently), so a verify block multiplies row by row: each row reads the weights again (fp32 is not the fast
@@ -47,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import qmatmul
+from . import qmatmul, rtn
 from .packed import dequantize_codes
 
 KERNELS = ("bf16", "int8", "int4", "fp32")
@@ -102,34 +105,59 @@ class Int4Weight:
         max |w| / 7 (codes 1..15, as symmetric int4 checkpoints store q + 8 with q in -8..7). The codes, scales and
         zero points are those a GPTQ/compressed-tensors int4 checkpoint stores, so the result can be written in those
         formats unchanged."""
-        N, K = w.shape
-        if N > QUANT_ROWS:  # per-row arithmetic: rows in chunks give the same codes with bounded fp32 temporaries
-            out = Int4Weight(torch.empty(N, K, dtype=torch.uint8), torch.empty(N, K // group),
-                             torch.empty(N, K // group, dtype=torch.uint8), group)
-            for i in range(0, N, QUANT_ROWS):
-                q = Int4Weight.quantize(w[i : i + QUANT_ROWS], group, symmetric)
-                out.codes[i : i + QUANT_ROWS], out.scale[i : i + QUANT_ROWS], out.zero[i : i + QUANT_ROWS] = q.codes, q.scale, q.zero
-            return out
-        g = w.detach().float().reshape(N, K // group, group)
-        if symmetric:
-            scale = (g.abs().amax(-1) / 7).clamp_min(1e-10)
-            zero = torch.full_like(scale, 8.0)
-        else:
-            lo = g.amin(-1).clamp(max=0.0)
-            hi = g.amax(-1).clamp(min=0.0)
-            scale = ((hi - lo) / 15).clamp_min(1e-10)
-            zero = (-lo / scale).round().clamp(0, 15)
-        codes = (g / scale[..., None]).round().add_(zero[..., None]).clamp_(0, 15)
-        return Int4Weight(codes.reshape(N, K).to(torch.uint8), scale, zero.to(torch.uint8), group)
+        fast = rtn.quantize_int4(w.detach(), group, symmetric)  # the same codes in one C pass, where it runs
+        if fast is not None:
+            return Int4Weight(*fast, group)
+        return _quantize_int4_torch(w, group, symmetric)
+
+
+def _quantize_int4_torch(w: torch.Tensor, group: int, symmetric: bool) -> Int4Weight:
+    """`Int4Weight.quantize` in torch ops (the reference rtn.c reproduces bit for bit)."""
+    N, K = w.shape
+    if N > QUANT_ROWS:  # per-row arithmetic: rows in chunks give the same codes with bounded fp32 temporaries
+        out = Int4Weight(torch.empty(N, K, dtype=torch.uint8), torch.empty(N, K // group),
+                         torch.empty(N, K // group, dtype=torch.uint8), group)
+        for i in range(0, N, QUANT_ROWS):
+            q = _quantize_int4_torch(w[i : i + QUANT_ROWS], group, symmetric)
+            out.codes[i : i + QUANT_ROWS], out.scale[i : i + QUANT_ROWS], out.zero[i : i + QUANT_ROWS] = q.codes, q.scale, q.zero
+        return out
+    g = w.detach().float().reshape(N, K // group, group)
+    if symmetric:
+        scale = (g.abs().amax(-1) / 7).clamp_min(1e-10)
+        zero = torch.full_like(scale, 8.0)
+    else:
+        lo = g.amin(-1).clamp(max=0.0)
+        hi = g.amax(-1).clamp(min=0.0)
+        scale = ((hi - lo) / 15).clamp_min(1e-10)
+        zero = (-lo / scale).round().clamp(0, 15)
+    codes = (g / scale[..., None]).round().add_(zero[..., None]).clamp_(0, 15)
+    return Int4Weight(codes.reshape(N, K).to(torch.uint8), scale, zero.to(torch.uint8), group)
+
+
+@dataclass(frozen=True)
+class Int4Codes:
+    """A quantized weight stored as 4-bit codes in groups along its inputs, that `DecodedTensor.int4` gives as an
+    `Int4Weight` without a float copy: `group` inputs per scale (act order: after the permutation), `build(stored
+    parts) -> Int4Weight`. Only where the layout maps exactly: the checkpoint's groups whole and contiguous (K % group
+    == 0; act order: every group exactly `group` inputs)."""
+
+    group: int
+    build: Callable[[dict[str, torch.Tensor]], Int4Weight]
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The "int8" kernel's weights: symmetric per output channel, round to nearest: w [N, K] -> (codes int8 [N, K] in
     -127..127, scale fp32 [N]) with w ~ codes * scale[:, None] (a symmetric channel-wise int8 checkpoint stores them)."""
+    fast = rtn.quantize_int8(w.detach())  # the same codes in one C pass, where it runs
+    return fast if fast is not None else _quantize_int8_torch(w)
+
+
+def _quantize_int8_torch(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_int8` in torch ops (the reference rtn.c reproduces bit for bit)."""
     if w.shape[0] > QUANT_ROWS:  # per-row arithmetic: chunks of rows give the same codes with bounded temporaries
         codes, scale = torch.empty(w.shape, dtype=torch.int8), torch.empty(w.shape[0])
         for i in range(0, w.shape[0], QUANT_ROWS):
-            codes[i : i + QUANT_ROWS], scale[i : i + QUANT_ROWS] = quantize_int8(w[i : i + QUANT_ROWS])
+            codes[i : i + QUANT_ROWS], scale[i : i + QUANT_ROWS] = _quantize_int8_torch(w[i : i + QUANT_ROWS])
         return codes, scale
     scale = (w.float().abs().amax(dim=1) / 127).clamp_min(1e-12)
     return (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous(), scale
@@ -192,18 +220,20 @@ class FastLinear(nn.Linear):
 
     kernel: str | None = None
     _released: nn.Parameter | None = None  # the meta placeholder `release` put in place of the weight
+    checkpoint_codes = False  # "int4" prepared from an int4 checkpoint's own codes (`prepare(..., from_checkpoint=True)`)
 
     @classmethod
-    def wrap(cls, linear: nn.Linear, kernel: str, int4: Int4Weight | None = None) -> FastLinear:
+    def wrap(cls, linear: nn.Linear, kernel: str, int4: Int4Weight | None = None, from_checkpoint: bool = False) -> FastLinear:
         """The same module (same parameters) with a prepared copy for `kernel` (int4: from `int4`'s codes when given)."""
         linear.__class__ = cls
-        linear.prepare(kernel, int4)
+        linear.prepare(kernel, int4, from_checkpoint)
         return linear
 
     @torch.no_grad()
-    def prepare(self, kernel: str, int4: Int4Weight | None = None) -> None:
-        """Build the prepared copy of the weight for `kernel`; "int4" from `int4` (the codes of this weight,
-        `Int4Weight.quantize` of it) when given, else quantized here."""
+    def prepare(self, kernel: str, int4: Int4Weight | None = None, from_checkpoint: bool = False) -> None:
+        """Build the prepared copy of the weight for `kernel`; "int4" from `int4` when given (the codes of this weight,
+        `Int4Weight.quantize` of it, or `from_checkpoint`: an int4 checkpoint's own codes, any kernel group size and
+        act order, which the weight - when the layer holds one - is only their decode of), else quantized here."""
         if kernel not in KERNELS:
             raise ValueError(f"unknown linear kernel {kernel!r}; expected one of {KERNELS}")
         if self._released is not None:
@@ -212,6 +242,7 @@ class FastLinear(nn.Linear):
         self.kernel = kernel
         self._version = self.weight._version
         self._pad = 0  # int8: zero input columns the codes carry past in_features (`_set_int8`)
+        self.checkpoint_codes = kernel == "int4" and int4 is not None and from_checkpoint
         if kernel == "fp32":
             # the parameter itself, or an aligned copy: MKL rounds differently for a weight at another alignment (a
             # memory-mapped tensor sits wherever the file put it), and the same checkpoint should give the same bits
@@ -292,6 +323,9 @@ class FastLinear(nn.Linear):
             raise ValueError(f"not an int4 layer (kernel {self.kernel})")
         if self._released is not None:
             raise ReleasedWeightError(self._released_message("give its float weight's int4 codes again"))
+        if self.checkpoint_codes:
+            raise ValueError("this int4 layer runs an int4 checkpoint's own codes; they are not kept unpacked (read them "
+                             "from the checkpoint: `DecodedTensor.int4`), and quantizing its weight would not give them")
         return Int4Weight.quantize(self.weight.detach(), int4_group_for(self.in_features))  # as `prepare` did: same codes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -442,14 +476,14 @@ class FusedProjections:
             f._packed, f._scale = cat("_packed"), cat("_scale")
             views = ("_packed", "_scale")
         elif f._native:
-            f._perm, f._group = None, parts[0]._group
+            f._perm, f._group = parts[0]._perm, parts[0]._group  # the parts' own (`fusable`: all alike)
             f._packed, f._sz, f._low = cat("_packed"), cat("_sz"), cat("_low")
             views = ("_packed", "_sz", "_low")
         else:
             if int4 is None:
                 raise ValueError("fusing int4 layers for torch's kernel needs their Int4Weights (its packing is not by row)")
             f._set_int4(Int4Weight(torch.cat([q.codes for q in int4]), torch.cat([q.scale for q in int4]),
-                                   torch.cat([q.zero for q in int4]), int4[0].group))
+                                   torch.cat([q.zero for q in int4]), int4[0].group, int4[0].perm))
             views = ()
         start = 0
         for p, n in zip(parts, self.sizes):
@@ -501,28 +535,54 @@ def project(module: nn.Module, x: torch.Tensor, *names: str) -> list[torch.Tenso
     return [getattr(module, n)(x) for n in names]
 
 
-def prepare_parts(parts: list[nn.Linear], kernel: str) -> list[Int4Weight] | None:
-    """Prepare the layers of one fusion for `kernel`; for "int4" on torch's kernel also return their Int4Weights
-    (what `FusedProjections` builds the fused packing from), else None."""
+# module name -> its int4 checkpoint codes, built on demand (`DecodedTensor.int4`): one layer's unpacked codes at a time
+Int4Sources = dict[str, Callable[[], Int4Weight]]
+
+
+def prepare_parts(parts: list[nn.Linear], kernel: str, given: list[Callable[[], Int4Weight] | None] | None = None
+                  ) -> list[Int4Weight] | None:
+    """Prepare the layers of one fusion for `kernel` ("int4": from a part's checkpoint codes where `given` has them);
+    for "int4" on torch's kernel also return their Int4Weights (what `FusedProjections` builds the fused packing
+    from), else None."""
     int4 = None
     groups = [int4_group_for(p.in_features) for p in parts]
+    codes = [None if g is None else g() for g in (given or [None] * len(parts))] if kernel == "int4" else [None] * len(parts)
     if (kernel == "int4" and None not in groups
-            and not all(qmatmul.available() and qmatmul.supports(p.in_features, g) for p, g in zip(parts, groups))):
-        int4 = [Int4Weight.quantize(p.weight.detach(), g) for p, g in zip(parts, groups)]
+            and not all(qmatmul.available() and qmatmul.supports(p.in_features, q.group if q is not None else g)
+                        for p, g, q in zip(parts, groups, codes))):
+        int4 = [q if q is not None else Int4Weight.quantize(p.weight.detach(), g) for p, g, q in zip(parts, groups, codes)]
     for i, p in enumerate(parts):
+        wq = int4[i] if int4 is not None else codes[i]
         if isinstance(p, FastLinear):
-            p.prepare(kernel, None if int4 is None else int4[i])
+            p.prepare(kernel, wq, codes[i] is not None)
         else:
-            FastLinear.wrap(p, kernel, None if int4 is None else int4[i])
+            FastLinear.wrap(p, kernel, wq, codes[i] is not None)
     return int4
 
 
+def fusable(parts: list[FastLinear], int4: list[Int4Weight] | None = None) -> bool:
+    """Can these prepared layers run as one (`FusedProjections`; `int4`: `prepare_parts`'s)? One kernel; int4 parts
+    also one kernel build, group size and input order (parts from an int4 checkpoint keep its group size, and with act
+    order each permutes its inputs: fused only where all alike)."""
+    first = parts[0]
+    if any(p.kernel != first.kernel for p in parts):
+        return False
+    if first.kernel != "int4":
+        return True
+    return (all(p._native == first._native and p._group == first._group
+                and (p._perm is None if first._perm is None else p._perm is not None and torch.equal(p._perm, first._perm))
+                for p in parts)
+            and (int4 is None or all(q.group == int4[0].group for q in int4)))
+
+
 def prepare_for_inference(model: nn.Module, kernel: str, skip: tuple[str, ...] = (),
-                          prepared: Callable[[FastLinear], None] | None = None) -> int:
+                          prepared: Callable[[FastLinear], None] | None = None, int4: Int4Sources | None = None) -> int:
     """Swap every nn.Linear of `model` (but those whose name ends with one of `skip`) for a FastLinear prepared for
-    `kernel`, and fuse each module's `fused_projections`. Returns how many layers were prepared. Parameters, names
-    and the state dict do not change. `prepared(layer)` is called for each layer once its prepared form (and its
-    fusion's) exists, layer by layer: the caller may let go of its float weight there (`FastLinear.release`)."""
+    `kernel`, and fuse each module's `fused_projections` (unless their prepared forms differ: `fusable`). Returns how
+    many layers were prepared. Parameters, names and the state dict do not change. `prepared(layer)` is called for
+    each layer once its prepared form (and its fusion's) exists, layer by layer: the caller may let go of its float
+    weight there (`FastLinear.release`). "int4": a layer named in `int4` runs its checkpoint's codes."""
+    int4 = int4 if kernel == "int4" and int4 else {}
     n = 0
     done: set[int] = set()
     skipped = lambda name: any(name.endswith(s) for s in skip)  # noqa: E731
@@ -532,17 +592,22 @@ def prepare_for_inference(model: nn.Module, kernel: str, skip: tuple[str, ...] =
             parts = [m._modules.get(x) for x in names]
             if all((type(p) is nn.Linear or isinstance(p, FastLinear)) and not skipped(f"{name}.{x}" if name else x)
                    for p, x in zip(parts, names)):
-                m.__dict__["_fused"] = FusedProjections(parts, prepare_parts(parts, kernel))
+                fused = prepare_parts(parts, kernel, [int4.get(f"{name}.{x}" if name else x) for x in names])
+                if fusable(parts, fused):
+                    m.__dict__["_fused"] = FusedProjections(parts, fused)
+                else:
+                    m.__dict__.pop("_fused", None)
                 for p in parts:
                     done.add(id(p))
                     if prepared is not None:
                         prepared(p)
                 n += len(parts)
         if (type(m) is nn.Linear or isinstance(m, FastLinear)) and id(m) not in done and not skipped(name):
+            codes = int4[name]() if name in int4 else None
             if isinstance(m, FastLinear):
-                m.prepare(kernel)
+                m.prepare(kernel, codes, codes is not None)
             else:
-                FastLinear.wrap(m, kernel)
+                FastLinear.wrap(m, kernel, codes, codes is not None)
             done.add(id(m))
             if prepared is not None:
                 prepared(m)

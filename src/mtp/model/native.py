@@ -8,6 +8,7 @@ the compiler (about a second), then loaded with ctypes. They share torch's OpenM
 - `attention.c`: decode attention (attention_kernel.py);
 - `norm.c`: RMSNorm (norm_kernel.py);
 - `argmax.c`: the greedy choice over a vocabulary (argmax_kernel.py);
+- `rtn.c`: round-to-nearest int8 / int4 quantization of float weights, what a `--quantize` load spends (rtn.py);
 - `native.h`: what they share (bf16 conversions); a build is keyed on it too.
 
 Where a library cannot be used (not x86-64 Linux with AVX2/FMA/F16C, no compiler, a failed build, or disabled by its

@@ -35,7 +35,8 @@ import torch
 from ..config.quantization import Quantization, parse_quantization
 from ..io.safetensors_mmap import CheckpointError
 from .compressed_tensors import ct_entries
-from .packed import SCALE_DTYPES, awq_weight, dequantize_scaled, gptq_weight
+from .linear import Int4Codes, Int4Weight
+from .packed import AWQ_REVERSE, SCALE_DTYPES, awq_weight, dequantize_scaled, gptq_weight, int4_nibbles
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_SUFFIXES = ("_scale_inv", "_scale")  # the weight's own name + suffix (X.weight_scale_inv, X.gate_up_proj_scale_inv)
@@ -49,9 +50,11 @@ class DecodedTensor:
     `shape`, `dtype`, `tensor`, `release`). `parts` are the stored tensors it decodes from (role -> checkpoint name),
     `decode(parts, dtype)` the format's decoder; `index.dtype` is the dtype it decodes to (the model's)."""
 
-    def __init__(self, index: QuantizedIndex, parts: dict[str, str], shape: tuple[int, ...], decode):
+    def __init__(self, index: QuantizedIndex, parts: dict[str, str], shape: tuple[int, ...], decode,
+                 int4: Int4Codes | None = None):
         self.index, self.parts, self._shape, self.decode = index, parts, shape, decode
         self.path = index.raw[next(iter(parts.values()))][0].path
+        self.int4_codes = int4
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._shape
@@ -74,21 +77,35 @@ class DecodedTensor:
     def release(self, name: str) -> None:
         """Nothing to drop: `tensor` released the stored pages already."""
 
+    def int4(self) -> Int4Weight:
+        """The stored int4 codes, scales and zero points as they are (`int4_codes` not None), in the int4 kernel's
+        form: `Int4Weight.dequantize()` is exactly the weight `tensor()` decodes, in fp32 (the file pages of the stored
+        parts are dropped once read)."""
+        stored = {role: self.index.raw.tensor(key) for role, key in self.parts.items()}
+        out = self.int4_codes.build(stored)
+        for key in self.parts.values():
+            st, k = self.index.raw[key]
+            st.release(k)
+        return out
+
+    def scale_names(self) -> list[str]:
+        """The stored float tensors among the parts (the scales): what a NaN / Inf check of the codes reads."""
+        return [key for role, key in self.parts.items() if role in ("scales", "weight_scale")]
+
 
 class QuantizedIndex(dict):
     """A TensorIndex as the loader should see a quantized checkpoint: name -> (file or DecodedTensor, name), without
     the scales. `raw` is the checkpoint's own index; `dtype` (set by the loader) what quantized weights decode to."""
 
-    def __init__(self, raw, quant: Quantization, decoded: dict[str, tuple[dict[str, str], tuple[int, ...], object]],
-                 hidden: set[str]):
+    def __init__(self, raw, quant: Quantization, decoded: dict[str, tuple], hidden: set[str]):
         super().__init__()
         self.raw, self.quant, self.path = raw, quant, raw.path
         self.dtype = torch.bfloat16
         for name, entry in raw.items():
             if name not in hidden and name not in decoded:
                 self[name] = entry
-        for name, (parts, shape, decode) in decoded.items():
-            self[name] = (DecodedTensor(self, parts, shape, decode), name)
+        for name, (parts, shape, decode, *int4) in decoded.items():
+            self[name] = (DecodedTensor(self, parts, shape, decode, *int4), name)
         self.decoded = set(decoded)
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -257,19 +274,52 @@ def packed_entries(raw, quant: Quantization) -> tuple[dict, set[str]]:
                 raise CheckpointError(f"{raw[parts[role]][0].path}: tensor '{parts[role]}' has shape {list(shapes[role])} but "
                                       f"'{name}' {list(shapes['qweight'])} ({what}: weight [{N}, {K}], {group}) needs "
                                       f"{list(shape)}")
+        group = min(quant.group or K, K)  # a group wider than the row is one group of K
+        whole = K % group == 0  # the int4 kernel's form needs whole groups (act order: each exactly `group` inputs)
         if "g_idx" in parts:
             g = raw.tensor(parts["g_idx"])
             if g.numel() and (int(g.min()) < 0 or int(g.max()) >= G):
                 raise CheckpointError(f"{raw[parts['g_idx']][0].path}: tensor '{parts['g_idx']}' holds group "
                                       f"{int(g.max()) if int(g.max()) >= G else int(g.min())}, outside 0..{G - 1}")
+            whole = whole and bool((torch.bincount(g.long(), minlength=G) == group).all())
         if quant.method == "gptq":
             decode = lambda t, dtype, q=quant: gptq_weight(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"),  # noqa: E731
                                                            q.bits, q.group, q.zero_offset, dtype)
+            codes = lambda t, q=quant, group=group: gptq_int4(t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"),  # noqa: E731
+                                                              group, q.zero_offset)
         else:
             decode = lambda t, dtype, q=quant: awq_weight(t["qweight"], t["qzeros"], t["scales"], q.group, dtype)  # noqa: E731
-        decoded[weight] = (parts, (N, K), decode)
+            codes = lambda t, group=group: awq_int4(t["qweight"], t["qzeros"], t["scales"], group)  # noqa: E731
+        decoded[weight] = (parts, (N, K), decode, Int4Codes(group, codes) if quant.bits == 4 and whole else None)
         hidden |= set(parts.values())
     return decoded, hidden
+
+
+def gptq_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
+              group: int, zero_offset: int) -> Int4Weight:
+    """GPTQ 4-bit tensors (model/packed.py) -> their codes as an Int4Weight [N, K] (act order: the inputs permuted so
+    that each group is contiguous, `perm`), exactly `gptq_weight`'s weight when dequantized. K % group == 0, and with
+    g_idx every group holds `group` inputs."""
+    R, N = qweight.shape
+    # transposed as words (an eighth of the elements a transpose of the codes moves), then input k = 8 r + i is
+    # nibble i of word r of each row
+    codes = int4_nibbles(qweight.t().contiguous()).reshape(N, R * 8)
+    K = codes.shape[1]
+    zero = (int4_nibbles(qzeros).reshape(qzeros.shape[0], -1)[:, :N] + zero_offset) & 15  # [G, N]
+    perm = None
+    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(K) // group):
+        perm = torch.argsort(g_idx.long(), stable=True)  # group g's inputs contiguous, in order
+        codes = codes[:, perm]
+    return Int4Weight(codes.contiguous(), scales.float().t().contiguous(), zero.t().contiguous(), group, perm)
+
+
+def awq_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group: int) -> Int4Weight:
+    """AWQ GEMM tensors -> their codes as an Int4Weight [N, K], exactly `awq_weight`'s weight when dequantized."""
+    unorder = list(AWQ_REVERSE)  # output c of a word's eight is nibble AWQ_REVERSE[c]
+    q = int4_nibbles(qweight)[..., unorder]  # [K, N / 8, 8]
+    zero = int4_nibbles(qzeros)[..., unorder].reshape(qzeros.shape[0], -1)  # [G, N]
+    K = q.shape[0]
+    return Int4Weight(q.reshape(K, -1).t().contiguous(), scales.float().t().contiguous(), zero.t().contiguous(), group)
 
 
 def _prod(xs) -> int:

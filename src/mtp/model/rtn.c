@@ -1,0 +1,169 @@
+/* Round-to-nearest quantization of float weights into the int8 / int4 kernels' operands, built and loaded by
+ * native.py and called by rtn.py: one pass over each weight row instead of the ~10 tensor passes (a float copy, a
+ * min, a max, a division, a round, an add, a clamp, a cast, the nibble packing) of the torch form in linear.py.
+ *
+ * The arithmetic is the torch form's, operation for operation, in fp32 (IEEE division, round half to even, the same
+ * clamps), so the codes, scales and zero points are bit for bit the torch form's (tests/test_rtn.py). Built with
+ * -ffp-contract=off: no product or quotient is fused with anything. A row holding NaN or Inf is left to the torch
+ * form (the functions return 1 before writing a row that holds one), whose NaN propagation is not reproduced here.
+ * Rows are independent, so the threads' split does not change a bit. */
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "native.h"
+
+/* 8 weights from row w at element i (bf16 or fp32) as floats. */
+static inline __m256 load8(const void* w, int bf16, int64_t i) {
+    if (bf16) {
+        __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)w + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float*)w + i);
+}
+
+static inline float load1(const void* w, int bf16, int64_t i) {
+    return bf16 ? bf16_to_f(((const uint16_t*)w)[i]) : ((const float*)w)[i];
+}
+
+static inline float hmin(__m256 v) {
+    __m128 m = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_min_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_min_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+static inline float hmax(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+/* Nonzero when any lane is NaN or +-Inf (x - x is NaN exactly then). */
+static inline int nonfinite8(__m256 x) {
+    return _mm256_movemask_ps(_mm256_cmp_ps(_mm256_sub_ps(x, x), _mm256_sub_ps(x, x), _CMP_UNORD_Q));
+}
+
+/* 16 int32 lanes (a: 0..7, b: 8..15), each in 0..255, -> 16 bytes in order. */
+static inline __m128i narrow16(__m256i a, __m256i b) {
+    __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8);  /* 16 x u16, in order */
+    return _mm_packus_epi16(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+}
+
+/* 16 int32 lanes (a: 0..7, b: 8..15), each in -128..127, -> 16 signed bytes in order. */
+static inline __m128i narrow16s(__m256i a, __m256i b) {
+    __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);  /* 16 x i16, in order */
+    return _mm_packs_epi16(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+}
+
+/* int4, groups of `group` inputs (group % 32 == 0, K % group == 0), per row of w [N, K] (row stride sw elements):
+ *   asymmetric: lo = min(min(g), 0), hi = max(max(g), 0), scale = max((hi - lo) / 15, 1e-10), zero = clamp(round(-lo /
+ *   scale), 0, 15); symmetric: scale = max(max|g| / 7, 1e-10), zero = 8; codes = clamp(round(g / scale) + zero, 0, 15)
+ *   (`linear.Int4Weight.quantize`) -> codes uint8 [N, K], scale fp32 [N, K/group], zero uint8 [N, K/group].
+ *   Returns 0, or 1 (a row holds NaN/Inf). The kernel's packing stays qmatmul.pack_int4's (its layout is its own). */
+int q4_quantize(int64_t N, int64_t K, const void* w, int64_t sw, int bf16, int64_t group, int symmetric,
+                uint8_t* codes, float* scale, uint8_t* zero, int nthreads) {
+    const int64_t G = K / group;
+    int bad = 0;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && N * K >= (1 << 20)) reduction(| : bad)
+    for (int64_t n = 0; n < N; n++) {
+        if (bad) continue;
+        const char* row = (const char*)w + n * sw * (bf16 ? 2 : 4);
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t k0 = g * group;
+            __m256 mn = load8(row, bf16, k0), mx = mn;
+            int nf = 0;
+            for (int64_t i = k0; i < k0 + group; i += 8) {
+                __m256 x = load8(row, bf16, i);
+                nf |= nonfinite8(x);
+                mn = _mm256_min_ps(mn, x);
+                mx = _mm256_max_ps(mx, x);
+            }
+            if (nf) { bad = 1; break; }
+            float s, z;
+            if (symmetric) {
+                const float a = fmaxf(-hmin(mn), hmax(mx));  /* max |g| */
+                s = a / 7.0f;
+                s = s < 1e-10f ? 1e-10f : s;
+                z = 8.0f;
+            } else {
+                float lo = hmin(mn), hi = hmax(mx);
+                lo = lo > 0.0f ? 0.0f : lo;
+                hi = hi < 0.0f ? 0.0f : hi;
+                s = (hi - lo) / 15.0f;
+                s = s < 1e-10f ? 1e-10f : s;
+                z = rintf(-lo / s);
+                z = z < 0.0f ? 0.0f : z > 15.0f ? 15.0f : z;
+            }
+            const int64_t o = n * G + g;
+            scale[o] = s;
+            zero[o] = (uint8_t)z;
+            const __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(z);
+            const __m256 v0 = _mm256_setzero_ps(), v15 = _mm256_set1_ps(15.0f);
+            for (int64_t i = k0; i < k0 + group; i += 32) {
+                __m256i c[4];
+                for (int j = 0; j < 4; j++) {
+                    __m256 q = _mm256_div_ps(load8(row, bf16, i + 8 * j), vs);
+                    q = _mm256_add_ps(_mm256_round_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), vz);
+                    q = _mm256_min_ps(_mm256_max_ps(q, v0), v15);
+                    c[j] = _mm256_cvtps_epi32(q);  /* an integer already: exact */
+                }
+                _mm_storeu_si128((__m128i*)(codes + n * K + i), narrow16(c[0], c[1]));
+                _mm_storeu_si128((__m128i*)(codes + n * K + i + 16), narrow16(c[2], c[3]));
+            }
+        }
+    }
+    return bad;
+}
+
+/* int8, symmetric per output row of w [N, K] (row stride sw elements): scale = max(max|row| / 127, 1e-12), codes =
+ * clamp(round(row / scale), -127, 127) (`linear.quantize_int8`) -> codes int8 [N, K], scale fp32 [N]. Returns 0, or
+ * 1 (a row holds NaN/Inf). */
+int q8_quantize(int64_t N, int64_t K, const void* w, int64_t sw, int bf16, int8_t* codes, float* scale, int nthreads) {
+    int bad = 0;
+    const int64_t K8 = K - K % 8;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && N * K >= (1 << 20)) reduction(| : bad)
+    for (int64_t n = 0; n < N; n++) {
+        if (bad) continue;
+        const char* row = (const char*)w + n * sw * (bf16 ? 2 : 4);
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 mx = _mm256_setzero_ps();
+        int nf = 0;
+        for (int64_t i = 0; i < K8; i += 8) {
+            __m256 x = load8(row, bf16, i);
+            nf |= nonfinite8(x);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, x));
+        }
+        float a = hmax(mx);
+        for (int64_t i = K8; i < K; i++) {
+            const float x = load1(row, bf16, i);
+            nf |= !isfinite(x);
+            a = fabsf(x) > a ? fabsf(x) : a;
+        }
+        if (nf) { bad = 1; continue; }
+        float s = a / 127.0f;
+        s = s < 1e-12f ? 1e-12f : s;
+        scale[n] = s;
+        int8_t* out = codes + n * K;
+        const __m256 vs = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+        int64_t i = 0;
+        for (; i + 32 <= K; i += 32) {
+            __m256i c[4];
+            for (int j = 0; j < 4; j++) {
+                __m256 q = _mm256_div_ps(load8(row, bf16, i + 8 * j), vs);
+                q = _mm256_round_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                c[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(q, lo), hi));
+            }
+            _mm_storeu_si128((__m128i*)(out + i), narrow16s(c[0], c[1]));
+            _mm_storeu_si128((__m128i*)(out + i + 16), narrow16s(c[2], c[3]));
+        }
+        for (; i < K; i++) {
+            float q = rintf(load1(row, bf16, i) / s);
+            q = q < -127.0f ? -127.0f : q > 127.0f ? 127.0f : q;
+            out[i] = (int8_t)q;
+        }
+    }
+    return bad;
+}
