@@ -198,6 +198,39 @@ Q4_TILE(2)
 Q4_TILE(3)
 Q4_TILE(4)
 
+/* One row against two weight rows a and b (groups of an even number of blocks): q4_tile_1's arithmetic for each,
+ * interleaved, so that one output's tail (the horizontal sum, the offset, the store) overlaps the other's products:
+ * at the shipped model's widths that tail was half of a 1-row product. Each output's bits are q4_tile_1's. */
+static inline void q4_pair_1(const uint8_t* wa, const uint8_t* wb, const float* sa, const float* sb, const float* la,
+                             const float* lb, const int8_t* xq, const float* dx, const float* xg, int64_t bpg,
+                             int64_t ng, float* oa, float* ob) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256 acc_a = _mm256_setzero_ps(), acc_b = _mm256_setzero_ps();
+    float off_a = 0.0f, off_b = 0.0f;
+    for (int64_t g = 0; g < ng; g++) {
+        __m256 ea = _mm256_setzero_ps(), oda = _mm256_setzero_ps(), eb = _mm256_setzero_ps(), odb = _mm256_setzero_ps();
+        _mm_prefetch((const char*)(wa + g * bpg * 16 + PREFETCH / 2), _MM_HINT_T0);
+        _mm_prefetch((const char*)(wb + g * bpg * 16 + PREFETCH / 2), _MM_HINT_T0);
+        for (int64_t b = g * bpg; b < (g + 1) * bpg; b += 2) {
+            const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xq + b * 32));
+            const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xq + (b + 1) * 32));
+            const __m256 d0 = _mm256_set1_ps(dx[b]), d1 = _mm256_set1_ps(dx[b + 1]);
+            const __m256i va = _mm256_loadu_si256((const __m256i*)(wa + b * 16));
+            const __m256i vb = _mm256_loadu_si256((const __m256i*)(wb + b * 16));
+            ea = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(dot_u8s8(_mm256_and_si256(va, low), x0)), ea);
+            eb = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(dot_u8s8(_mm256_and_si256(vb, low), x0)), eb);
+            oda = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(dot_u8s8(_mm256_and_si256(_mm256_srli_epi16(va, 4), low), x1)), oda);
+            odb = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(dot_u8s8(_mm256_and_si256(_mm256_srli_epi16(vb, 4), low), x1)), odb);
+        }
+        acc_a = _mm256_fmadd_ps(_mm256_set1_ps(sa[g]), _mm256_add_ps(ea, oda), acc_a);
+        acc_b = _mm256_fmadd_ps(_mm256_set1_ps(sb[g]), _mm256_add_ps(eb, odb), acc_b);
+        off_a += la[g] * xg[g];
+        off_b += lb[g] * xg[g];
+    }
+    *oa = hsum(acc_a) + off_a;
+    *ob = hsum(acc_b) + off_b;
+}
+
 /* x bf16 [M, K], w int8 [N, K], sw fp32 [N], bias fp32 [N] or NULL -> y bf16 [M, N]. K % 32 == 0. 0 or -1 (memory). */
 int q8_linear(const uint16_t* x, int64_t M, int64_t K, const int8_t* w, const float* sw, const float* bias, int64_t N,
               uint16_t* y, int nthreads) {
@@ -245,6 +278,25 @@ int q4_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const f
             for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) t += q.dx[m * nb + b] * (float)q.xs[m * nb + b];
             xg[m * ng + g] = t;
         }
+    if (M == 1 && bpg % 2 == 0) { /* a plain step: outputs in pairs (q4_pair_1), the same bits as one by one */
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t p = 0; p < N / 2; p++) {
+            const int64_t n = 2 * p;
+            float o[2];
+            q4_pair_1(w + n * (K / 2), w + (n + 1) * (K / 2), s + n * ng, s + (n + 1) * ng, lo + n * ng,
+                      lo + (n + 1) * ng, q.xq, q.dx, xg, bpg, ng, o, o + 1);
+            for (int i = 0; i < 2; i++) y[n + i] = to_bf16(bias ? o[i] + bias[n + i] : o[i]);
+        }
+        if (N % 2) {
+            const int64_t n = N - 1;
+            float o[4];
+            q4_tile_1(w + n * (K / 2), s + n * ng, lo + n * ng, q.xq, q.dx, xg, K, nb, bpg, ng, o);
+            y[n] = to_bf16(bias ? o[0] + bias[n] : o[0]);
+        }
+        free(xg);
+        free_rows(&q);
+        return 0;
+    }
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
