@@ -95,8 +95,8 @@ static void l2norm(float* x, int64_t n, float scale) {
         for (int64_t i = 0; i < n; i++) x[i] = x[i] * scale;
 }
 
-/* One token of one value head: S_in [Kd, Vd] -> S_out (may not alias), o [Vd]. */
-/* S_out may be S_in (a plain step that updates the state in place): each element is read before it is written. */
+/* One token of one value head: S_in [Kd, Vd] -> S_out, o [Vd]. S_out may be S_in (a plain step that updates the
+ * state in place): each element is read before it is written. */
 static void delta_step(int64_t Kd, int64_t Vd, const float* S_in, float* S_out, const float* q, const float* k,
                        const float* v, float decay, float beta, float* restrict kv, float* restrict o) {
     for (int64_t j = 0; j < Vd; j++) kv[j] = 0.0f;

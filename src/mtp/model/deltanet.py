@@ -160,8 +160,7 @@ class GatedDeltaNet(nn.Module):
         if z.dtype == window.dtype and deltanet_kernel.usable(window, z, cache.ssm):  # one C call for all of it
             args = (window, self.conv1d.weight[:, 0, :], b, a, self.A_log, self.dt_bias, z, self.norm.weight,
                     self.norm.eps, cache.ssm)
-            if (commit and T == 1 and not torch.compiler.is_compiling() and cache.ssm.is_contiguous()
-                    and cache.conv.is_contiguous()):
+            if commit and not torch.compiler.is_compiling() and cache.ssm.is_contiguous() and cache.conv.is_contiguous():
                 return self.out_proj(deltanet_kernel.step_in_place(*args, cache.conv, self.num_k_heads)), None
             out, states = deltanet_kernel.decode_step(*args, self.num_k_heads)
             return self.out_proj(out), DeltaSteps(window, states)

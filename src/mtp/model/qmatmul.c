@@ -108,9 +108,9 @@ static void free_rows(QRows* q) {
     {                                                                                                                 \
         const __m256i wv = _mm256_loadu_si256((const __m256i*)(w + (B) * 32));                                       \
         const __m256i aw = _mm256_sign_epi8(wv, wv); /* |w|, x takes w's sign: u8 x s8 pairs cannot saturate */      \
-        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {                                                                                \
+        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {                                                          \
             const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + i * K + (B) * 32));                          \
-            const __m256i p = dot_u8s8(aw, _mm256_sign_epi8(xv, wv));                                             \
+            const __m256i p = dot_u8s8(aw, _mm256_sign_epi8(xv, wv));                                                  \
             ACC[i] = _mm256_fmadd_ps(_mm256_set1_ps(dx[i * nb + (B)]), _mm256_cvtepi32_ps(p), ACC[i]);               \
         }                                                                                                            \
     }
@@ -118,7 +118,7 @@ static void free_rows(QRows* q) {
     static inline void q8_tile_##R(const int8_t* w, const int8_t* xq, const float* dx, int64_t K, int64_t nb,        \
                                    float* out) {                                                                     \
         __m256 even[R], odd[R];                                                                                      \
-        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) even[i] = odd[i] = _mm256_setzero_ps();                                          \
+        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) even[i] = odd[i] = _mm256_setzero_ps();                    \
         int64_t b = 0;                                                                                               \
         for (; b + 1 < nb; b += 2) {                                                                                 \
             _mm_prefetch((const char*)(w + b * 32 + PREFETCH), _MM_HINT_T0);                                         \
@@ -126,7 +126,7 @@ static void free_rows(QRows* q) {
             Q8_BLOCK(R, odd, b + 1)                                                                                     \
         }                                                                                                            \
         if (b < nb) Q8_BLOCK(R, even, b)                                                                                \
-        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) out[i] = hsum(_mm256_add_ps(even[i], odd[i]));                                   \
+        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) out[i] = hsum(_mm256_add_ps(even[i], odd[i]));             \
     }
 Q8_TILE(1)
 Q8_TILE(2)
@@ -149,9 +149,9 @@ static inline __m256i q4_block(const uint8_t* w, int64_t b, int64_t nb) {
 /* One group's products for R rows, dx * (block's integer product) summed per row in block order: groups of an even
  * number of blocks run their even and odd blocks in two chains (added at the group's end), which halves the chain
  * of dependent multiply-adds; the order depends only on K and the group size, never on R. */
-#define Q4_STEP(R, ACC, Q, B)                                                                                           \
-    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {                                                                                      \
-        const __m256i p = dot_u8s8(Q, _mm256_loadu_si256((const __m256i*)(xq + i * K + (B) * 32)));                   \
+#define Q4_STEP(R, ACC, Q, B)                                                                                          \
+    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {                                                              \
+        const __m256i p = dot_u8s8(Q, _mm256_loadu_si256((const __m256i*)(xq + i * K + (B) * 32)));                    \
         ACC[i] = _mm256_fmadd_ps(_mm256_set1_ps(dx[i * nb + (B)]), _mm256_cvtepi32_ps(p), ACC[i]);                    \
     }
 
@@ -164,34 +164,34 @@ static inline __m256i q4_block(const uint8_t* w, int64_t b, int64_t nb) {
         const __m256i low = _mm256_set1_epi8(0x0F);                                                                  \
         __m256 acc[R];                                                                                               \
         float off[R];                                                                                                \
-        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {                                                                                \
+        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {                                                          \
             acc[i] = _mm256_setzero_ps();                                                                            \
             off[i] = 0.0f;                                                                                           \
         }                                                                                                            \
         for (int64_t g = 0; g < ng; g++) {                                                                           \
             __m256 ge[R], go[R];                                                                                     \
-            _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) ge[i] = go[i] = _mm256_setzero_ps();                                         \
+            _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) ge[i] = go[i] = _mm256_setzero_ps();                   \
             _mm_prefetch((const char*)(w + g * bpg * 16 + PREFETCH / 2), _MM_HINT_T0);                               \
             if (bpg % 2 == 0) {                                                                                      \
                 for (int64_t b = g * bpg; b < (g + 1) * bpg; b += 2) {                                               \
                     const __m256i v = _mm256_loadu_si256((const __m256i*)(w + b * 16));                              \
                     const __m256i qe = _mm256_and_si256(v, low), qo = _mm256_and_si256(_mm256_srli_epi16(v, 4), low); \
-                    Q4_STEP(R, ge, qe, b)                                                                             \
-                    Q4_STEP(R, go, qo, b + 1)                                                                         \
+                    Q4_STEP(R, ge, qe, b)                                                                              \
+                    Q4_STEP(R, go, qo, b + 1)                                                                          \
                 }                                                                                                    \
             } else {                                                                                                 \
                 for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {                                                  \
                     const __m256i q = q4_block(w, b, nb);                                                            \
-                    Q4_STEP(R, ge, q, b)                                                                              \
+                    Q4_STEP(R, ge, q, b)                                                                               \
                 }                                                                                                    \
             }                                                                                                        \
             const __m256 sg = _mm256_set1_ps(s[g]);                                                                  \
-            _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {                                                                            \
+            _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {                                                      \
                 acc[i] = _mm256_fmadd_ps(sg, _mm256_add_ps(ge[i], go[i]), acc[i]);                                   \
                 off[i] += lo[g] * xg[i * ng + g];                                                                    \
             }                                                                                                        \
         }                                                                                                            \
-        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) out[i] = hsum(acc[i]) + off[i];                                                  \
+        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) out[i] = hsum(acc[i]) + off[i];                            \
     }
 Q4_TILE(1)
 Q4_TILE(2)
@@ -278,7 +278,8 @@ int q4_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const f
             for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) t += q.dx[m * nb + b] * (float)q.xs[m * nb + b];
             xg[m * ng + g] = t;
         }
-    if (M == 1 && bpg % 2 == 0) { /* a plain step: outputs in pairs (q4_pair_1), the same bits as one by one */
+    const int paired = M == 1 && bpg % 2 == 0; /* a plain step: outputs in pairs (q4_pair_1), the bits of one by one */
+    if (paired) {
 #pragma omp parallel for num_threads(nthreads) schedule(static)
         for (int64_t p = 0; p < N / 2; p++) {
             const int64_t n = 2 * p;
@@ -287,18 +288,11 @@ int q4_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const f
                       lo + (n + 1) * ng, q.xq, q.dx, xg, bpg, ng, o, o + 1);
             for (int i = 0; i < 2; i++) y[n + i] = to_bf16(bias ? o[i] + bias[n + i] : o[i]);
         }
-        if (N % 2) {
-            const int64_t n = N - 1;
-            float o[4];
-            q4_tile_1(w + n * (K / 2), s + n * ng, lo + n * ng, q.xq, q.dx, xg, K, nb, bpg, ng, o);
-            y[n] = to_bf16(bias ? o[0] + bias[n] : o[0]);
-        }
-        free(xg);
-        free_rows(&q);
-        return 0;
     }
+    /* every output of more rows, or the ones left: the odd last output, or all where groups have odd block counts */
+    const int64_t first = paired ? N / 2 * 2 : 0;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
+    for (int64_t n = first; n < N; n++) {
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
             const int64_t r = M - m0 < 4 ? M - m0 : 4;
             const uint8_t* wr = w + n * (K / 2);
