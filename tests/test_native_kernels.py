@@ -20,7 +20,7 @@ from mtp.config import Qwen35Config
 from mtp.model import argmax_kernel, attention_kernel, deltanet_kernel, norm_kernel, qmatmul, rtn
 from mtp.model.attention import attend_rows
 from mtp.model.deltanet import GatedDeltaNet
-from mtp.model.linear import linear_rows, row_invariant
+from mtp.model.linear import prepare_for_inference, row_invariant
 from mtp.model.native import cpu_problem
 from mtp.model.norm import PlainRMSNorm, RMSNorm
 
@@ -69,12 +69,13 @@ def deltanet_layer(dtype, k_heads, v_heads, seed=0):
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads", [(2, 2), (2, 4)])
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: prepared layers track their weights' versions
 def test_deltanet_step_matches_its_torch_form_and_is_row_invariant(dtype, heads, monkeypatch):
     ref_layer, ref_state, layer, state = deltanet_layer(dtype, *heads)
-    # out_proj is a plain nn.Linear here (a decoder prepares it): row by row like the input projections, or a BLAS
-    # blocks 12 rows differently from 4 (MKL fp32 on an AMX Xeon) and the batch-row check below tests the BLAS
-    monkeypatch.setattr(layer.out_proj, "forward", lambda t: linear_rows(t, layer.out_proj.weight))
+    # the projections prepared as a decoder prepares them (row by row in fp32 within row_invariant): through plain
+    # nn.Linear layers the batch-row check below tested the BLAS, and MKL blocks 12 rows differently from 4 on an
+    # AMX Xeon
+    prepare_for_inference(layer, "fp32" if dtype == torch.float32 else "bf16")
     x = torch.randn(3, 4, 64).to(dtype)
     with row_invariant():
         ref, ref_steps = ref_layer.decode(x.double(), ref_state)  # torch form, fp64 but for the fp32 recurrence
@@ -85,20 +86,19 @@ def test_deltanet_step_matches_its_torch_form_and_is_row_invariant(dtype, heads,
     tol = 2e-6 if dtype == torch.float32 else 2e-2
     assert rel(out, ref) < tol and rel(steps.states, ref_steps.states) < tol
     assert rel(out, ref) <= 1.5 * rel(eager, ref) + 1e-7  # no less accurate than the torch form in this dtype
-    if dtype == torch.bfloat16:  # fp32 projections are row by row only in prepared layers: compare bf16 blocks
+    with row_invariant():  # a block is its plain steps, and a batch row its row alone
         one = copy.deepcopy(state)
         outs = []
         for t in range(4):
             o, st = layer.decode(x[:, t : t + 1], one)
             outs.append(o)
             one.keep_at(st, torch.ones(3, dtype=torch.long))
-        assert torch.equal(torch.cat(outs, 1), out)
-        whole = copy.deepcopy(state)
-        whole.keep_at(steps, torch.full((3,), 4))
-        assert torch.equal(whole.ssm, one.ssm) and torch.equal(whole.conv, one.conv)
-    with row_invariant():
         alone = layer.decode(x[1:2], state.rows(1, 2))[0]
-    assert torch.equal(alone, out[1:2])  # a batch row is its row alone
+    assert torch.equal(torch.cat(outs, 1), out)
+    whole = copy.deepcopy(state)
+    whole.keep_at(steps, torch.full((3,), 4))
+    assert torch.equal(whole.ssm, one.ssm) and torch.equal(whole.conv, one.conv)
+    assert torch.equal(alone, out[1:2])
     kept, in_place = copy.deepcopy(state), copy.deepcopy(state)  # a plain step every row keeps: in place, same bits
     for t in range(4):
         o, st = layer.decode(x[:, t : t + 1], kept)
