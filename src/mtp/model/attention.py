@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import Qwen35Config
-from . import attention_kernel
+from . import act, attention_kernel
 from .cache import KVCache, Positions
 from .linear import project
 from .norm import RMSNorm
@@ -41,7 +41,9 @@ class GatedAttention(nn.Module):
         v = v.reshape(B, T, self.num_kv_heads, D).transpose(1, 2)
         q, k = apply_rope(q, pos.cos, pos.sin), apply_rope(k, pos.cos, pos.sin)
         out = attend(q, k, v, cache, pos, D**-0.5)
-        out = out.transpose(1, 2).reshape(B, T, self.num_heads * D) * rowwise(torch.sigmoid, gate)
+        out = out.transpose(1, 2).reshape(B, T, self.num_heads * D)
+        # inference on a CPU: one C call, the same roundings
+        out = act.sigmoid_mul(out, gate) if act.usable(out, gate) else out * rowwise(torch.sigmoid, gate)
         return self.o_proj(out), None
 
     def new_state(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:

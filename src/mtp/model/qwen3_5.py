@@ -22,9 +22,10 @@ import torch
 from torch import nn
 
 from ..config import Qwen35Config, Qwen35MoeConfig
+from . import step
 from .attention import GatedAttention
 from .base import CausalLM, MTPModule
-from .cache import KVCache, Positions
+from .cache import Cache, KVCache, Positions
 from .deltanet import GatedDeltaNet
 from .layer import MLP, DecoderLayer
 from .moe import Experts, SparseMoE, load_balancing_loss
@@ -103,7 +104,10 @@ class Qwen35MTP(MTPModule):
             x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1))
         else:
             x = hidden
-        x, _ = self.layers[self.layer_for_depth(d)](x, pos, cache)
+        i = self.layer_for_depth(d)
+        if pos.decoding and (done := step.mtp_layer(self, i, x, cache, pos)) is not None:  # one C call: the same bits
+            return done
+        x, _ = self.layers[i](x, pos, cache)
         return self.norm(x)
 
 
@@ -137,6 +141,16 @@ class Qwen35ForCausalLM(CausalLM):
         self.lm_head = self.output_head(config.tie_word_embeddings)
         self.mtp = Qwen35MTP(config) if with_mtp is not False and config.mtp_num_hidden_layers > 0 else None
         self.rotary = rotary_table(config.rope(), config.head_dim, config.max_position_embeddings)
+
+    def decode(self, ids: torch.Tensor, cache: Cache, pos: Positions) -> tuple[torch.Tensor, list]:
+        """`CausalLM.decode`, as one C call where the backbone and the forward allow it (step.py: the same bits)."""
+        done = step.decode(self, ids, cache, pos)
+        return done if done is not None else super().decode(ids, cache, pos)
+
+    def prepare_for_inference(self, *args, **kwargs) -> None:
+        """`CausalLM.prepare_for_inference`; the one-call decode forward is then built anew (step.py)."""
+        super().prepare_for_inference(*args, **kwargs)
+        step.forget(self)
 
     def new_mtp_module(self) -> Qwen35MTP:
         """A fresh MTP module for this config (training heads onto a checkpoint that has none)."""

@@ -1,0 +1,67 @@
+/* The two elementwise gates of a decode step for CPU inference, built and loaded by native.py and called by act.py:
+ * SwiGLU's `silu(gate) * up` (layer.py, `MLP`) and the gated attention's `out * sigmoid(gate)` (attention.py), in
+ * bf16 with the eager forms' roundings (the activation rounded to bf16, then the product). One call instead of
+ * three tensor operations each, and one exp for the eager step and for the one-call decode forward (step.c), so the
+ * two give the same bits.
+ *
+ * Row-invariant by construction: every element goes through the same 8-lane code (`exp8`, native.h), the tail of a
+ * row padded into a vector, whatever the number of rows and however the threads split them. Built with
+ * -ffp-contract=off. */
+
+#include <stdint.h>
+#include <string.h>
+
+#include "native.h"
+
+/* 8 values of a bf16 row starting at p (n <= 8 of them; the rest zeros) as floats */
+static inline __m256 load8(const uint16_t* p, int64_t n) {
+    float f[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t i = 0; i < n; i++) f[i] = bf16_to_f(p[i]);
+    return _mm256_loadu_ps(f);
+}
+
+static inline void store8(uint16_t* p, __m256 v, int64_t n) {
+    float f[8];
+    _mm256_storeu_ps(f, v);
+    for (int64_t i = 0; i < n; i++) p[i] = to_bf16(f[i]);
+}
+
+/* round to bf16 and back, 8 lanes (the same rounding as to_bf16, NaN kept) */
+static inline __m256 round8(__m256 v) {
+    float f[8];
+    _mm256_storeu_ps(f, v);
+    for (int i = 0; i < 8; i++) f[i] = round_bf16(f[i]);
+    return _mm256_loadu_ps(f);
+}
+
+static inline __m256 sigmoid8(__m256 v) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    return _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), v))));
+}
+
+/* gate, up bf16 [rows, N] at row strides sg, su -> out bf16 [rows, N] contiguous:
+ * out = round(round(silu(gate)) * up), silu(g) = g / (1 + exp(-g)). */
+void silu_mul(int64_t rows, int64_t N, const uint16_t* gate, int64_t sg, const uint16_t* up, int64_t su, uint16_t* out,
+              int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && rows * N >= 65536)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < N; i += 8) {
+            const int64_t n = N - i < 8 ? N - i : 8;
+            const __m256 g = load8(gate + r * sg + i, n);
+            const __m256 d = _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)));
+            const __m256 s = round8(_mm256_div_ps(g, d)); /* as deltanet.c's silu_n */
+            store8(out + r * N + i, _mm256_mul_ps(s, load8(up + r * su + i, n)), n);
+        }
+}
+
+/* x, gate bf16 [rows, N] at row strides sx, sg -> out bf16 [rows, N] contiguous: out = round(x * round(sigmoid(gate))). */
+void sigmoid_mul(int64_t rows, int64_t N, const uint16_t* x, int64_t sx, const uint16_t* gate, int64_t sg,
+                 uint16_t* out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && rows * N >= 65536)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < N; i += 8) {
+            const int64_t n = N - i < 8 ? N - i : 8;
+            const __m256 s = round8(sigmoid8(load8(gate + r * sg + i, n)));
+            store8(out + r * N + i, _mm256_mul_ps(load8(x + r * sx + i, n), s), n);
+        }
+}

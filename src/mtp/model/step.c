@@ -1,0 +1,206 @@
+/* The decode forward of a Qwen3.5 dense backbone (Gated DeltaNet and gated-attention layers, SwiGLU MLPs, int8 or int4
+ * linears) as one C call, built and loaded by native.py and called by step.py. A plain step of the shipped model
+ * made ~400 tensor operations, ~80 module calls and ~45 ctypes calls for ~1 ms of arithmetic; here the layers run
+ * back to back without returning to Python.
+ *
+ * It computes what the eager forward computes, bit for bit: every piece is either one of the eager path's own C
+ * kernels, called through the function pointers step.py passes (`Kernels`: the same machine code the eager step
+ * runs), or an exact operation (a copy, an index, a bf16 sum or product rounded once, as torch rounds one). So greedy
+ * decoding through it is the eager decoding, and row invariance carries over from the kernels. Built with
+ * -ffp-contract=off. */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "native.h"
+
+typedef struct { /* the eager kernels (their own files say what each computes) */
+    int (*q8_linear)(const uint16_t*, int64_t, int64_t, const int8_t*, const float*, const float*, int64_t, uint16_t*,
+                     int);
+    int (*q4_linear)(const uint16_t*, int64_t, int64_t, const uint8_t*, const float*, const float*, int64_t,
+                     const float*, int64_t, uint16_t*, int);
+    void (*rmsnorm)(int64_t, int64_t, const void*, int64_t, const void*, int, float, int, void*, int);
+    int (*deltanet_decode)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, const void*,
+                           const void*, const void*, int64_t, int64_t, const void*, int64_t, int64_t, const float*,
+                           const float*, const void*, int64_t, int64_t, const void*, float, const float*, float*,
+                           void*, int);
+    int (*attend_decode)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, const void*, int64_t,
+                         int64_t, int64_t, const void*, const void*, const int64_t*, float, void*, int);
+    void (*silu_mul)(int64_t, int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, uint16_t*, int);
+    void (*sigmoid_mul)(int64_t, int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, uint16_t*, int);
+} Kernels;
+
+typedef struct { /* a prepared linear layer without bias (linear.FastLinear on qmatmul.c): bf16 [M, K] -> [M, N] */
+    int64_t bits, N, K, G; /* bits 8: w int8 [N, K], scale [N]; 4: w packed [N, K/2], scale and low [N, K/G] */
+    const void* w;
+    const float* scale;
+    const float* low;
+} Linear;
+
+typedef struct {
+    int64_t kind; /* 0: Gated DeltaNet (`linear_attn`), 1: gated attention (`self_attn`) */
+    const uint16_t *norm1, *norm2; /* input_layernorm, post_attention_layernorm (zero-centred) */
+    Linear in[4];                  /* the mixer's input projections: one fused layer, or n_in parts side by side */
+    int64_t n_in, Nin;             /* how many; their outputs' total width */
+    Linear out, gate_up, down;     /* the mixer's output projection; the MLP's (gate and up fused) */
+    int64_t Hk, Hv, Kd, Vd, kernel; /* DeltaNet: heads and their widths, the conv's taps; attention: Hk, Hv = heads */
+    const uint16_t* taps;           /* DeltaNet [C, kernel] */
+    const float *A_log, *dt_bias;   /* DeltaNet [Hv] fp32 */
+    const uint16_t* gnorm;          /* DeltaNet's gated norm [Vd]; attention: q_norm [Kd] */
+    const uint16_t* knorm;          /* attention: k_norm [Kd] */
+    float geps, scale;              /* the gated norm's eps (attention: the q/k norms'); attention's softmax scale */
+    uint16_t* conv;                 /* DeltaNet cache: conv inputs [B, C, kernel-1]; attention: keys [B, Hk, S, Kd] */
+    float* ssm;                     /* DeltaNet cache: state [B, Hv, Kd, Vd] */
+    uint16_t* values;               /* attention: values [B, Hk, S, Vd] */
+    uint16_t* window;               /* DeltaNet out: [B, C, kernel-1+T] */
+    float* states;                  /* DeltaNet out: [B, Hv, T, Kd, Vd]; NULL: a kept step, the cache updated in place */
+} Layer;
+
+typedef struct {
+    int64_t B, T, H, V, S, R; /* rows, tokens per row, hidden width, vocabulary, cache slots, rotary dims */
+    float eps;                /* the layer norms' */
+    const int64_t* ids;       /* [B, T], or NULL: */
+    const uint16_t* x;        /* the layers' input [B, T, H] (the MTP's: its input projection's output) */
+    const int64_t* index;     /* [B, T]: each token's position */
+    const int64_t* starts;    /* [B]: each row's first position */
+    const uint16_t *embed, *cos, *sin, *norm; /* [V, H]; [B*T, R] each; the final norm [H] */
+    uint16_t* out;            /* [B, T, H]: the hidden state after the final norm */
+} Step;
+
+static int linear(const Kernels* k, const Linear* l, const uint16_t* x, int64_t M, uint16_t* y, int nth) {
+    if (l->bits == 4) return k->q4_linear(x, M, l->K, l->w, l->scale, l->low, l->G, NULL, l->N, y, nth);
+    return k->q8_linear(x, M, l->K, l->w, l->scale, NULL, l->N, y, nth);
+}
+
+/* the mixer's input projections of h [M, K] -> y [M, Nin] (the parts' outputs side by side, as one fused layer
+ * gives them: every output is its own row's dot product, so fused or not it has the same bits); tmp [M, widest] */
+static int project(const Kernels* k, const Layer* l, const uint16_t* h, int64_t M, uint16_t* y, uint16_t* tmp, int nth) {
+    if (l->n_in == 1) return linear(k, &l->in[0], h, M, y, nth);
+    for (int64_t j = 0, col = 0; j < l->n_in; col += l->in[j].N, j++) {
+        const int64_t N = l->in[j].N;
+        if (linear(k, &l->in[j], h, M, tmp, nth)) return -1;
+        for (int64_t m = 0; m < M; m++) memcpy(y + m * l->Nin + col, tmp + m * N, sizeof(uint16_t) * (size_t)N);
+    }
+    return 0;
+}
+
+static inline uint16_t add_bf16(uint16_t a, uint16_t b) { return to_bf16(bf16_to_f(a) + bf16_to_f(b)); }
+
+static inline uint16_t mul_bf16(uint16_t a, uint16_t b) { return to_bf16(bf16_to_f(a) * bf16_to_f(b)); }
+
+/* rotate-half RoPE on the first R dims of x [D] (rope.apply_rope in bf16): x1*c - x2*s | x2*c + x1*s, each product
+ * and the sum rounded as torch rounds them */
+static void rope(uint16_t* x, int64_t R, const uint16_t* c, const uint16_t* s) {
+    const int64_t h = R / 2;
+    for (int64_t i = 0; i < h; i++) {
+        const uint16_t x1 = x[i], x2 = x[i + h];
+        const uint16_t nx2 = x2 ^ 0x8000; /* -x2: exact */
+        x[i] = add_bf16(mul_bf16(x1, c[i]), mul_bf16(nx2, s[i]));
+        x[i + h] = add_bf16(mul_bf16(x2, c[i + h]), mul_bf16(x1, s[i + h]));
+    }
+}
+
+static int deltanet(const Kernels* k, const Step* s, const Layer* l, const uint16_t* h, uint16_t* y, uint16_t* o,
+                    int nth) {
+    const int64_t B = s->B, T = s->T, M = B * T, kw = l->kernel - 1, W = kw + T;
+    const int64_t C = 2 * l->Hk * l->Kd + l->Hv * l->Vd, Nin = l->Nin, V = l->Hv * l->Vd;
+    if (project(k, l, h, M, y, o, nth)) return -1;
+    for (int64_t b = 0; b < B; b++) /* window = cat(conv, qkv^T) */
+        for (int64_t c = 0; c < C; c++) {
+            uint16_t* w = l->window + (b * C + c) * W;
+            memcpy(w, l->conv + (b * C + c) * kw, sizeof(uint16_t) * (size_t)kw);
+            for (int64_t t = 0; t < T; t++) w[kw + t] = y[(b * T + t) * Nin + c];
+        }
+    /* y per token: qkv [C], z [V], b [Hv], a [Hv] */
+    if (k->deltanet_decode(B, T, l->Hk, l->Hv, l->Kd, l->Vd, l->kernel, 1, l->window, l->taps, y + C + V, T * Nin, Nin,
+                           y + C + V + l->Hv, T * Nin, Nin, l->A_log, l->dt_bias, y + C, T * Nin, Nin, l->gnorm,
+                           l->geps, l->ssm, l->states ? l->states : l->ssm, o, nth))
+        return -1;
+    if (!l->states) /* kept in place: the conv inputs move on by the one token */
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t c = 0; c < C; c++)
+                memcpy(l->conv + (b * C + c) * kw, l->window + (b * C + c) * W + 1, sizeof(uint16_t) * (size_t)kw);
+    return 0;
+}
+
+static int attention(const Kernels* k, const Step* s, const Layer* l, const uint16_t* h, uint16_t* y, uint16_t* o,
+                     uint16_t* scratch, int nth) {
+    const int64_t B = s->B, T = s->T, M = B * T, A = l->Hv, Hk = l->Hk, D = l->Kd, S = s->S;
+    const int64_t Nq = l->Nin, AD = A * D;
+    if (project(k, l, h, M, y, o, nth)) return -1;
+    /* scratch: q [B, T, A, D] normed and rotated, gate [M, A*D], attention output [B, A, T, D], k [Hk, D] */
+    uint16_t *q = scratch, *gate = q + M * AD, *att = gate + M * AD, *kn = att + M * AD;
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t* ym = y + m * Nq; /* per head [query D, gate D], then k [Hk, D], v [Hk, D] */
+        const int64_t b = m / T, pos = s->index[m];
+        k->rmsnorm(A, D, ym, 2 * D, l->gnorm, 1, l->geps, 1, q + m * AD, 1);
+        k->rmsnorm(Hk, D, ym + 2 * AD, D, l->knorm, 1, l->geps, 1, kn, 1);
+        for (int64_t a = 0; a < A; a++) {
+            memcpy(gate + m * AD + a * D, ym + a * 2 * D + D, sizeof(uint16_t) * (size_t)D);
+            rope(q + m * AD + a * D, s->R, s->cos + m * s->R, s->sin + m * s->R);
+        }
+        for (int64_t j = 0; j < Hk; j++) { /* the cache at the token's position: rotated key, value */
+            rope(kn + j * D, s->R, s->cos + m * s->R, s->sin + m * s->R);
+            memcpy(l->conv + ((b * Hk + j) * S + pos) * D, kn + j * D, sizeof(uint16_t) * (size_t)D);
+            memcpy(l->values + ((b * Hk + j) * S + pos) * D, ym + 2 * AD + Hk * D + j * D, sizeof(uint16_t) * (size_t)D);
+        }
+    }
+    if (k->attend_decode(B, A, T, Hk, S, D, D, 1, q, T * AD, D, AD, l->conv, l->values, s->starts, l->scale, att, nth))
+        return -1;
+    for (int64_t b = 0; b < B; b++) /* [B, A, T, D] -> [B, T, A*D] */
+        for (int64_t a = 0; a < A; a++)
+            for (int64_t t = 0; t < T; t++)
+                memcpy(q + ((b * T + t) * A + a) * D, att + ((b * A + a) * T + t) * D, sizeof(uint16_t) * (size_t)D);
+    k->sigmoid_mul(M, AD, q, AD, gate, AD, o, nth);
+    return 0;
+}
+
+static int layer(const Kernels* k, const Step* s, const Layer* l, uint16_t* x, uint16_t* h, uint16_t* y, uint16_t* o,
+                 uint16_t* scratch, int nth) {
+    const int64_t M = s->B * s->T, H = s->H, I = l->gate_up.N / 2;
+    k->rmsnorm(M, H, x, H, l->norm1, 1, s->eps, 1, h, nth);
+    if (l->kind == 0 ? deltanet(k, s, l, h, y, o, nth) : attention(k, s, l, h, y, o, scratch, nth)) return -1;
+    if (linear(k, &l->out, o, M, h, nth)) return -1;
+    for (int64_t j = 0; j < M * H; j++) x[j] = add_bf16(x[j], h[j]);
+    k->rmsnorm(M, H, x, H, l->norm2, 1, s->eps, 1, h, nth);
+    if (linear(k, &l->gate_up, h, M, y, nth)) return -1;
+    k->silu_mul(M, I, y, 2 * I, y + I, 2 * I, o, nth);
+    if (linear(k, &l->down, o, M, h, nth)) return -1;
+    for (int64_t j = 0; j < M * H; j++) x[j] = add_bf16(x[j], h[j]);
+    return 0;
+}
+
+/* The decode forward of T tokens per row through L layers (`Step`, `Layer`): embedding (or the given input), layers,
+ * final norm. Writes
+ * keys/values at the tokens' positions, each DeltaNet layer's window and states (or, kept in place, its cache).
+ * 0; -1 out of memory; -2 a token id outside the vocabulary; -3 a position outside the cache (nothing written). */
+int qwen35_decode(const Kernels* k, const Step* s, const Layer* layers, int64_t L, int nth) {
+    const int64_t M = s->B * s->T, H = s->H;
+    for (int64_t m = 0; m < M; m++) {
+        if (s->ids && (s->ids[m] < 0 || s->ids[m] >= s->V)) return -2;
+        if (s->index[m] < 0 || s->index[m] >= s->S) return -3;
+    }
+    int64_t widest = 0, scratch_n = 0; /* the widest projection output, the attention scratch */
+    for (int64_t i = 0; i < L; i++) {
+        const Layer* l = layers + i;
+        const int64_t n[4] = {l->Nin, l->out.K, l->gate_up.N, l->down.K};
+        for (int j = 0; j < 4; j++) widest = n[j] > widest ? n[j] : widest;
+        if (l->kind == 1) {
+            const int64_t need = 3 * l->Hv * l->Kd + l->Hk * l->Kd;
+            scratch_n = need > scratch_n ? need : scratch_n;
+        }
+    }
+    uint16_t* buf = malloc(sizeof(uint16_t) * (size_t)(M * (2 * H + 2 * widest + scratch_n)));
+    if (!buf) return -1;
+    uint16_t *x = buf, *h = x + M * H, *y = h + M * H, *o = y + M * widest, *scratch = o + M * widest;
+    if (s->ids)
+        for (int64_t m = 0; m < M; m++) memcpy(x + m * H, s->embed + s->ids[m] * H, sizeof(uint16_t) * (size_t)H);
+    else
+        memcpy(x, s->x, sizeof(uint16_t) * (size_t)(M * H));
+    int failed = 0;
+    for (int64_t i = 0; i < L && !failed; i++) failed = layer(k, s, layers + i, x, h, y, o, scratch, nth);
+    if (!failed) k->rmsnorm(M, H, x, H, s->norm, 1, s->eps, 1, s->out, nth);
+    free(buf);
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,378 @@
+"""The decode forward of a Qwen3.5 dense backbone as one C call (`step.c`) on x86 CPUs: `Qwen35ForCausalLM.decode`
+runs it where `decode(...)` can (else it returns None and the layers run one by one).
+
+At the shipped model's size a decode step is overhead, not arithmetic: ~400 tensor operations, ~80 module calls and
+~45 ctypes calls per plain step, ~1.8 of its ~2.9 ms on an AMX Xeon (docs/decisions.md, 2026-12-02). The program
+holds, once per model, each layer's prepared weights, norms and shapes (`Program`); a call fills in the caches and
+positions and runs every layer without returning to Python. It runs the eager path's own C kernels (their function
+pointers, so the same machine code) and exact operations between them, so its outputs equal the eager forward's bit
+for bit (tests/test_step.py): greedy decoding through it is the eager decoding.
+
+What it runs: a bf16 model on the CPU whose backbone is exactly Gated DeltaNet / gated-attention layers with SwiGLU
+MLPs and zero-centred norms, every projection an int8 or int4 `FastLinear` on qmatmul.c (fused where the eager path
+fuses, no bias, no act-order permutation), no hooks, no autograd, not compiling, and a decode forward whose rows'
+first positions are on the host (`Positions.starts`). Anything else (bf16 weights on oneDNN, MoE, LoRA, a compiled
+graph) takes the per-layer path. MTP_STEP=0 (or MTP_NATIVE=0) turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import operator
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn.modules import module as module_hooks
+
+from . import act, attention_kernel, deltanet_kernel, norm_kernel, qmatmul
+from .attention import GatedAttention
+from .cache import Cache, DeltaState, DeltaSteps, KVCache, Positions
+from .deltanet import GatedDeltaNet
+from .layer import MLP, DecoderLayer
+from .linear import FastLinear
+from .native import NativeLibrary
+from .norm import RMSNorm
+
+p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [(n, p) for n in ("q8_linear", "q4_linear", "rmsnorm", "deltanet_decode", "attend_decode", "silu_mul",
+                                 "sigmoid_mul")]
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("bits", i64), ("N", i64), ("K", i64), ("G", i64), ("w", p), ("scale", p), ("low", p)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = ([("kind", i64), ("norm1", p), ("norm2", p), ("in_", _Linear * 4), ("n_in", i64), ("Nin", i64)]
+                + [(n, _Linear) for n in ("out", "gate_up", "down")]
+                + [(n, i64) for n in ("Hk", "Hv", "Kd", "Vd", "kernel")]
+                + [(n, p) for n in ("taps", "A_log", "dt_bias", "gnorm", "knorm")] + [("geps", f32), ("scale", f32)]
+                + [(n, p) for n in ("conv", "ssm", "values", "window", "states")])
+
+
+class _Step(ctypes.Structure):
+    _fields_ = ([(n, i64) for n in ("B", "T", "H", "V", "S", "R")] + [("eps", f32)]
+                + [(n, p) for n in ("ids", "x", "index", "starts", "embed", "cos", "sin", "norm", "out")])
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.qwen35_decode.argtypes = [ctypes.POINTER(_Kernels), ctypes.POINTER(_Step), ctypes.POINTER(_Layer), i64,
+                                  ctypes.c_int]
+    lib.qwen35_decode.restype = ctypes.c_int
+
+
+LIBRARY = NativeLibrary("step.c", "MTP_STEP", "decode forwards run layer by layer", _declare)
+_LIBRARIES = (qmatmul.LIBRARY, norm_kernel.LIBRARY, deltanet_kernel.LIBRARY, attention_kernel.LIBRARY, act.LIBRARY)
+
+
+def _kernels() -> _Kernels:
+    fn = lambda lib, name: ctypes.cast(getattr(lib.lib(), name), p).value  # noqa: E731
+    return _Kernels(fn(qmatmul.LIBRARY, "q8_linear"), fn(qmatmul.LIBRARY, "q4_linear"), fn(norm_kernel.LIBRARY, "rmsnorm"),
+                    fn(deltanet_kernel.LIBRARY, "deltanet_decode"), fn(attention_kernel.LIBRARY, "attend_decode"),
+                    fn(act.LIBRARY, "silu_mul"), fn(act.LIBRARY, "sigmoid_mul"))
+
+
+class Ineligible(Exception):
+    """Why a model's backbone cannot run as one call (the message says)."""
+
+
+class Stale(Ineligible):
+    """A fusion is older than its weights (changed in place since `prepare_for_inference`): the layers run (unfused)
+    until `linear.renew_prepared` fuses them again, and the program is then built."""
+
+
+@dataclass
+class Program:
+    """One model's backbone as `step.c` reads it: the layers' static fields (weights, norms, shapes), and what must
+    not change under them (`fresh`)."""
+
+    layers: ctypes.Array
+    kinds: list[type]  # per layer: GatedDeltaNet or GatedAttention
+    hidden: int
+    vocab: int
+    eps: float
+    embed: torch.Tensor | None  # None: the program runs on given hidden states
+    norm: torch.Tensor
+    keep: list[torch.Tensor]  # float copies the layers point at (A_log, dt_bias)
+    params: list[tuple[dict, str, torch.Tensor, int]]  # (owner's parameters, name, tensor, version) read or copied
+    prepared: list[tuple[FastLinear, torch.Tensor, torch.Tensor]]  # each linear run and the codes and scales read
+    modules: list[nn.Module]  # the backbone's (`hooked`)
+    kernels: _Kernels = field(default_factory=_kernels)
+
+    def __post_init__(self) -> None:
+        # what `fresh` and `hooked` compare, laid out for C-level loops (a step runs them every time)
+        self._dicts, self._names, self._tensors, self._versions = (list(c) for c in zip(*self.params))
+        self._linears = [lin for lin, _, _ in self.prepared]
+        self._codes = [w for _, w, _ in self.prepared]
+        self._scales = [sc for _, _, sc in self.prepared]
+        self._hooks = [m._forward_hooks for m in self.modules] + [m._forward_pre_hooks for m in self.modules]
+
+    def fresh(self) -> bool:
+        """Nothing the program points at was replaced or changed in place since it was built (a weight behind a fusion
+        or a prepared linear included: their versions then moved) and no layer was prepared again: the checks
+        `FusedProjections.fresh` makes, for every tensor read (~5 us at the shipped model's size)."""
+        return (all(map(operator.is_, map(dict.get, self._dicts, self._names), self._tensors))
+                and list(map(_version, self._tensors)) == self._versions
+                and all(map(operator.is_, [lin._packed for lin in self._linears], self._codes))
+                and all(map(operator.is_, list(map(_scales, self._linears)), self._scales)))
+
+    def hooked(self) -> bool:
+        """Has a backbone module (or every module) a forward hook now? They must run: the layers then run."""
+        return any(self._hooks) or bool(module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks)
+
+
+_version = operator.attrgetter("_version")
+
+
+def _scales(lin: FastLinear) -> torch.Tensor:
+    return lin._scale if lin.kernel == "int8" else lin._sz
+
+
+def _linear(lin: FastLinear, prepared: list, params: list, parts: list | None = None) -> _Linear:
+    """The C view of a prepared linear `lin` (`parts`: the layers a fused `lin` was made from), recording what must stay
+    as it is: the prepared codes and scales, and the float weights they were made from."""
+    if not (isinstance(lin, FastLinear) and lin.kernel in ("int8", "int4") and lin._native and lin.bias is None
+            and not lin._pad and (lin.kernel == "int8" or lin._perm is None)):
+        raise Ineligible(f"a projection is not an int8/int4 qmatmul layer without bias ({type(lin).__name__}, "
+                         f"{getattr(lin, 'kernel', None)})")
+    prepared.append((lin, lin._packed, _scales(lin)))  # a new preparation makes new tensors: the program is then stale
+    for part in parts or [lin]:  # (a released weight is its meta placeholder: replacing it is a change too)
+        w = part._parameters["weight"]
+        params.append((part._parameters, "weight", w, w._version))
+    if lin.kernel == "int8":
+        return _Linear(8, lin.out_features, lin.in_features, 0, lin._packed.data_ptr(), lin._scale.data_ptr(), None)
+    return _Linear(4, lin.out_features, lin.in_features, lin._group, lin._packed.data_ptr(), lin._sz.data_ptr(),
+                   lin._low.data_ptr())
+
+
+def _fused(module: nn.Module, n: int):
+    fused = module.__dict__.get("_fused")
+    if fused is None or len(fused.parts) != n:
+        raise Ineligible(f"{type(module).__name__}'s projections are not fused")
+    if not fused.fresh():
+        raise Stale(f"{type(module).__name__}'s fused projections are older than their weights")
+    return fused
+
+
+def _inputs(L: _Layer, module: nn.Module, prepared: list, params: list) -> None:
+    """L's input projections: `module`'s fused layer, or (where the parts' kernels differ: int4 with int8 parts too
+    narrow for it) its parts one by one, as `linear.project` runs them."""
+    fused = module.__dict__.get("_fused")
+    if fused is not None and fused.fresh():
+        L.in_[0] = _linear(fused.fused, prepared, params, fused.parts)
+        L.n_in, L.Nin = 1, fused.fused.out_features
+    elif fused is None:
+        parts = [getattr(module, n) for n in module.fused_projections]
+        for j, lin in enumerate(parts):
+            L.in_[j] = _linear(lin, prepared, params)
+        L.n_in, L.Nin = len(parts), sum(lin.out_features for lin in parts)
+    else:
+        raise Stale(f"{type(module).__name__}'s fused projections are older than their weights")
+
+
+def _bf16(t: torch.Tensor, what: str) -> torch.Tensor:
+    if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.device.type != "cpu":
+        raise Ineligible(f"{what} is not a contiguous bf16 CPU tensor")
+    return t
+
+
+def build(layers: list[nn.Module], norm: nn.Module, embed: nn.Embedding | None, modules: list[nn.Module]) -> Program:
+    """The program of decoder `layers` then `norm` (after `embed`'s rows of the token ids, or on given hidden states
+    when None); `modules`: what else must stay free of hooks. Ineligible (the message says why) where it cannot."""
+    weights = [norm.weight] + ([] if embed is None else [embed.weight])
+    if type(norm) is not RMSNorm or any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in weights):
+        raise Ineligible("not a bf16 CPU model with the zero-centred final norm")
+    H, eps = norm.weight.shape[0], norm.eps
+    if H % 8:
+        raise Ineligible(f"hidden size {H} is not a multiple of 8")
+    program_layers = (_Layer * len(layers))()
+    params, prepared, keep, kinds = [], [], [], []
+    modules = list(modules) + [norm] + ([] if embed is None else [embed])
+
+    def param(module: nn.Module, name: str) -> torch.Tensor:
+        t = module._parameters[name]
+        params.append((module._parameters, name, t, t._version))
+        return t
+
+    for i, layer in enumerate(layers):
+        mixer = layer.mixer if type(layer) is DecoderLayer else None
+        if type(mixer) not in (GatedDeltaNet, GatedAttention) or type(layer.mlp) is not MLP:
+            raise Ineligible(f"layer {i} is not a Gated DeltaNet / gated-attention layer with a SwiGLU MLP")
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if any(type(n) is not RMSNorm or n.eps != eps for n in norms):
+            raise Ineligible(f"layer {i}'s norms differ from the final norm")
+        modules += list(layer.modules())
+        L = program_layers[i]
+        L.norm1, L.norm2 = (_bf16(param(n, "weight"), f"layer {i}'s norm").data_ptr() for n in norms)
+        mlp_fused = _fused(layer.mlp, 2)
+        L.gate_up = _linear(mlp_fused.fused, prepared, params, mlp_fused.parts)
+        L.down = _linear(layer.mlp.down_proj, prepared, params)
+        _inputs(L, mixer, prepared, params)
+        if type(mixer) is GatedDeltaNet:
+            d = mixer
+            L.kind, L.Hk, L.Hv, L.Kd, L.Vd, L.kernel = 0, d.num_k_heads, d.num_v_heads, d.head_k_dim, d.head_v_dim, d.kernel
+            if d.num_v_heads % d.num_k_heads or L.Nin != d.conv_dim + d.value_dim + 2 * d.num_v_heads:
+                raise Ineligible(f"layer {i}'s DeltaNet heads do not fit its projections")
+            L.out = _linear(d.out_proj, prepared, params)
+            L.taps = _bf16(param(d.conv1d, "weight"), f"layer {i}'s conv").data_ptr()  # [C, 1, kernel]: [C, kernel]
+            a_log, dt_bias = param(d, "A_log").detach().float().contiguous(), param(d, "dt_bias").detach().float().contiguous()
+            keep += [a_log, dt_bias]
+            L.A_log, L.dt_bias = a_log.data_ptr(), dt_bias.data_ptr()
+            L.gnorm, L.geps = _bf16(param(d.norm, "weight"), f"layer {i}'s gated norm").data_ptr(), d.norm.eps
+        else:
+            a = mixer
+            D = a.head_dim
+            if D % 8 or a.num_heads % a.num_kv_heads or a.q_norm.eps != a.k_norm.eps:
+                raise Ineligible(f"layer {i}'s attention heads do not fit the kernels")
+            L.kind, L.Hk, L.Hv, L.Kd, L.Vd = 1, a.num_kv_heads, a.num_heads, D, D
+            L.out = _linear(a.o_proj, prepared, params)
+            L.gnorm = _bf16(param(a.q_norm, "weight"), f"layer {i}'s q_norm").data_ptr()
+            L.knorm = _bf16(param(a.k_norm, "weight"), f"layer {i}'s k_norm").data_ptr()
+            L.geps, L.scale = a.q_norm.eps, D**-0.5
+        kinds.append(type(mixer))
+    if kinds.count(GatedAttention) == 0:
+        raise Ineligible("no attention layer (the positions are checked against its cache)")
+    embed_w = None if embed is None else _bf16(param(embed, "weight"), "the embedding")
+    norm_w = _bf16(param(norm, "weight"), "the final norm")
+    return Program(program_layers, kinds, H, 0 if embed_w is None else embed_w.shape[0], eps, embed_w, norm_w, keep,
+                   params, prepared, modules)
+
+
+def _make(owner: nn.Module, part: str | int) -> Program:
+    """The program of `owner`'s `part`: a Qwen35ForCausalLM's "backbone", or a Qwen35MTP's layer `part` (then its norm)."""
+    if part == "backbone":
+        m = owner.model
+        return build(list(m.layers), m.norm, m.embed_tokens, [owner, m])
+    return build([owner.layers[part]], owner.norm, None, [owner])
+
+
+def program(owner: nn.Module, part: str | int = "backbone") -> Program | None:
+    """The program of `owner`'s `part` (`_make`), built on first use and again when what it points at changed (None:
+    it cannot run as one call; `verdict` says why)."""
+    programs = owner.__dict__.setdefault("_step", {})  # part -> Program, or the reason it cannot be one
+    prog = programs.get(part)
+    if isinstance(prog, Program) and prog.fresh():
+        return prog
+    if isinstance(prog, str):
+        return None
+    if os.environ.get("MTP_STEP", "1") == "0" or not all(lib.available() for lib in _LIBRARIES) or not LIBRARY.available():
+        programs[part] = "the C kernels are not available (or MTP_STEP=0)"
+        return None
+    try:
+        programs[part] = prog = _make(owner, part)
+    except Ineligible as e:
+        # a lasting verdict (the model's make-up); a stale fusion is renewed later, and the program is then built
+        programs[part] = None if isinstance(e, Stale) else str(e)
+        return None
+    return prog
+
+
+def verdict(owner: nn.Module, part: str | int = "backbone") -> str | None:
+    """Why `owner`'s `part` cannot run as one call (None: it can, or it was not tried yet)."""
+    prog = owner.__dict__.get("_step", {}).get(part)
+    return prog if isinstance(prog, str) else None
+
+
+def forget(model: nn.Module) -> None:
+    """Drop the programs and verdicts of `model` and its MTP module (its layers were prepared again:
+    `Qwen35ForCausalLM.prepare_for_inference`)."""
+    for owner in (model, model.mtp):
+        if owner is not None:
+            owner.__dict__.pop("_step", None)
+
+
+def _eligible_forward(pos: Positions) -> bool:
+    return not (torch.is_grad_enabled() or torch.compiler.is_compiling() or pos.starts is None or pos.index is None
+                or pos.key_selection is not None or pos.rotary_by_kind is not None or pos.cos is None)
+
+
+def decode(model, ids: torch.Tensor, cache: Cache, pos: Positions) -> tuple[torch.Tensor, list] | None:
+    """`CausalLM.decode` of ids [B, T] as one C call -> (hidden [B, T, H], per layer `DeltaSteps` or None), or None
+    where this forward cannot run so (the caller runs the layers)."""
+    if not _eligible_forward(pos):
+        return None
+    prog = program(model)
+    if prog is None or prog.hooked():
+        return None
+    if ids.dtype != torch.int64 or not ids.is_contiguous() or ids.dim() != 2:
+        return None
+    return _run(prog, ids.shape[0], ids.shape[1], ids, None, cache.layers, pos)
+
+
+def mtp_layer(mtp: nn.Module, i: int, x: torch.Tensor, cache: KVCache, pos: Positions) -> torch.Tensor | None:
+    """A Qwen35MTP's layer i and then its norm on x [B, T, H] (its input projection's output) at the decode positions
+    `pos`, as one C call -> [B, T, H], or None where this forward cannot run so."""
+    if not _eligible_forward(pos) or x.dtype != torch.bfloat16 or x.dim() != 3 or not x.is_contiguous():
+        return None
+    prog = program(mtp, i)
+    if prog is None or prog.hooked():
+        return None
+    done = _run(prog, x.shape[0], x.shape[1], None, x, [cache], pos)
+    return None if done is None else done[0]
+
+
+def _run(prog: Program, B: int, T: int, ids: torch.Tensor | None, x: torch.Tensor | None, states: list,
+         pos: Positions) -> tuple[torch.Tensor, list] | None:
+    """One call of `prog` on ids [B, T] (or hidden states x [B, T, H]) over the layers' decode states."""
+    cos, sin, index = pos.cos, pos.sin, pos.index
+    R = cos.shape[-1]
+    if (index.dtype != torch.int64 or index.shape != (B, T) or not index.is_contiguous() or cos.dtype != torch.bfloat16
+            or cos.shape != (B, 1, T, R) or sin.shape != cos.shape or not (cos.is_contiguous() and sin.is_contiguous())
+            or R % 2 or len(pos.starts) != B or len(states) != len(prog.layers)
+            or (x is not None and x.shape != (B, T, prog.hidden))):
+        return None
+    commit = pos.commit and T == 1
+    steps: list = []
+    S = None
+    window = None  # a kept step's conv windows: one scratch for every layer
+    for L, kind, state in zip(prog.layers, prog.kinds, states):
+        if kind is GatedDeltaNet:
+            C, kw = 2 * L.Hk * L.Kd + L.Hv * L.Vd, L.kernel - 1
+            if (type(state) is not DeltaState or state.conv.shape != (B, C, kw) or state.ssm.shape != (B, L.Hv, L.Kd, L.Vd)
+                    or state.conv.dtype != torch.bfloat16 or state.ssm.dtype != torch.float32
+                    or not (state.conv.is_contiguous() and state.ssm.is_contiguous())):
+                return None
+            L.conv, L.ssm = state.conv.data_ptr(), state.ssm.data_ptr()
+            if commit:
+                if window is None:
+                    window = torch.empty(B, C, kw + 1, dtype=torch.bfloat16)
+                if window.shape != (B, C, kw + 1):
+                    return None
+                L.window, L.states = window.data_ptr(), None
+                steps.append(None)
+            else:
+                w = torch.empty(B, C, kw + T, dtype=torch.bfloat16)
+                st = torch.empty(B, L.Hv, T, L.Kd, L.Vd, dtype=torch.float32)
+                L.window, L.states = w.data_ptr(), st.data_ptr()
+                steps.append(DeltaSteps(w, st))
+        else:
+            if (type(state) is not KVCache or state.k.dtype != torch.bfloat16 or state.v.dtype != torch.bfloat16
+                    or state.k.shape[:2] != (B, L.Hk) or state.k.shape[3] != L.Kd or state.v.shape != state.k.shape
+                    or not (state.k.is_contiguous() and state.v.is_contiguous()) or R > L.Kd
+                    or (S is not None and state.k.shape[2] != S)):
+                return None
+            S = state.k.shape[2]
+            L.conv, L.values = state.k.data_ptr(), state.v.data_ptr()
+            steps.append(None)
+    if max(pos.starts) + T > S:
+        raise ValueError(f"attend: positions up to {max(pos.starts) + T - 1} past the cache's {S}")
+    starts = torch.tensor(pos.starts, dtype=torch.int64)
+    out = torch.empty(B, T, prog.hidden, dtype=torch.bfloat16)
+    step = _Step(B, T, prog.hidden, prog.vocab, S, R, prog.eps, None if ids is None else ids.data_ptr(),
+                 None if x is None else x.data_ptr(), index.data_ptr(), starts.data_ptr(),
+                 None if prog.embed is None else prog.embed.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                 prog.norm.data_ptr(), out.data_ptr())
+    status = LIBRARY.lib().qwen35_decode(ctypes.byref(prog.kernels), ctypes.byref(step), prog.layers, len(prog.layers),
+                                         torch.get_num_threads())
+    if status == -2:
+        raise IndexError(f"a token id is outside the vocabulary of {prog.vocab}")
+    if status == -3:
+        raise IndexError(f"a position is outside the cache's {S} slots")
+    if status != 0:
+        raise MemoryError("qwen35_decode: out of memory")
+    return out, steps

@@ -1,0 +1,216 @@
+"""The one-call decode forward (model/step.py, step.c): its outputs, caches and per-layer steps equal the per-layer
+eager forward's bit for bit (int8 and int4, one row and many, a plain step and a verify block), decoding through it is
+the eager decoding (greedy speculative == plain, batched == solo), and whatever it cannot run takes the per-layer path:
+other kernels, hooks, changed weights, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mtp
+import test_batch
+from conftest import tiny_model, trained_tiny_model
+from mtp.model import act, step
+from mtp.model.base import CausalLM
+from mtp.model.cache import DeltaSteps
+from mtp.model.linear import renew_prepared
+from mtp.model.rowwise import rowwise
+
+pytestmark = pytest.mark.skipif(not step.LIBRARY.available() or not act.LIBRARY.available(),
+                                reason="the C kernels are not available here")
+
+
+def quantized(kind: str, seed: int = 0, **overrides):
+    model = tiny_model(seed, **overrides).to(torch.bfloat16)
+    model.prepare_for_inference(kind)
+    return model
+
+
+def filled_cache(model, B: int, seed: int):
+    """A decode cache of B rows with random states, conv inputs and keys/values (as if rows had decoded a while)."""
+    cache = model.new_cache(B, 64)
+    g = torch.Generator().manual_seed(seed)
+    for layer in cache.layers:
+        for t in (layer.ssm, layer.conv) if hasattr(layer, "ssm") else (layer.k, layer.v):
+            t.copy_(torch.randn(t.shape, generator=g))
+    return cache
+
+
+def both(model, B: int, T: int, commit: bool, seed: int = 0):
+    """The same decode forward through the program and through the layers, from identical caches ->
+    ((hidden, steps, cache) program, (hidden, steps, cache) eager)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (B, T), generator=g)
+    starts = [5 + 3 * b for b in range(B)]
+    index = torch.tensor(starts)[:, None] + torch.arange(T)
+    model.prepare_decode(64)
+    out = []
+    for run in (step.decode, CausalLM.decode):
+        cache = filled_cache(model, B, seed)
+        pos = model.decode_positions(index, starts)
+        pos.commit = commit
+        with torch.inference_mode():
+            done = run(model, ids, cache, pos)
+        assert done is not None, step.verdict(model)
+        out.append((*done, cache))
+    return out
+
+
+def assert_same(a, b) -> None:
+    (ha, sa, ca), (hb, sb, cb) = a, b
+    assert torch.equal(ha, hb)
+    for la, lb in zip(ca.layers, cb.layers):
+        for name in ("ssm", "conv") if hasattr(la, "ssm") else ("k", "v"):
+            assert torch.equal(getattr(la, name), getattr(lb, name)), name
+    for x, y in zip(sa, sb):
+        assert type(x) is type(y)
+        if isinstance(x, DeltaSteps):
+            assert torch.equal(x.window, y.window) and torch.equal(x.states, y.states)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("B,T,commit", [(1, 1, True), (1, 1, False), (1, 4, False), (2, 1, True), (3, 4, False)])
+def test_program_equals_the_layer_by_layer_forward(kind, B, T, commit):
+    """(int4 on the tiny shape: the DeltaNet's b/a projections are too narrow for it, so its input projections run
+    unfused, int4 and int8 side by side - the program's other input path)"""
+    model = quantized(kind)
+    assert_same(*both(model, B, T, commit))
+    if commit:  # a kept step updated its caches in place and kept no steps
+        assert all(s is None for s in both(model, B, T, commit)[0][1])
+
+
+def test_program_follows_changed_weights_and_hands_over_what_it_cannot_run():
+    model = quantized("int8")
+    first = step.program(model)
+    assert first is not None and step.program(model) is first
+    with torch.no_grad():
+        model.model.layers[0].input_layernorm.weight.add_(0.25)  # in place: the program must see it (it points there)
+        model.model.layers[0].linear_attn.A_log.add_(0.1)  # copied to fp32 by the program: rebuilt
+    assert step.program(model) is not first
+    assert_same(*both(model, 1, 4, False))
+    # a fused projection's weight changed in place: its codes are stale, so the layers run until it is fused again
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(1.5)
+    assert step.program(model) is None and step.verdict(model) is None
+    renew_prepared(model)
+    assert step.program(model) is not None
+    assert_same(*both(model, 2, 4, False))
+    # a hook on any backbone module: the layers run, so the hook does
+    calls = []
+    handle = model.model.layers[2].mlp.register_forward_hook(lambda *a: calls.append(1))
+    assert step.program(model).hooked()
+    with torch.inference_mode():
+        pos = model.decode_positions(torch.tensor([[3]]), [3])
+        hidden, _ = model.decode(torch.tensor([[1]]), model.new_cache(1, 64), pos)
+    assert calls == [1]
+    handle.remove()
+    assert not step.program(model).hooked()
+
+
+def test_models_the_program_cannot_run_keep_the_layers():
+    bf16 = tiny_model(0).to(torch.bfloat16)
+    bf16.prepare_for_inference()  # oneDNN bf16 projections: not qmatmul's
+    assert step.program(bf16) is None and "int8/int4" in step.verdict(bf16)
+    moe = tiny_model(0, num_experts=4).to(torch.bfloat16)
+    moe.prepare_for_inference("int8")
+    assert step.program(moe) is None and "SwiGLU" in step.verdict(moe)
+    prepared_again = quantized("int8")
+    assert step.program(prepared_again) is not None
+    prepared_again.prepare_for_inference()  # back to bf16 kernels: the verdict is made again
+    assert step.program(prepared_again) is None
+
+
+def test_bad_token_ids_and_positions_raise_before_anything_is_written():
+    model = quantized("int8")
+    model.prepare_decode(64)
+    cache = filled_cache(model, 1, 0)
+    before = [t.clone() for layer in cache.layers for t in ((layer.ssm, layer.conv) if hasattr(layer, "ssm")
+                                                            else (layer.k, layer.v))]
+    with torch.inference_mode():
+        for ids, starts in ((torch.tensor([[model.config.vocab_size]]), [3]), (torch.tensor([[-1]]), [3])):
+            with pytest.raises(IndexError, match="vocabulary"):
+                step.decode(model, ids, cache, model.decode_positions(torch.tensor([starts]), starts))
+        with pytest.raises(ValueError, match="past the cache"):
+            step.decode(model, torch.tensor([[1]]), cache, model.decode_positions(torch.tensor([[63]]), [64]))
+    after = [t for layer in cache.layers for t in ((layer.ssm, layer.conv) if hasattr(layer, "ssm")
+                                                   else (layer.k, layer.v))]
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
+
+
+@pytest.fixture(scope="module")
+def trained():
+    model = trained_tiny_model(steps=80, depth=3, max_position_embeddings=512).to(torch.bfloat16)
+    model.prepare_for_inference("int8")
+    return model
+
+
+def test_decoding_through_the_program_is_the_layer_by_layer_decoding(trained, monkeypatch):
+    """Greedy speculative through the program == plain through the layers (and the program did run), for every k;
+    batched == solo through it."""
+    calls = {"program": 0}
+    real = step.decode
+
+    def counted(*args):
+        done = real(*args)
+        calls["program"] += done is not None
+        return done
+
+    prompts = [r[0] for r in test_batch.greedy_requests(8, 3, seed=4, max_prompt=40)]
+    with monkeypatch.context() as m:
+        m.setattr(step, "decode", lambda *args: None)
+        want = [mtp.generate(trained, p, max_new_tokens=30).tokens for p in prompts]
+    monkeypatch.setattr(step, "decode", counted)
+    for p, w in zip(prompts, want):
+        for k in (None, 1, 3, "auto"):
+            assert mtp.generate(trained, p, max_new_tokens=30, draft_tokens=k).tokens == w, (p, k)
+    assert calls["program"] > 0
+    requests = test_batch.greedy_requests(8, 6, seed=5)
+    sessions = test_batch.run_batched(trained, requests, 2)
+    for (prompt, max_new, _, _), s in zip(requests, sessions):
+        assert s.new_tokens == mtp.generate(trained, prompt, max_new_tokens=max_new).tokens
+
+
+@pytest.mark.parametrize("N", [1024, 64, 13])
+def test_the_gates_are_row_invariant_and_round_as_torch_does(N):
+    """act.c's SwiGLU product and attention gate: each row alone is its row of a batch, and the values are torch's
+    form within one bf16 rounding (its exp and ours may differ in the last bit of a float)."""
+    g = torch.Generator().manual_seed(N)
+    gate, up = (torch.randn(7, N, generator=g).mul(4).to(torch.bfloat16) for _ in range(2))
+    with torch.no_grad():
+        for ours, theirs in ((act.silu_mul(gate, up), rowwise(torch.nn.functional.silu, gate) * up),
+                             (act.sigmoid_mul(up, gate), up * rowwise(torch.sigmoid, gate))):
+            ulp = theirs.float().abs().clamp(min=1e-30) * 2**-7
+            assert ((ours.float() - theirs.float()).abs() <= ulp).all()
+        for r in range(7):
+            assert torch.equal(act.silu_mul(gate[r : r + 1], up[r : r + 1]), act.silu_mul(gate, up)[r : r + 1])
+            assert torch.equal(act.sigmoid_mul(up[r : r + 1], gate[r : r + 1]), act.sigmoid_mul(up, gate)[r : r + 1])
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("B,T", [(1, 1), (1, 3), (2, 2)])
+def test_the_mtp_layer_program_equals_its_layer(kind, B, T, monkeypatch):
+    """A draft step's MTP layer and norm (after its bf16 input projection) through the program == through the layer,
+    keys/values written alike."""
+    model = quantized(kind)
+    g = torch.Generator().manual_seed(B * 10 + T)
+    hidden = torch.randn(B, T, model.config.hidden_size, generator=g).to(torch.bfloat16)
+    nxt = torch.randint(0, model.config.vocab_size, (B, T), generator=g)
+    starts = [4 + 2 * b for b in range(B)]
+    model.prepare_decode(64)
+    out = []
+    for use in (True, False):
+        caches = model.new_mtp_cache(B, 64)
+        for c in caches:
+            for t in (c.k, c.v):
+                t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(7)))
+        with monkeypatch.context() as m:
+            if not use:
+                m.setattr(step, "mtp_layer", lambda *a: None)
+            with torch.inference_mode():
+                pos = model.decode_positions(torch.tensor(starts)[:, None] + torch.arange(T), starts)
+                out.append((model.mtp_step(1, hidden, nxt, pos, caches), caches))
+    assert step.program(model.mtp, 0) is not None
+    (ha, ca), (hb, cb) = out
+    assert torch.equal(ha, hb)
+    assert all(torch.equal(x.k, y.k) and torch.equal(x.v, y.v) for x, y in zip(ca, cb))
