@@ -267,10 +267,12 @@ class FastLinear(nn.Linear):
     def _set_int8(self, codes: torch.Tensor, scale: torch.Tensor) -> None:
         """codes int8 [N, K], scale fp32 [N] (`quantize_int8`). K is padded with zero codes to a multiple of 32 (the
         inputs with zeros as the layer runs: exact zero terms): qmatmul's blocks need it, and torch 2.13's int8
-        kernel reads past the row for K % 16 = 8 on AVX-512 CPUs (NaN outputs, or a crash; docs/decisions.md)."""
+        kernel reads past the row for K % 16 = 8 on AVX-512 CPUs (NaN outputs, or a crash; docs/decisions.md).
+        qmatmul's codes are interleaved by groups of 8 outputs (`qmatmul.pack_int8`); torch's stay row-major."""
         self._pad = -codes.shape[1] % qmatmul.BLOCK
-        self._packed = F.pad(codes, (0, self._pad)) if self._pad else codes
+        codes = F.pad(codes, (0, self._pad)) if self._pad else codes
         self._native = qmatmul.available() and qmatmul.supports(self.in_features + self._pad)
+        self._packed = qmatmul.pack_int8(codes) if self._native else codes
         self._scale = scale if self._native else scale.to(torch.bfloat16)
 
     def _set_int4(self, wq: Int4Weight) -> None:
@@ -442,6 +444,7 @@ class FusedProjections:
     def __init__(self, parts: list[FastLinear], int4: list[Int4Weight] | None = None):
         self.parts = parts
         self.sizes = [p.out_features for p in parts]
+        self.padded = list(self.sizes)  # each part's width in the fused output (with int8 group pads: `_fuse_codes`)
         kernel = parts[0].kernel
         if kernel in ("int8", "int4"):
             bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
@@ -467,12 +470,26 @@ class FusedProjections:
         placeholder, as a released layer does: it is only ever called through `usable`)."""
         f, parts = self.fused, self.parts
         f.kernel = parts[0].kernel
+        f._native, f._pad = parts[0]._native, parts[0]._pad
+        # qmatmul's int8 codes come in groups of 8 outputs: each part starts at a group, its last one padded with zero
+        # codes (and zero scales), so the parts stay views of the fused codes; the fused outputs then hold the pads
+        grouped = f.kernel == "int8" and f._native
+        self.padded = [-(-n // 8) * 8 for n in self.sizes] if grouped else list(self.sizes)
+        f.out_features = sum(self.padded)
         f.__dict__["_released"] = None
-        f.weight = nn.Parameter(torch.empty(sum(self.sizes), f.in_features, dtype=parts[0].weight.dtype, device="meta"),
+        f.weight = nn.Parameter(torch.empty(f.out_features, f.in_features, dtype=parts[0].weight.dtype, device="meta"),
                                 requires_grad=False)
         cat = lambda attr: torch.cat([getattr(p, attr) for p in parts])  # noqa: E731
-        f._native, f._pad = parts[0]._native, parts[0]._pad
-        if f.kernel == "int8":
+        if parts[0].bias is not None:  # (again on a refresh: the parts' current biases, padded as the codes are)
+            f.bias = nn.Parameter(torch.cat([F.pad(p.bias.detach(), (0, m - n)) for p, n, m in
+                                             zip(parts, self.sizes, self.padded)]), requires_grad=False)
+        if grouped:
+            f._packed = cat("_packed")
+            f._scale = torch.cat([F.pad(p._scale, (0, m - n)) for p, n, m in zip(parts, self.sizes, self.padded)])
+            for p, start, n in zip(parts, [sum(self.padded[:i]) for i in range(len(parts))], self.sizes):
+                p._packed, p._scale = f._packed[start // 8 : (start + n + 7) // 8], f._scale[start : start + n]
+            views = ()
+        elif f.kernel == "int8":
             f._packed, f._scale = cat("_packed"), cat("_scale")
             views = ("_packed", "_scale")
         elif f._native:
@@ -486,7 +503,7 @@ class FusedProjections:
                                    torch.cat([q.zero for q in int4]), int4[0].group, int4[0].perm))
             views = ()
         start = 0
-        for p, n in zip(parts, self.sizes):
+        for p, n in zip(parts, self.sizes):  # row-major codes: the parts run on row views
             for attr in views:
                 setattr(p, attr, getattr(f, attr)[start : start + n])
             start += n
@@ -522,8 +539,11 @@ class FusedProjections:
         self.versions = [p.weight._version for p in self.parts]
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """x [..., in] -> one output per part, [..., out_i]."""
-        return list(self.fused(x).split(self.sizes, dim=-1))
+        """x [..., in] -> one output per part, [..., out_i] (views of the fused output, its group pads left out)."""
+        out = self.fused(x).split(self.padded, dim=-1)
+        if self.padded == self.sizes:
+            return list(out)
+        return [t if m == n else t[..., :n] for t, n, m in zip(out, self.sizes, self.padded)]
 
 
 def project(module: nn.Module, x: torch.Tensor, *names: str) -> list[torch.Tensor]:

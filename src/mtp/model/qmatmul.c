@@ -101,106 +101,110 @@ static void free_rows(QRows* q) {
     free(q->xs);
 }
 
-/* R activation rows against one weight row: each row's sum runs in the same order whatever R is (even and odd blocks
- * in two accumulators, which halves the chain of dependent multiply-adds; the weight stream is prefetched ahead). */
 #define PREFETCH 2048
-#define Q8_BLOCK(R, ACC, B)                                                                                              \
-    {                                                                                                                 \
-        const __m256i wv = _mm256_loadu_si256((const __m256i*)(w + (B) * 32));                                       \
-        const __m256i aw = _mm256_sign_epi8(wv, wv); /* |w|, x takes w's sign: u8 x s8 pairs cannot saturate */      \
-        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {                                                          \
-            const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + i * K + (B) * 32));                          \
-            const __m256i p = dot_u8s8(aw, _mm256_sign_epi8(xv, wv));                                                  \
-            ACC[i] = _mm256_fmadd_ps(_mm256_set1_ps(dx[i * nb + (B)]), _mm256_cvtepi32_ps(p), ACC[i]);               \
-        }                                                                                                            \
-    }
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-/* The VNNI build: a block pair (b, b+1) in one 512-bit register per row, block b in the low 8 lanes (the even
- * accumulator's) and b+1 in the high 8 (the odd one's): each lane does what its 256-bit lane does, in the same order,
- * with half the instructions. x takes w's sign by a masked negation (where w = 0 the product is 0 either way); dx8
- * holds each block's scale 8 times, so one load gives the pair's. */
-#define Q8_PAIR(R, ACC, B)                                                                                               \
-    {                                                                                                                 \
-        const __m512i wv = _mm512_loadu_si512((const void*)(w + (B) * 32));                                          \
-        const __m512i aw = _mm512_abs_epi8(wv);                                                                       \
-        const __mmask64 neg = _mm512_movepi8_mask(wv);                                                                \
-        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {                                                          \
-            const __m512i xv = _mm512_loadu_si512((const void*)(xq + i * K + (B) * 32));                              \
-            const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw,                                          \
-                                                  _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv));          \
-            ACC[i] = _mm512_fmadd_ps(_mm512_loadu_ps(dx8 + (i * nb + (B)) * 8), _mm512_cvtepi32_ps(p), ACC[i]);       \
-        }                                                                                                            \
-    }
-#define Q8_TILE(R)                                                                                                    \
-    static inline void q8_tile_##R(const int8_t* w, const int8_t* xq, const float* dx, const float* dx8, int64_t K,  \
-                                   int64_t nb, float* out) {                                                         \
-        __m512 acc[R];                                                                                               \
-        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();                             \
-        int64_t b = 0;                                                                                               \
-        for (; b + 1 < nb; b += 2) {                                                                                 \
-            _mm_prefetch((const char*)(w + b * 32 + PREFETCH), _MM_HINT_T0);                                         \
-            Q8_PAIR(R, acc, b)                                                                                          \
-        }                                                                                                            \
-        __m256 even[R], odd[R];                                                                                      \
-        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {                                                          \
-            even[i] = _mm512_castps512_ps256(acc[i]);                                                                \
-            odd[i] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1));                          \
-        }                                                                                                            \
-        if (b < nb) Q8_BLOCK(R, even, b)                                                                                \
-        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) out[i] = hsum(_mm256_add_ps(even[i], odd[i]));             \
-    }
-#else
-#define Q8_TILE(R)                                                                                                    \
-    static inline void q8_tile_##R(const int8_t* w, const int8_t* xq, const float* dx, const float* dx8, int64_t K,  \
-                                   int64_t nb, float* out) {                                                         \
-        (void)dx8;                                                                                                   \
-        __m256 even[R], odd[R];                                                                                      \
-        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) even[i] = odd[i] = _mm256_setzero_ps();                    \
-        int64_t b = 0;                                                                                               \
-        for (; b + 1 < nb; b += 2) {                                                                                 \
-            _mm_prefetch((const char*)(w + b * 32 + PREFETCH), _MM_HINT_T0);                                         \
-            Q8_BLOCK(R, even, b)                                                                                        \
-            Q8_BLOCK(R, odd, b + 1)                                                                                     \
-        }                                                                                                            \
-        if (b < nb) Q8_BLOCK(R, even, b)                                                                                \
-        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) out[i] = hsum(_mm256_add_ps(even[i], odd[i]));             \
-    }
-#endif
-Q8_TILE(1)
-Q8_TILE(2)
-Q8_TILE(3)
-Q8_TILE(4)
 
-/* A plain step (one row): two outputs at a time, so four chains of multiply-adds run side by side instead of two (one
- * row is bound by their latency), each output's sum in q8_tile_1's order: the bits of one by one. */
-static inline void q8_pair_1(const int8_t* wa, const int8_t* wb, const int8_t* xq, const float* dx, int64_t nb,
-                             float* oa, float* ob) {
-    __m256 ea = _mm256_setzero_ps(), oda = ea, eb = ea, odb = ea;
-    int64_t b = 0;
-#define Q8_ONE(W, X, ACC, B)                                                                                             \
-    {                                                                                                                 \
-        const __m256i wv = _mm256_loadu_si256((const __m256i*)((W) + (B) * 32));                                     \
-        const __m256i p = dot_u8s8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(X, wv));                               \
-        ACC = _mm256_fmadd_ps(_mm256_set1_ps(dx[B]), _mm256_cvtepi32_ps(p), ACC);                                     \
+/* int8 codes, interleaved (pack_int8 in qmatmul.py): groups of 8 outputs, [N/8][K/4][8][4] bytes - byte (g, c, j, i)
+ * is output 8g+j's code for input 4c+i, the last group padded with zero codes - so one 32-byte load holds 4 inputs of
+ * 8 outputs, and one u8 x s8 product against the row's 4 activations broadcast gives the 8 outputs' partial sums in
+ * their own lanes: the integer block sums come out per output with no horizontal sum, and the float work (one
+ * conversion and one multiply-add per block) is shared by 8 outputs.
+ *
+ * The VNNI build stores code + 128 (u8) and multiplies it by the activation codes (s8) with vpdpbusd, then subtracts
+ * 128 x the block's activation sum; the AVX2 build stores the codes (s8) and takes |w| and x with w's sign into
+ * vpmaddubsw (pairs cannot saturate: 127 * 127 * 2 < 32768). Both give each block's exact integer dot product, so
+ * the two builds compute the same bits. Per output, the float accumulation is acc = fma(dx[b], p[b], acc) over the
+ * blocks in order, whatever the tile, the row count and the threads: row-invariant by construction. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define Q8_DOT(acc, w, x) _mm256_dpbusd_epi32(acc, w, x)
+#define Q8_OFFSET 128
+#else
+static inline __m256i q8_dot_avx2(__m256i acc, __m256i w, __m256i x) {
+    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+#define Q8_DOT(acc, w, x) q8_dot_avx2(acc, w, x)
+#define Q8_OFFSET 0
+#endif
+
+static inline __m256i bcast4(const int8_t* p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* R rows (<= 4) x GS groups of 8 outputs from group g0: out [R][GS][8] floats (before the output scale). Two integer
+ * accumulators per (row, group) - even and odd chunks of a block - halve the chains of dependent products. */
+#define Q8_TILE(R, GS)                                                                                               \
+    static void q8_tile_##R##_##GS(const uint8_t* w, int64_t g0, int64_t K, const int8_t* xq, const float* dx,       \
+                                   const int32_t* xs, int64_t nb, float* out) {                                     \
+        __m256 f[R][GS];                                                                                             \
+        for (int r = 0; r < R; r++)                                                                                  \
+            for (int g = 0; g < GS; g++) f[r][g] = _mm256_setzero_ps();                                              \
+        const int64_t KC = K / 4;                                                                                    \
+        for (int64_t b = 0; b < nb; b++) {                                                                           \
+            __m256i ia[R][GS], ib[R][GS];                                                                            \
+            for (int r = 0; r < R; r++)                                                                              \
+                for (int g = 0; g < GS; g++) ia[r][g] = ib[r][g] = _mm256_setzero_si256();                           \
+            for (int g = 0; g < GS; g++) _mm_prefetch((const char*)(w + ((g0 + g) * KC + b * 8) * 32 + PREFETCH), _MM_HINT_T0); \
+            for (int c = 0; c < 8; c += 2) {                                                                         \
+                __m256i w0[GS], w1[GS];                                                                              \
+                for (int g = 0; g < GS; g++) {                                                                       \
+                    const uint8_t* wp = w + ((g0 + g) * KC + b * 8 + c) * 32;                                        \
+                    w0[g] = _mm256_loadu_si256((const __m256i*)wp);                                                  \
+                    w1[g] = _mm256_loadu_si256((const __m256i*)(wp + 32));                                           \
+                }                                                                                                    \
+                for (int r = 0; r < R; r++) {                                                                        \
+                    const __m256i x0 = bcast4(xq + r * K + b * 32 + c * 4), x1 = bcast4(xq + r * K + b * 32 + c * 4 + 4); \
+                    for (int g = 0; g < GS; g++) {                                                                   \
+                        ia[r][g] = Q8_DOT(ia[r][g], w0[g], x0);                                                      \
+                        ib[r][g] = Q8_DOT(ib[r][g], w1[g], x1);                                                      \
+                    }                                                                                                \
+                }                                                                                                    \
+            }                                                                                                        \
+            for (int r = 0; r < R; r++) {                                                                            \
+                const __m256 d = _mm256_set1_ps(dx[r * nb + b]);                                                     \
+                const __m256i corr = _mm256_set1_epi32(Q8_OFFSET * xs[r * nb + b]);                                  \
+                for (int g = 0; g < GS; g++) {                                                                       \
+                    const __m256i p = _mm256_sub_epi32(_mm256_add_epi32(ia[r][g], ib[r][g]), corr);                  \
+                    f[r][g] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), f[r][g]);                                     \
+                }                                                                                                    \
+            }                                                                                                        \
+        }                                                                                                            \
+        for (int r = 0; r < R; r++)                                                                                  \
+            for (int g = 0; g < GS; g++) _mm256_storeu_ps(out + (r * GS + g) * 8, f[r][g]);                          \
     }
-    for (; b + 1 < nb; b += 2) {
-        _mm_prefetch((const char*)(wa + b * 32 + PREFETCH), _MM_HINT_T0);
-        _mm_prefetch((const char*)(wb + b * 32 + PREFETCH), _MM_HINT_T0);
-        const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xq + b * 32));
-        const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xq + (b + 1) * 32));
-        Q8_ONE(wa, x0, ea, b)
-        Q8_ONE(wb, x0, eb, b)
-        Q8_ONE(wa, x1, oda, b + 1)
-        Q8_ONE(wb, x1, odb, b + 1)
+Q8_TILE(1, 2)
+Q8_TILE(2, 2)
+Q8_TILE(3, 2)
+Q8_TILE(4, 2)
+Q8_TILE(1, 1)
+Q8_TILE(2, 1)
+Q8_TILE(3, 1)
+Q8_TILE(4, 1)
+
+/* rows m0..m0+R-1 against groups g0..g0+GS-1 -> y (bf16, the output scale and bias applied once) */
+static void q8_tile(const uint8_t* w, int64_t g0, int64_t GS, int64_t K, const QRows* q, int64_t m0, int64_t R,
+                    const float* sw, const float* bias, int64_t N, uint16_t* y) {
+    const int64_t nb = K / 32;
+    const int8_t* xq = q->xq + m0 * K;
+    const float* dx = q->dx + m0 * nb;
+    const int32_t* xs = q->xs + m0 * nb;
+    float o[4 * 2 * 8];
+    switch (GS * 8 + R) {
+        case 17: q8_tile_1_2(w, g0, K, xq, dx, xs, nb, o); break;
+        case 18: q8_tile_2_2(w, g0, K, xq, dx, xs, nb, o); break;
+        case 19: q8_tile_3_2(w, g0, K, xq, dx, xs, nb, o); break;
+        case 20: q8_tile_4_2(w, g0, K, xq, dx, xs, nb, o); break;
+        case 9: q8_tile_1_1(w, g0, K, xq, dx, xs, nb, o); break;
+        case 10: q8_tile_2_1(w, g0, K, xq, dx, xs, nb, o); break;
+        case 11: q8_tile_3_1(w, g0, K, xq, dx, xs, nb, o); break;
+        default: q8_tile_4_1(w, g0, K, xq, dx, xs, nb, o);
     }
-    if (b < nb) {
-        const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xq + b * 32));
-        Q8_ONE(wa, x0, ea, b)
-        Q8_ONE(wb, x0, eb, b)
-    }
-#undef Q8_ONE
-    *oa = hsum(_mm256_add_ps(ea, oda));
-    *ob = hsum(_mm256_add_ps(eb, odb));
+    for (int64_t i = 0; i < R; i++)
+        for (int64_t j = 0; j < GS * 8; j++) {
+            const int64_t n = g0 * 8 + j;
+            if (n < N) y[(m0 + i) * N + n] = to_bf16(bias ? o[i * GS * 8 + j] * sw[n] + bias[n] : o[i * GS * 8 + j] * sw[n]);
+        }
 }
 
 /* int4 codes (pack_int4 in qmatmul.py): blocks of 32 codes in pairs, 32 bytes a pair, byte j = q[j] | q[32 + j] << 4
@@ -301,47 +305,28 @@ static inline void q4_pair_1(const uint8_t* wa, const uint8_t* wb, const float* 
     *ob = hsum(acc_b) + off_b;
 }
 
-/* x bf16 [M, K], w int8 [N, K], sw fp32 [N], bias fp32 [N] or NULL -> y bf16 [M, N]. K % 32 == 0. 0 or -1 (memory). */
-int q8_linear(const uint16_t* x, int64_t M, int64_t K, const int8_t* w, const float* sw, const float* bias, int64_t N,
+/* x bf16 [M, K], w int8 codes interleaved as above ([ceil(N/8)][K/4][8][4]), sw fp32 [N], bias fp32 [N] or NULL ->
+ * y bf16 [M, N]. K % 32 == 0. 0 or -1 (memory). Threads split the output groups; one row takes a group at a time (one
+ * weight stream: the prefetcher keeps up best; at the shipped model's widths 1.4x two or four streams), more rows two
+ * (4 rows x 2 groups share each weight load). */
+int q8_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const float* sw, const float* bias, int64_t N,
               uint16_t* y, int nthreads) {
     QRows q = {0}; /* free_rows frees it whatever failed */
-    const int64_t nb = K / 32;
-    float* dx8 = malloc(sizeof(float) * (size_t)(M * nb * 8)); /* each block's scale 8 times (the VNNI tiles') */
-    if (!dx8 || quantize_rows(x, M, K, nthreads, &q)) {
-        free(dx8);
+    if (quantize_rows(x, M, K, nthreads, &q)) {
         free_rows(&q);
         return -1;
     }
-    for (int64_t i = 0; i < M * nb; i++)
-        for (int l = 0; l < 8; l++) dx8[i * 8 + l] = q.dx[i];
-    const int paired = M == 1; /* a plain step: outputs in pairs (q8_pair_1), the bits of one by one */
-    if (paired) {
+    const int64_t G = (N + 7) / 8, GS = M == 1 ? 1 : 2, sets = (G + GS - 1) / GS;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int64_t p = 0; p < N / 2; p++) {
-            const int64_t n = 2 * p;
-            float o[2];
-            q8_pair_1(w + n * K, w + (n + 1) * K, q.xq, q.dx, nb, o, o + 1);
-            for (int i = 0; i < 2; i++) y[n + i] = to_bf16(bias ? o[i] * sw[n + i] + bias[n + i] : o[i] * sw[n + i]);
-        }
-    }
-    const int64_t first = paired ? N / 2 * 2 : 0;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n = first; n < N; n++) {
+    for (int64_t set = 0; set < sets; set++) {
+        const int64_t g0 = set * GS, gs = G - g0 < GS ? G - g0 : GS;
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
             const int64_t r = M - m0 < 4 ? M - m0 : 4;
-            const int8_t* xr = q.xq + m0 * K;
-            const float *d = q.dx + m0 * nb, *d8 = dx8 + m0 * nb * 8;
-            float o[4];
-            switch (r) {
-                case 1: q8_tile_1(w + n * K, xr, d, d8, K, nb, o); break;
-                case 2: q8_tile_2(w + n * K, xr, d, d8, K, nb, o); break;
-                case 3: q8_tile_3(w + n * K, xr, d, d8, K, nb, o); break;
-                default: q8_tile_4(w + n * K, xr, d, d8, K, nb, o);
-            }
-            for (int64_t i = 0; i < r; i++) y[(m0 + i) * N + n] = to_bf16(bias ? o[i] * sw[n] + bias[n] : o[i] * sw[n]);
+            if (gs == GS) q8_tile(w, g0, GS, K, &q, m0, r, sw, bias, N, y);
+            else
+                for (int64_t g = g0; g < G; g++) q8_tile(w, g, 1, K, &q, m0, r, sw, bias, N, y);
         }
     }
-    free(dx8);
     free_rows(&q);
     return 0;
 }

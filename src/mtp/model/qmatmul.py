@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 
 import torch
+import torch.nn.functional as F
 
 from .native import AVX512_VNNI, NativeLibrary
 
@@ -57,6 +58,20 @@ def supports(in_features: int, group: int | None = None) -> bool:
     return ok if group is None else ok and group % BLOCK == 0 and in_features % group == 0
 
 
+def pack_int8(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] (K % 32 == 0) -> uint8 [ceil(N/8), K/4, 8, 4], the q8 kernel's interleaved layout: byte
+    (g, c, j, i) is output 8g+j's code for input 4c+i (the last group padded with zero codes), stored as code + 128 for
+    the VNNI build (its u8 x s8 product takes the weights unsigned) and as the code itself for the AVX2 build."""
+    N, K = codes.shape
+    pad = -N % 8
+    if pad:
+        codes = F.pad(codes, (0, 0, 0, pad))
+    c = codes.reshape(-1, 8, K // 4, 4).permute(0, 2, 1, 3)
+    if isa() == "avx512vnni":
+        return (c.to(torch.int16) + 128).to(torch.uint8).contiguous()
+    return c.contiguous().view(torch.uint8)
+
+
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """int4 codes uint8 [N, K] in 0..15 -> uint8 [N, K/2]: the blocks of 32 codes in pairs, 32 bytes a pair, byte j =
     q[j] | q[32 + j] << 4 (the kernel widens both blocks with one load, one shift and two masks); an odd last block
@@ -85,10 +100,12 @@ def _check(status: int) -> None:
 
 
 def q8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x bf16 [M, K] (contiguous) times int8 codes w [N, K] with fp32 scales [N] (w ~ codes * scale[:, None]), plus
-    fp32 bias [N] -> bf16 [M, N]."""
+    """x bf16 [M, K] (contiguous) times int8 codes w with fp32 scales [N] (w ~ codes * scale[:, None]), plus fp32 bias
+    [N] -> bf16 [M, N]. w: `pack_int8`'s layout (what a prepared layer holds), or int8 codes [N, K], packed here."""
     M, K = x.shape
-    N = w.shape[0]
+    N = scale.shape[0]
+    if w.dtype == torch.int8:
+        w = pack_int8(w)
     y = torch.empty(M, N, dtype=torch.bfloat16)
     if M:
         _check(_library().q8_linear(x.data_ptr(), M, K, w.data_ptr(), scale.data_ptr(), _bias(bias), N, y.data_ptr(),

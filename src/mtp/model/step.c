@@ -42,8 +42,10 @@ typedef struct {
     int64_t kind; /* 0: Gated DeltaNet (`linear_attn`), 1: gated attention (`self_attn`) */
     const uint16_t *norm1, *norm2; /* input_layernorm, post_attention_layernorm (zero-centred) */
     Linear in[4];                  /* the mixer's input projections: one fused layer, or n_in parts side by side */
-    int64_t n_in, Nin;             /* how many; their outputs' total width */
+    int64_t n_in, Nin;             /* how many; the width of their outputs y (a fused layer's: with its group pads) */
+    int64_t off[4];                /* where each projection's outputs start in a row of y */
     Linear out, gate_up, down;     /* the mixer's output projection; the MLP's (gate and up fused) */
+    int64_t I, up;                 /* the MLP's width; where up's outputs start in gate_up's */
     int64_t Hk, Hv, Kd, Vd, kernel; /* DeltaNet: heads and their widths, the conv's taps; attention: Hk, Hv = heads */
     const uint16_t* taps;           /* DeltaNet [C, kernel] */
     const float *A_log, *dt_bias;   /* DeltaNet [Hv] fp32 */
@@ -77,10 +79,10 @@ static int linear(const Kernels* k, const Linear* l, const uint16_t* x, int64_t 
  * gives them: every output is its own row's dot product, so fused or not it has the same bits); tmp [M, widest] */
 static int project(const Kernels* k, const Layer* l, const uint16_t* h, int64_t M, uint16_t* y, uint16_t* tmp, int nth) {
     if (l->n_in == 1) return linear(k, &l->in[0], h, M, y, nth);
-    for (int64_t j = 0, col = 0; j < l->n_in; col += l->in[j].N, j++) {
+    for (int64_t j = 0; j < l->n_in; j++) {
         const int64_t N = l->in[j].N;
         if (linear(k, &l->in[j], h, M, tmp, nth)) return -1;
-        for (int64_t m = 0; m < M; m++) memcpy(y + m * l->Nin + col, tmp + m * N, sizeof(uint16_t) * (size_t)N);
+        for (int64_t m = 0; m < M; m++) memcpy(y + m * l->Nin + l->off[j], tmp + m * N, sizeof(uint16_t) * (size_t)N);
     }
     return 0;
 }
@@ -112,9 +114,9 @@ static int deltanet(const Kernels* k, const Step* s, const Layer* l, const uint1
             memcpy(w, l->conv + (b * C + c) * kw, sizeof(uint16_t) * (size_t)kw);
             for (int64_t t = 0; t < T; t++) w[kw + t] = y[(b * T + t) * Nin + c];
         }
-    /* y per token: qkv [C], z [V], b [Hv], a [Hv] */
-    if (k->deltanet_decode(B, T, l->Hk, l->Hv, l->Kd, l->Vd, l->kernel, 1, l->window, l->taps, y + C + V, T * Nin, Nin,
-                           y + C + V + l->Hv, T * Nin, Nin, l->A_log, l->dt_bias, y + C, T * Nin, Nin, l->gnorm,
+    /* y per token: qkv [C] at 0, z [V], b [Hv], a [Hv] at their offsets */
+    if (k->deltanet_decode(B, T, l->Hk, l->Hv, l->Kd, l->Vd, l->kernel, 1, l->window, l->taps, y + l->off[2], T * Nin, Nin,
+                           y + l->off[3], T * Nin, Nin, l->A_log, l->dt_bias, y + l->off[1], T * Nin, Nin, l->gnorm,
                            l->geps, l->ssm, l->states ? l->states : l->ssm, o, nth))
         return -1;
     if (!l->states) /* kept in place: the conv inputs move on by the one token */
@@ -132,10 +134,10 @@ static int attention(const Kernels* k, const Step* s, const Layer* l, const uint
     /* scratch: q [B, T, A, D] normed and rotated, gate [M, A*D], attention output [B, A, T, D], k [Hk, D] */
     uint16_t *q = scratch, *gate = q + M * AD, *att = gate + M * AD, *kn = att + M * AD;
     for (int64_t m = 0; m < M; m++) {
-        const uint16_t* ym = y + m * Nq; /* per head [query D, gate D], then k [Hk, D], v [Hk, D] */
+        const uint16_t* ym = y + m * Nq; /* per head [query D, gate D] at 0, then k [Hk, D], v [Hk, D] at their offsets */
         const int64_t b = m / T, pos = s->index[m];
         k->rmsnorm(A, D, ym, 2 * D, l->gnorm, 1, l->geps, 1, q + m * AD, 1);
-        k->rmsnorm(Hk, D, ym + 2 * AD, D, l->knorm, 1, l->geps, 1, kn, 1);
+        k->rmsnorm(Hk, D, ym + l->off[1], D, l->knorm, 1, l->geps, 1, kn, 1);
         for (int64_t a = 0; a < A; a++) {
             memcpy(gate + m * AD + a * D, ym + a * 2 * D + D, sizeof(uint16_t) * (size_t)D);
             rope(q + m * AD + a * D, s->R, s->cos + m * s->R, s->sin + m * s->R);
@@ -143,7 +145,7 @@ static int attention(const Kernels* k, const Step* s, const Layer* l, const uint
         for (int64_t j = 0; j < Hk; j++) { /* the cache at the token's position: rotated key, value */
             rope(kn + j * D, s->R, s->cos + m * s->R, s->sin + m * s->R);
             memcpy(l->conv + ((b * Hk + j) * S + pos) * D, kn + j * D, sizeof(uint16_t) * (size_t)D);
-            memcpy(l->values + ((b * Hk + j) * S + pos) * D, ym + 2 * AD + Hk * D + j * D, sizeof(uint16_t) * (size_t)D);
+            memcpy(l->values + ((b * Hk + j) * S + pos) * D, ym + l->off[2] + j * D, sizeof(uint16_t) * (size_t)D);
         }
     }
     if (k->attend_decode(B, A, T, Hk, S, D, D, 1, q, T * AD, D, AD, l->conv, l->values, s->starts, l->scale, att, nth))
@@ -158,14 +160,14 @@ static int attention(const Kernels* k, const Step* s, const Layer* l, const uint
 
 static int layer(const Kernels* k, const Step* s, const Layer* l, uint16_t* x, uint16_t* h, uint16_t* y, uint16_t* o,
                  uint16_t* scratch, int nth) {
-    const int64_t M = s->B * s->T, H = s->H, I = l->gate_up.N / 2;
+    const int64_t M = s->B * s->T, H = s->H, I = l->I, G = l->gate_up.N;
     k->rmsnorm(M, H, x, H, l->norm1, 1, s->eps, 1, h, nth);
     if (l->kind == 0 ? deltanet(k, s, l, h, y, o, nth) : attention(k, s, l, h, y, o, scratch, nth)) return -1;
     if (linear(k, &l->out, o, M, h, nth)) return -1;
     for (int64_t j = 0; j < M * H; j++) x[j] = add_bf16(x[j], h[j]);
     k->rmsnorm(M, H, x, H, l->norm2, 1, s->eps, 1, h, nth);
     if (linear(k, &l->gate_up, h, M, y, nth)) return -1;
-    k->silu_mul(M, I, y, 2 * I, y + I, 2 * I, o, nth);
+    k->silu_mul(M, I, y, G, y + l->up, G, o, nth);
     if (linear(k, &l->down, o, M, h, nth)) return -1;
     for (int64_t j = 0; j < M * H; j++) x[j] = add_bf16(x[j], h[j]);
     return 0;

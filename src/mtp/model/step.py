@@ -48,8 +48,8 @@ class _Linear(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = ([("kind", i64), ("norm1", p), ("norm2", p), ("in_", _Linear * 4), ("n_in", i64), ("Nin", i64)]
-                + [(n, _Linear) for n in ("out", "gate_up", "down")]
+    _fields_ = ([("kind", i64), ("norm1", p), ("norm2", p), ("in_", _Linear * 4), ("n_in", i64), ("Nin", i64),
+                 ("off", i64 * 4)] + [(n, _Linear) for n in ("out", "gate_up", "down")] + [("I", i64), ("up", i64)]
                 + [(n, i64) for n in ("Hk", "Hv", "Kd", "Vd", "kernel")]
                 + [(n, p) for n in ("taps", "A_log", "dt_bias", "gnorm", "knorm")] + [("geps", f32), ("scale", f32)]
                 + [(n, p) for n in ("conv", "ssm", "values", "window", "states")])
@@ -165,14 +165,17 @@ def _inputs(L: _Layer, module: nn.Module, prepared: list, params: list) -> None:
     fused = module.__dict__.get("_fused")
     if fused is not None and fused.fresh():
         L.in_[0] = _linear(fused.fused, prepared, params, fused.parts)
-        L.n_in, L.Nin = 1, fused.fused.out_features
+        L.n_in, L.Nin, widths = 1, fused.fused.out_features, fused.padded
     elif fused is None:
         parts = [getattr(module, n) for n in module.fused_projections]
         for j, lin in enumerate(parts):
             L.in_[j] = _linear(lin, prepared, params)
-        L.n_in, L.Nin = len(parts), sum(lin.out_features for lin in parts)
+        widths = [lin.out_features for lin in parts]
+        L.n_in, L.Nin = len(parts), sum(widths)
     else:
         raise Stale(f"{type(module).__name__}'s fused projections are older than their weights")
+    for j in range(len(widths)):
+        L.off[j] = sum(widths[:j])
 
 
 def _bf16(t: torch.Tensor, what: str) -> torch.Tensor:
@@ -211,12 +214,13 @@ def build(layers: list[nn.Module], norm: nn.Module, embed: nn.Embedding | None, 
         L.norm1, L.norm2 = (_bf16(param(n, "weight"), f"layer {i}'s norm").data_ptr() for n in norms)
         mlp_fused = _fused(layer.mlp, 2)
         L.gate_up = _linear(mlp_fused.fused, prepared, params, mlp_fused.parts)
+        L.I, L.up = mlp_fused.sizes[0], mlp_fused.padded[0]
         L.down = _linear(layer.mlp.down_proj, prepared, params)
         _inputs(L, mixer, prepared, params)
         if type(mixer) is GatedDeltaNet:
             d = mixer
             L.kind, L.Hk, L.Hv, L.Kd, L.Vd, L.kernel = 0, d.num_k_heads, d.num_v_heads, d.head_k_dim, d.head_v_dim, d.kernel
-            if d.num_v_heads % d.num_k_heads or L.Nin != d.conv_dim + d.value_dim + 2 * d.num_v_heads:
+            if d.num_v_heads % d.num_k_heads or L.off[1] < d.conv_dim or L.off[2] < L.off[1] + d.value_dim:
                 raise Ineligible(f"layer {i}'s DeltaNet heads do not fit its projections")
             L.out = _linear(d.out_proj, prepared, params)
             L.taps = _bf16(param(d.conv1d, "weight"), f"layer {i}'s conv").data_ptr()  # [C, 1, kernel]: [C, kernel]
