@@ -5,7 +5,11 @@
  * same code in the same order whatever the batch, the width T and the cache length, so a verify row and a batch row
  * are bit for bit their plain step (eager SDPA over a slice of the cache did the same at ~1 ms a call at the 0.8B
  * shape: it is built for long queries). Dot products run in 8 fixed lanes, summed in a fixed tree; built with
- * -ffp-contract=off. */
+ * -ffp-contract=off. The softmax's exp is native.h's vector exp (~1 ulp, as libm's).
+ *
+ * The work is split by (row, kv head): the G*T queries that read one kv head (its G query heads, at T positions) go
+ * through its keys and values together, so each key and value is widened to fp32 once per call rather than once per
+ * query; every query still reduces over its own keys in their order, so its arithmetic is the one-query form's. */
 
 #include <math.h>
 #include <stdint.h>
@@ -21,61 +25,107 @@ static void widen(const void* src, int64_t n, int bf16, float* dst) {
         memcpy(dst, src, sizeof(float) * (size_t)n);
 }
 
+/* sum of a[i] * b[i] over D (% 8 == 0) in 8 lanes, lane l taking i = l mod 8 in order, then the lanes as
+ * ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)) */
+static inline float dot8(const float* a, const float* b, int64_t D) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < D; i += 8) acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1)); /* l0+l4 .. l3+l7 */
+    const __m128 h = _mm_hadd_ps(s4, s4); /* (l0+l4)+(l1+l5), (l2+l6)+(l3+l7) */
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+/* p[j] := exp(p[j] - m) for j < n, 8 at a time (native.h's exp8: the same arithmetic for every lane, so a score's
+ * weight does not depend on where it sits; the tail through the same vector code) */
+static void exp_shifted(float* p, int64_t n, float m) {
+    const __m256 mv = _mm256_set1_ps(m);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(p + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv)));
+    if (j < n) {
+        float tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        memcpy(tail, p + j, sizeof(float) * (size_t)(n - j));
+        _mm256_storeu_ps(tail, exp8(_mm256_sub_ps(_mm256_loadu_ps(tail), mv)));
+        memcpy(p + j, tail, sizeof(float) * (size_t)(n - j));
+    }
+}
+
 /* q [B, A, T, D] at strides (sq0, sq1, sq2) (last 1), k [B, Hk, S, D] and v [B, Hk, S, Dv] contiguous, starts [B]
  * (row b's token t sits at position starts[b] + t) -> out [B, A, T, Dv] contiguous, in the model dtype. D % 8 == 0.
  * Query head a reads kv head a / (A / Hk). 0, or -1 when out of memory. */
 int attend_decode(int64_t B, int64_t A, int64_t T, int64_t Hk, int64_t S, int64_t D, int64_t Dv, int bf16,
                   const void* q, int64_t sq0, int64_t sq1, int64_t sq2, const void* k, const void* v,
                   const int64_t* starts, float scale, void* out, int nthreads) {
-    const int64_t G = A / Hk;
+    const int64_t G = A / Hk, Q = G * T; /* queries per kv head */
     const size_t es = bf16 ? 2 : 4;
     int failed = 0;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && B * A * T > 1)
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && B * Hk > 1)
     {
-        float* buf = malloc(sizeof(float) * (size_t)(D + 2 * Dv + S + Dv));
-        float *qf = buf, *kf = buf + D, *acc = kf + (D > Dv ? D : Dv), *p = acc + Dv;
-        if (!buf) {
+        /* per query: its row (D), its scores over the keys (S), its running output (Dv), max and sum; one key/value */
+        float* buf = malloc(sizeof(float) * (size_t)(Q * (D + S + Dv + 2) + (D > Dv ? D : Dv)));
+        int64_t* n = malloc(sizeof(int64_t) * (size_t)Q); /* keys each query sees: 0..its position */
+        if (!buf || !n) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
-        for (int64_t w = 0; w < B * A * T; w++) {
-            if (!buf) continue;
-            const int64_t b = w / (A * T), a = (w / T) % A, t = w % T, h = a / G;
-            const int64_t n = starts[b] + t + 1; /* keys 0..position */
-            if (n > S) continue;
-            widen((const char*)q + (size_t)(b * sq0 + a * sq1 + t * sq2) * es, D, bf16, qf);
+        for (int64_t w = 0; w < B * Hk; w++) {
+            if (!buf || !n) continue;
+            const int64_t b = w / Hk, h = w % Hk;
+            float *qf = buf, *p = qf + Q * D, *acc = p + Q * S, *m = acc + Q * Dv, *sum = m + Q, *kf = sum + Q;
+            int64_t most = 0, nq = 0;
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t t = 0; t < T; t++, nq++) {
+                    const int64_t a = h * G + g;
+                    n[nq] = starts[b] + t + 1;
+                    if (n[nq] > S) n[nq] = 0; /* (the caller checks: past the cache, nothing is attended) */
+                    most = n[nq] > most ? n[nq] : most;
+                    widen((const char*)q + (size_t)(b * sq0 + a * sq1 + t * sq2) * es, D, bf16, qf + nq * D);
+                    m[nq] = -INFINITY;
+                }
             const char* kb = (const char*)k + (size_t)((b * Hk + h) * S * D) * es;
             const char* vb = (const char*)v + (size_t)((b * Hk + h) * S * Dv) * es;
-            float m = -INFINITY;
-            for (int64_t j = 0; j < n; j++) {
+            for (int64_t j = 0; j < most; j++) {
                 widen(kb + (size_t)(j * D) * es, D, bf16, kf);
-                float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-                for (int64_t i = 0; i < D; i += 8)
-                    for (int l = 0; l < 8; l++) lane[l] += qf[i + l] * kf[i + l];
-                const float s = (((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]))) * scale;
-                p[j] = s;
-                m = s > m ? s : m;
+                for (int64_t i_q = 0; i_q < Q; i_q++) {
+                    if (j >= n[i_q]) continue;
+                    const float s = dot8(qf + i_q * D, kf, D) * scale;
+                    p[i_q * S + j] = s;
+                    m[i_q] = s > m[i_q] ? s : m[i_q];
+                }
             }
-            float sum = 0.0f;
-            for (int64_t j = 0; j < n; j++) {
-                p[j] = expf(p[j] - m);
-                sum += p[j];
+            for (int64_t i_q = 0; i_q < Q; i_q++) {
+                float* pq = p + i_q * S;
+                exp_shifted(pq, n[i_q], m[i_q]);
+                float total = 0.0f;
+                for (int64_t j = 0; j < n[i_q]; j++) total += pq[j];
+                sum[i_q] = total;
+                for (int64_t i = 0; i < Dv; i++) acc[i_q * Dv + i] = 0.0f;
             }
-            for (int64_t i = 0; i < Dv; i++) acc[i] = 0.0f;
-            for (int64_t j = 0; j < n; j++) {
+            for (int64_t j = 0; j < most; j++) {
                 widen(vb + (size_t)(j * Dv) * es, Dv, bf16, kf);
-                const float pj = p[j];
-                for (int64_t i = 0; i < Dv; i++) acc[i] += pj * kf[i];
+                for (int64_t i_q = 0; i_q < Q; i_q++) {
+                    if (j >= n[i_q]) continue;
+                    const float pj = p[i_q * S + j];
+                    float* aq = acc + i_q * Dv;
+                    for (int64_t i = 0; i < Dv; i++) aq[i] += pj * kf[i];
+                }
             }
-            const float inv = 1.0f / sum;
-            const int64_t o = ((b * A + a) * T + t) * Dv;
-            if (bf16)
-                for (int64_t i = 0; i < Dv; i++) ((uint16_t*)out)[o + i] = to_bf16(acc[i] * inv);
-            else
-                for (int64_t i = 0; i < Dv; i++) ((float*)out)[o + i] = acc[i] * inv;
+            nq = 0;
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t t = 0; t < T; t++, nq++) {
+                    if (!n[nq]) continue;
+                    const int64_t a = h * G + g;
+                    const float inv = 1.0f / sum[nq];
+                    const int64_t o = ((b * A + a) * T + t) * Dv;
+                    const float* aq = acc + nq * Dv;
+                    if (bf16)
+                        for (int64_t i = 0; i < Dv; i++) ((uint16_t*)out)[o + i] = to_bf16(aq[i] * inv);
+                    else
+                        for (int64_t i = 0; i < Dv; i++) ((float*)out)[o + i] = aq[i] * inv;
+                }
         }
         free(buf);
+        free(n);
     }
     return failed ? -1 : 0;
 }
