@@ -65,7 +65,8 @@ class DraftPolicy:
     with E(k) from the acceptance pooled over the batch (exponential forgetting) and t_round the measured time of a
     round at that batch size and k (EMA; unseen k interpolated from the ones seen at this B, or scaled from the nearest
     B). Verifying B(k+1) tokens costs more per token as the batch grows, so k falls with B, down to 0 (MTP off) where
-    extra verified tokens stop paying. Every 8th round tries k+1 and every 8th (offset) k-1, to keep measuring."""
+    extra verified tokens stop paying. The second round measures k = 0 (the baseline); every 8th round tries k+1
+    (every 32nd from k = 0) and every 8th (offset) k-1, to keep measuring."""
 
     k_fixed: int | None  # None: auto; 0: MTP off
     k_max: int = 6
@@ -134,7 +135,10 @@ class DraftPolicy:
             if batch * expected / t > best:
                 best_k, best = k, batch * expected / t
         self.k_last = best_k
-        if self.n % self.probe_every == 0 and best_k < self.k_max:
+        if self.n == 2 and (batch, 0) not in self.times:  # measure a plain step early: the baseline drafting must beat
+            return 0
+        # probe one draft more every 8th round; from k = 0 every 32nd (where drafting does not pay, a probe costs most)
+        if self.n % (self.probe_every * (4 if best_k == 0 else 1)) == 0 and best_k < self.k_max:
             return best_k + 1
         if self.n % self.probe_every == self.probe_every // 2 and best_k > 0:
             return best_k - 1
