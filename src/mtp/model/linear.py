@@ -198,10 +198,11 @@ def _int4_pack(wq: Int4Weight) -> tuple[torch.Tensor, torch.Tensor, int]:
 
 
 def _native_int4(wq: Int4Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Int4Weight (natural input order) -> the qmatmul int4 operands: packed codes uint8 [N, K/2], scale and offset
-    fp32 [N, K/group], with w = (q - zero) * scale = q * scale + low."""
-    scale = wq.scale.float().contiguous()
-    return qmatmul.pack_int4(wq.codes), scale, (-wq.zero.float() * scale).contiguous()
+    """Int4Weight (natural input order) -> the qmatmul int4 operands, interleaved by groups of 8 outputs: packed codes
+    uint8 [N/8, 4K], scale and offset fp32 [N/8, K/group * 8], with w = (q - zero) * scale = q * scale + low."""
+    scale = wq.scale.float()
+    low = -wq.zero.float() * scale
+    return qmatmul.pack_int4(wq.codes), qmatmul.pack_int4_groups(scale), qmatmul.pack_int4_groups(low)
 
 
 class ReleasedWeightError(RuntimeError):
@@ -286,14 +287,14 @@ class FastLinear(nn.Linear):
 
     def _set_int4_rows(self, w: torch.Tensor, group: int) -> None:
         """`_set_int4(Int4Weight.quantize(w, group))` for the qmatmul kernel, QUANT_ROWS output rows at a time (its
-        packing is by row, so the result is the same): the [N, K] unpacked codes are never held at once."""
+        packing is by groups of 8 rows, so the result is the same): the [N, K] unpacked codes are never held at once."""
         N, K = w.shape
         self._perm, self._native, self._group = None, True, group
-        self._packed = torch.empty(N, K // 2, dtype=torch.uint8)
-        self._sz, self._low = torch.empty(N, K // group), torch.empty(N, K // group)
-        for i in range(0, N, QUANT_ROWS):
-            rows = slice(i, i + QUANT_ROWS)
-            self._packed[rows], self._sz[rows], self._low[rows] = _native_int4(Int4Weight.quantize(w[rows], group))
+        self._packed = torch.empty(N // 8, 4 * K, dtype=torch.uint8)
+        self._sz, self._low = torch.empty(N // 8, K // group * 8), torch.empty(N // 8, K // group * 8)
+        for i in range(0, N, QUANT_ROWS):  # (QUANT_ROWS % 8 == 0)
+            groups = slice(i // 8, (i + QUANT_ROWS) // 8)
+            self._packed[groups], self._sz[groups], self._low[groups] = _native_int4(Int4Weight.quantize(w[i : i + QUANT_ROWS], group))
 
     @property
     def released(self) -> bool:
@@ -492,10 +493,14 @@ class FusedProjections:
         elif f.kernel == "int8":
             f._packed, f._scale = cat("_packed"), cat("_scale")
             views = ("_packed", "_scale")
-        elif f._native:
+        elif f._native:  # int4 layers have a multiple of 16 outputs: every part starts at a group of 8
             f._perm, f._group = parts[0]._perm, parts[0]._group  # the parts' own (`fusable`: all alike)
             f._packed, f._sz, f._low = cat("_packed"), cat("_sz"), cat("_low")
-            views = ("_packed", "_sz", "_low")
+            start = 0
+            for p, n in zip(parts, self.sizes):
+                p._packed, p._sz, p._low = (t[start // 8 : (start + n) // 8] for t in (f._packed, f._sz, f._low))
+                start += n
+            views = ()
         else:
             if int4 is None:
                 raise ValueError("fusing int4 layers for torch's kernel needs their Int4Weights (its packing is not by row)")

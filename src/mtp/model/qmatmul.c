@@ -207,102 +207,101 @@ static void q8_tile(const uint8_t* w, int64_t g0, int64_t GS, int64_t K, const Q
         }
 }
 
-/* int4 codes (pack_int4 in qmatmul.py): blocks of 32 codes in pairs, 32 bytes a pair, byte j = q[j] | q[32 + j] << 4
- * (one load, one shift and two masks widen both blocks); an odd last block alone in 16 bytes, byte j = q[j] |
- * q[16 + j] << 4. */
-static inline __m256i q4_block(const uint8_t* w, int64_t b, int64_t nb) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    if ((b | 1) < nb) {
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(w + (b & ~(int64_t)1) * 16));
-        return _mm256_and_si256(b & 1 ? _mm256_srli_epi16(v, 4) : v, low);
-    }
-    const __m128i t = _mm_loadu_si128((const __m128i*)(w + b * 16));
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), low);
-}
+/* int4 codes (pack_int4 in qmatmul.py), interleaved as the int8 ones: groups of 8 outputs, [N/8][K/8][8][4] bytes,
+ * byte (g, c, j, i) = output 8g+j's code for input 8c+i in its low nibble and for input 8c+4+i in its high one, so
+ * one 32-byte load, a mask and a shift give two chunks of 4 inputs x 8 outputs. Codes are 0..15 (unsigned): the
+ * u8 x s8 products need no sign trick in either build (AVX2 pairs: 2 * 15 * 127 < 32768). Scales s and offsets lo
+ * per (output, group of G inputs) are interleaved the same way, [N/8][K/G][8]. Per output: gacc = fma(dx[b], p[b],
+ * gacc) over a group's blocks in order, acc = fma(s[g], gacc, acc) and off += lo[g] * xg[g] over the groups in order
+ * (xg: the group's activation sum, in float), y = acc + off: one order whatever the tile, rows and threads. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define Q4_DOT(acc, w, x) _mm256_dpbusd_epi32(acc, w, x)
+#else
+#define Q4_DOT(acc, w, x) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)))
+#endif
 
-/* One group's products for R rows, dx * (block's integer product) summed per row in block order: groups of an even
- * number of blocks run their even and odd blocks in two chains (added at the group's end), which halves the chain
- * of dependent multiply-adds; the order depends only on K and the group size, never on R. */
-#define Q4_STEP(R, ACC, Q, B)                                                                                          \
-    _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {                                                              \
-        const __m256i p = dot_u8s8(Q, _mm256_loadu_si256((const __m256i*)(xq + i * K + (B) * 32)));                    \
-        ACC[i] = _mm256_fmadd_ps(_mm256_set1_ps(dx[i * nb + (B)]), _mm256_cvtepi32_ps(p), ACC[i]);                    \
-    }
-
-/* The offset term of a group, lo * sum_k x[k], uses the block sums of the activation codes (xg: per group, sum of
- * dx * xs). */
-#define Q4_TILE(R)                                                                                                    \
-    static inline void q4_tile_##R(const uint8_t* w, const float* s, const float* lo, const int8_t* xq,             \
-                                   const float* dx, const float* xg, int64_t K, int64_t nb, int64_t bpg, int64_t ng, \
+#define Q4_TILE(R, GS)                                                                                               \
+    static void q4_tile_##R##_##GS(const uint8_t* w, const float* s, const float* lo, int64_t g0, int64_t K,       \
+                                   int64_t G, const int8_t* xq, const float* dx, const float* xg, int64_t nb,       \
                                    float* out) {                                                                     \
         const __m256i low = _mm256_set1_epi8(0x0F);                                                                  \
-        __m256 acc[R];                                                                                               \
-        float off[R];                                                                                                \
-        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {                                                          \
-            acc[i] = _mm256_setzero_ps();                                                                            \
-            off[i] = 0.0f;                                                                                           \
-        }                                                                                                            \
-        for (int64_t g = 0; g < ng; g++) {                                                                           \
-            __m256 ge[R], go[R];                                                                                     \
-            _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) ge[i] = go[i] = _mm256_setzero_ps();                   \
-            _mm_prefetch((const char*)(w + g * bpg * 16 + PREFETCH / 2), _MM_HINT_T0);                               \
-            if (bpg % 2 == 0) {                                                                                      \
-                for (int64_t b = g * bpg; b < (g + 1) * bpg; b += 2) {                                               \
-                    const __m256i v = _mm256_loadu_si256((const __m256i*)(w + b * 16));                              \
-                    const __m256i qe = _mm256_and_si256(v, low), qo = _mm256_and_si256(_mm256_srli_epi16(v, 4), low); \
-                    Q4_STEP(R, ge, qe, b)                                                                              \
-                    Q4_STEP(R, go, qo, b + 1)                                                                          \
+        const int64_t ng = K / G, bpg = G / 32, KP = K / 8;                                                          \
+        __m256 acc[R][GS], off[R][GS];                                                                               \
+        for (int r = 0; r < R; r++)                                                                                  \
+            for (int g = 0; g < GS; g++) acc[r][g] = off[r][g] = _mm256_setzero_ps();                                \
+        for (int64_t q = 0; q < ng; q++) {                                                                           \
+            __m256 ga[R][GS];                                                                                        \
+            for (int r = 0; r < R; r++)                                                                              \
+                for (int g = 0; g < GS; g++) ga[r][g] = _mm256_setzero_ps();                                         \
+            for (int64_t b = q * bpg; b < (q + 1) * bpg; b++) {                                                      \
+                __m256i ia[R][GS], ib[R][GS];                                                                        \
+                for (int r = 0; r < R; r++)                                                                          \
+                    for (int g = 0; g < GS; g++) ia[r][g] = ib[r][g] = _mm256_setzero_si256();                       \
+                for (int g = 0; g < GS; g++) _mm_prefetch((const char*)(w + ((g0 + g) * KP + b * 4) * 32 + PREFETCH), _MM_HINT_T0); \
+                for (int c = 0; c < 4; c++) {                                                                        \
+                    __m256i w0[GS], w1[GS];                                                                          \
+                    for (int g = 0; g < GS; g++) {                                                                   \
+                        const __m256i v = _mm256_loadu_si256((const __m256i*)(w + ((g0 + g) * KP + b * 4 + c) * 32)); \
+                        w0[g] = _mm256_and_si256(v, low);                                                            \
+                        w1[g] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);                                      \
+                    }                                                                                                \
+                    for (int r = 0; r < R; r++) {                                                                    \
+                        const int8_t* xr = xq + r * K + b * 32 + c * 8;                                              \
+                        const __m256i x0 = bcast4(xr), x1 = bcast4(xr + 4);                                          \
+                        for (int g = 0; g < GS; g++) {                                                               \
+                            ia[r][g] = Q4_DOT(ia[r][g], w0[g], x0);                                                  \
+                            ib[r][g] = Q4_DOT(ib[r][g], w1[g], x1);                                                  \
+                        }                                                                                            \
+                    }                                                                                                \
                 }                                                                                                    \
-            } else {                                                                                                 \
-                for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {                                                  \
-                    const __m256i q = q4_block(w, b, nb);                                                            \
-                    Q4_STEP(R, ge, q, b)                                                                               \
+                for (int r = 0; r < R; r++) {                                                                        \
+                    const __m256 d = _mm256_set1_ps(dx[r * nb + b]);                                                 \
+                    for (int g = 0; g < GS; g++)                                                                     \
+                        ga[r][g] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(ia[r][g], ib[r][g])), ga[r][g]); \
                 }                                                                                                    \
             }                                                                                                        \
-            const __m256 sg = _mm256_set1_ps(s[g]);                                                                  \
-            _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) {                                                      \
-                acc[i] = _mm256_fmadd_ps(sg, _mm256_add_ps(ge[i], go[i]), acc[i]);                                   \
-                off[i] += lo[g] * xg[i * ng + g];                                                                    \
+            for (int g = 0; g < GS; g++) {                                                                           \
+                const __m256 sv = _mm256_loadu_ps(s + ((g0 + g) * ng + q) * 8);                                      \
+                const __m256 lv = _mm256_loadu_ps(lo + ((g0 + g) * ng + q) * 8);                                     \
+                for (int r = 0; r < R; r++) {                                                                        \
+                    acc[r][g] = _mm256_fmadd_ps(sv, ga[r][g], acc[r][g]);                                            \
+                    off[r][g] = _mm256_add_ps(off[r][g], _mm256_mul_ps(lv, _mm256_set1_ps(xg[r * ng + q])));         \
+                }                                                                                                    \
             }                                                                                                        \
         }                                                                                                            \
-        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) out[i] = hsum(acc[i]) + off[i];                            \
+        for (int r = 0; r < R; r++)                                                                                  \
+            for (int g = 0; g < GS; g++) _mm256_storeu_ps(out + (r * GS + g) * 8, _mm256_add_ps(acc[r][g], off[r][g])); \
     }
-Q4_TILE(1)
-Q4_TILE(2)
-Q4_TILE(3)
-Q4_TILE(4)
+Q4_TILE(1, 2)
+Q4_TILE(2, 2)
+Q4_TILE(3, 2)
+Q4_TILE(4, 2)
+Q4_TILE(1, 1)
+Q4_TILE(2, 1)
+Q4_TILE(3, 1)
+Q4_TILE(4, 1)
 
-/* One row against two weight rows a and b (groups of an even number of blocks): q4_tile_1's arithmetic for each,
- * interleaved, so that one output's tail (the horizontal sum, the offset, the store) overlaps the other's products:
- * at the shipped model's widths that tail was half of a 1-row product. Each output's bits are q4_tile_1's. */
-static inline void q4_pair_1(const uint8_t* wa, const uint8_t* wb, const float* sa, const float* sb, const float* la,
-                             const float* lb, const int8_t* xq, const float* dx, const float* xg, int64_t bpg,
-                             int64_t ng, float* oa, float* ob) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    __m256 acc_a = _mm256_setzero_ps(), acc_b = _mm256_setzero_ps();
-    float off_a = 0.0f, off_b = 0.0f;
-    for (int64_t g = 0; g < ng; g++) {
-        __m256 ea = _mm256_setzero_ps(), oda = _mm256_setzero_ps(), eb = _mm256_setzero_ps(), odb = _mm256_setzero_ps();
-        _mm_prefetch((const char*)(wa + g * bpg * 16 + PREFETCH / 2), _MM_HINT_T0);
-        _mm_prefetch((const char*)(wb + g * bpg * 16 + PREFETCH / 2), _MM_HINT_T0);
-        for (int64_t b = g * bpg; b < (g + 1) * bpg; b += 2) {
-            const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xq + b * 32));
-            const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xq + (b + 1) * 32));
-            const __m256 d0 = _mm256_set1_ps(dx[b]), d1 = _mm256_set1_ps(dx[b + 1]);
-            const __m256i va = _mm256_loadu_si256((const __m256i*)(wa + b * 16));
-            const __m256i vb = _mm256_loadu_si256((const __m256i*)(wb + b * 16));
-            ea = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(dot_u8s8(_mm256_and_si256(va, low), x0)), ea);
-            eb = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(dot_u8s8(_mm256_and_si256(vb, low), x0)), eb);
-            oda = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(dot_u8s8(_mm256_and_si256(_mm256_srli_epi16(va, 4), low), x1)), oda);
-            odb = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(dot_u8s8(_mm256_and_si256(_mm256_srli_epi16(vb, 4), low), x1)), odb);
-        }
-        acc_a = _mm256_fmadd_ps(_mm256_set1_ps(sa[g]), _mm256_add_ps(ea, oda), acc_a);
-        acc_b = _mm256_fmadd_ps(_mm256_set1_ps(sb[g]), _mm256_add_ps(eb, odb), acc_b);
-        off_a += la[g] * xg[g];
-        off_b += lb[g] * xg[g];
+static void q4_tile(const uint8_t* w, const float* s, const float* lo, int64_t G, int64_t g0, int64_t GS, int64_t K,
+                    const QRows* q, const float* xg, int64_t m0, int64_t R, const float* bias, int64_t N, uint16_t* y) {
+    const int64_t nb = K / 32, ng = K / G;
+    const int8_t* xq = q->xq + m0 * K;
+    const float *dx = q->dx + m0 * nb, *xr = xg + m0 * ng;
+    float o[4 * 2 * 8];
+    switch (GS * 8 + R) {
+        case 17: q4_tile_1_2(w, s, lo, g0, K, G, xq, dx, xr, nb, o); break;
+        case 18: q4_tile_2_2(w, s, lo, g0, K, G, xq, dx, xr, nb, o); break;
+        case 19: q4_tile_3_2(w, s, lo, g0, K, G, xq, dx, xr, nb, o); break;
+        case 20: q4_tile_4_2(w, s, lo, g0, K, G, xq, dx, xr, nb, o); break;
+        case 9: q4_tile_1_1(w, s, lo, g0, K, G, xq, dx, xr, nb, o); break;
+        case 10: q4_tile_2_1(w, s, lo, g0, K, G, xq, dx, xr, nb, o); break;
+        case 11: q4_tile_3_1(w, s, lo, g0, K, G, xq, dx, xr, nb, o); break;
+        default: q4_tile_4_1(w, s, lo, g0, K, G, xq, dx, xr, nb, o);
     }
-    *oa = hsum(acc_a) + off_a;
-    *ob = hsum(acc_b) + off_b;
+    for (int64_t i = 0; i < R; i++)
+        for (int64_t j = 0; j < GS * 8; j++) {
+            const int64_t n = g0 * 8 + j;
+            if (n < N) y[(m0 + i) * N + n] = to_bf16(bias ? o[i * GS * 8 + j] + bias[n] : o[i * GS * 8 + j]);
+        }
 }
 
 /* x bf16 [M, K], w int8 codes interleaved as above ([ceil(N/8)][K/4][8][4]), sw fp32 [N], bias fp32 [N] or NULL ->
@@ -316,7 +315,7 @@ int q8_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const f
         free_rows(&q);
         return -1;
     }
-    const int64_t G = (N + 7) / 8, GS = M == 1 ? 1 : 2, sets = (G + GS - 1) / GS;
+    const int64_t G = (N + 7) / 8, GS = 1, sets = (G + GS - 1) / GS;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t set = 0; set < sets; set++) {
         const int64_t g0 = set * GS, gs = G - g0 < GS ? G - g0 : GS;
@@ -331,8 +330,9 @@ int q8_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const f
     return 0;
 }
 
-/* x bf16 [M, K], w uint8 [N, K/2] (int4 codes as above), s and lo fp32 [N, K/G], bias fp32 [N] or NULL -> y bf16
- * [M, N]. G % 32 == 0, K % G == 0. 0 or -1 (memory). */
+/* x bf16 [M, K], w int4 codes interleaved as above ([ceil(N/8)][K/8][8][4], the last group padded), s and lo fp32
+ * [ceil(N/8)][K/G][8], bias fp32 [N] or NULL -> y bf16 [M, N]. G % 32 == 0, K % G == 0. 0 or -1 (memory). Threads split the output groups
+ * (one at a time for one row, two for more, as q8_linear). */
 int q4_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const float* s, const float* lo, int64_t G,
               const float* bias, int64_t N, uint16_t* y, int nthreads) {
     QRows q = {0}; /* free_rows frees it whatever failed */
@@ -349,34 +349,15 @@ int q4_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const f
             for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) t += q.dx[m * nb + b] * (float)q.xs[m * nb + b];
             xg[m * ng + g] = t;
         }
-    const int paired = M == 1 && bpg % 2 == 0; /* a plain step: outputs in pairs (q4_pair_1), the bits of one by one */
-    if (paired) {
+    const int64_t NG = (N + 7) / 8, GS = M == 1 ? 1 : 2, sets = (NG + GS - 1) / GS;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int64_t p = 0; p < N / 2; p++) {
-            const int64_t n = 2 * p;
-            float o[2];
-            q4_pair_1(w + n * (K / 2), w + (n + 1) * (K / 2), s + n * ng, s + (n + 1) * ng, lo + n * ng,
-                      lo + (n + 1) * ng, q.xq, q.dx, xg, bpg, ng, o, o + 1);
-            for (int i = 0; i < 2; i++) y[n + i] = to_bf16(bias ? o[i] + bias[n + i] : o[i]);
-        }
-    }
-    /* every output of more rows, or the ones left: the odd last output, or all where groups have odd block counts */
-    const int64_t first = paired ? N / 2 * 2 : 0;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n = first; n < N; n++) {
+    for (int64_t set = 0; set < sets; set++) {
+        const int64_t g0 = set * GS, gs = NG - g0 < GS ? NG - g0 : GS;
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
             const int64_t r = M - m0 < 4 ? M - m0 : 4;
-            const uint8_t* wr = w + n * (K / 2);
-            const float *sn = s + n * ng, *ln = lo + n * ng, *d = q.dx + m0 * nb, *g = xg + m0 * ng;
-            const int8_t* xr = q.xq + m0 * K;
-            float o[4];
-            switch (r) {
-                case 1: q4_tile_1(wr, sn, ln, xr, d, g, K, nb, bpg, ng, o); break;
-                case 2: q4_tile_2(wr, sn, ln, xr, d, g, K, nb, bpg, ng, o); break;
-                case 3: q4_tile_3(wr, sn, ln, xr, d, g, K, nb, bpg, ng, o); break;
-                default: q4_tile_4(wr, sn, ln, xr, d, g, K, nb, bpg, ng, o);
-            }
-            for (int64_t i = 0; i < r; i++) y[(m0 + i) * N + n] = to_bf16(bias ? o[i] + bias[n] : o[i]);
+            if (gs == GS) q4_tile(w, s, lo, G, g0, GS, K, &q, xg, m0, r, bias, N, y);
+            else
+                for (int64_t g = g0; g < NG; g++) q4_tile(w, s, lo, G, g, 1, K, &q, xg, m0, r, bias, N, y);
         }
     }
     free(xg);

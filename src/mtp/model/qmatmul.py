@@ -73,17 +73,20 @@ def pack_int8(codes: torch.Tensor) -> torch.Tensor:
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """int4 codes uint8 [N, K] in 0..15 -> uint8 [N, K/2]: the blocks of 32 codes in pairs, 32 bytes a pair, byte j =
-    q[j] | q[32 + j] << 4 (the kernel widens both blocks with one load, one shift and two masks); an odd last block
-    alone in 16 bytes, byte j = q[j] | q[16 + j] << 4."""
+    """int4 codes uint8 [N, K] in 0..15 (K % 8 == 0) -> uint8 [ceil(N/8), 4K], the q4 kernel's interleaved layout: per
+    group of 8 outputs (the last padded with zero codes), per 8 inputs, 32 bytes, byte (j, i) = q[j, i] | q[j, 4 + i] << 4."""
+    codes = F.pad(codes, (0, 0, 0, -codes.shape[0] % 8))
     N, K = codes.shape
-    pairs = K // (2 * BLOCK) * 2 * BLOCK
-    c = codes[:, :pairs].reshape(N, -1, 2, BLOCK)
-    parts = [(c[:, :, 0] | (c[:, :, 1] << 4)).reshape(N, pairs // 2)]
-    if pairs < K:
-        t = codes[:, pairs:]
-        parts.append(t[:, :16] | (t[:, 16:] << 4))
-    return torch.cat(parts, 1).contiguous() if len(parts) > 1 else parts[0].contiguous()
+    c = codes.reshape(N // 8, 8, K // 8, 2, 4).permute(0, 2, 1, 3, 4)  # [N/8, K/8, 8 outputs, 2 halves, 4 inputs]
+    return (c[..., 0, :] | (c[..., 1, :] << 4)).reshape(N // 8, 4 * K).contiguous()
+
+
+def pack_int4_groups(t: torch.Tensor) -> torch.Tensor:
+    """Per-(output, group) fp32 values [N, K/G] (int4 scales, offsets) -> [ceil(N/8), K/G * 8], interleaved as the
+    codes (zeros for the pad outputs)."""
+    t = F.pad(t, (0, 0, 0, -t.shape[0] % 8))
+    N, ng = t.shape
+    return t.reshape(N // 8, 8, ng).transpose(1, 2).reshape(N // 8, ng * 8).contiguous()
 
 
 def _library() -> ctypes.CDLL:
@@ -115,10 +118,14 @@ def q8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch
 
 def q4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, group: int,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x bf16 [M, K] (contiguous) times int4 codes (`pack_int4`, [N, K/2]) with fp32 scales and offsets [N, K/group]
-    (w ~ codes * scale + low per group), plus fp32 bias [N] -> bf16 [M, N]."""
+    """x bf16 [M, K] (contiguous) times int4 codes (`pack_int4`) with fp32 scales and offsets (w ~ codes * scale + low
+    per group) - [N, K/group], interleaved here, or interleaved (`pack_int4_groups`, what a prepared layer holds: its
+    N is a multiple of 8) - plus fp32 bias [N] -> bf16 [M, N]."""
     M, K = x.shape
-    N = packed.shape[0]
+    N = packed.shape[0] * 8
+    if scale.shape[0] != packed.shape[0]:
+        N = scale.shape[0]
+        scale, low = pack_int4_groups(scale), pack_int4_groups(low)
     y = torch.empty(M, N, dtype=torch.bfloat16)
     if M:
         _check(_library().q4_linear(x.data_ptr(), M, K, packed.data_ptr(), scale.data_ptr(), low.data_ptr(), group, _bias(bias),
