@@ -15,23 +15,27 @@
 
 /* 8 values of a bf16 row starting at p (n <= 8 of them; the rest zeros) as floats */
 static inline __m256 load8(const uint16_t* p, int64_t n) {
-    float f[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int64_t i = 0; i < n; i++) f[i] = bf16_to_f(p[i]);
-    return _mm256_loadu_ps(f);
+    if (n == 8) return bf16x8_to_f(p);
+    uint16_t h[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    memcpy(h, p, sizeof(uint16_t) * (size_t)n);
+    return bf16x8_to_f(h);
 }
 
 static inline void store8(uint16_t* p, __m256 v, int64_t n) {
-    float f[8];
-    _mm256_storeu_ps(f, v);
-    for (int64_t i = 0; i < n; i++) p[i] = to_bf16(f[i]);
+    if (n == 8) {
+        f_to_bf16x8(p, v);
+        return;
+    }
+    uint16_t h[8];
+    f_to_bf16x8(h, v);
+    memcpy(p, h, sizeof(uint16_t) * (size_t)n);
 }
 
 /* round to bf16 and back, 8 lanes (the same rounding as to_bf16, NaN kept) */
 static inline __m256 round8(__m256 v) {
-    float f[8];
-    _mm256_storeu_ps(f, v);
-    for (int i = 0; i < 8; i++) f[i] = round_bf16(f[i]);
-    return _mm256_loadu_ps(f);
+    uint16_t h[8];
+    f_to_bf16x8(h, v);
+    return bf16x8_to_f(h);
 }
 
 static inline __m256 sigmoid8(__m256 v) {

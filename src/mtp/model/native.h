@@ -45,4 +45,22 @@ static inline __m256 exp8(__m256 x) {
 
 static inline float round_bf16(float f) { return bf16_to_f(to_bf16(f)); } /* float rounded to bfloat16, as a float */
 
+/* 8 bf16 -> 8 floats (exact) */
+static inline __m256 bf16x8_to_f(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+/* 8 floats -> 8 bf16 as to_bf16 rounds them (nearest even, NaN kept a NaN) */
+static inline void f_to_bf16x8(uint16_t* p, __m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i rounded = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
+                         _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    const __m256i h = _mm256_blendv_epi8(rounded, quiet, nan); /* 8 x 32 bits, each < 2^16 */
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    _mm_storeu_si128((__m128i*)p, packed);
+}
+
 #endif
