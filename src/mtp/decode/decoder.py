@@ -103,7 +103,10 @@ class Decoder:
             if compile:
                 raise ValueError("drafting from mask tokens runs eagerly: compile=True is not supported with a masks adapter")
             limit = min(MAX_DRAFT, model.masks.config.masks)
-        self.policy = DraftPolicy.from_arg(draft_tokens if use_mtp or use_masks else None, limit)
+        # round times measured by earlier decoders of this model in the same setup (`DraftPolicy.from_arg`)
+        setup = (compile, torch.get_num_threads(), draft_vocab is not None, use_masks, max_batch)
+        times = model.__dict__.setdefault("_round_times", {}).setdefault(setup, {})
+        self.policy = DraftPolicy.from_arg(draft_tokens if use_mtp or use_masks else None, limit, times)
         self.max_len = min(max_len, model.context_length)
         slots = cache_slots(self.max_len, compile, model.context_length)
         model.prepare_decode(slots)

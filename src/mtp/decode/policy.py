@@ -66,7 +66,8 @@ class DraftPolicy:
     round at that batch size and k (EMA; unseen k interpolated from the ones seen at this B, or scaled from the nearest
     B). Verifying B(k+1) tokens costs more per token as the batch grows, so k falls with B, down to 0 (MTP off) where
     extra verified tokens stop paying. The second round measures k = 0 (the baseline); every 8th round tries k+1
-    (every 32nd from k = 0) and every 8th (offset) k-1, to keep measuring."""
+    (from k = 0 every 32nd, doubling up to every 256th while the probes find k = 0 best) and every 8th (offset)
+    k-1, to keep measuring."""
 
     k_fixed: int | None  # None: auto; 0: MTP off
     k_max: int = 6
@@ -75,13 +76,19 @@ class DraftPolicy:
     k_last: int = 2
     probe_every: int = 8
     n: int = 0
+    quiet: int = 0  # probes from k = 0 in a row that left it at 0 (each doubles the next wait, up to 8x)
+    probed: bool = False  # the last round was a probe from k = 0
 
     @classmethod
-    def from_arg(cls, draft_tokens: int | str | None, limit: int) -> DraftPolicy:
+    def from_arg(cls, draft_tokens: int | str | None, limit: int,
+                 times: dict[tuple[int, int], float] | None = None) -> DraftPolicy:
+        """`times`: round times measured before (by earlier decoders of the same model and setup), shared and kept
+        up to date: a round's cost is the model's and the machine's, not the text's, so a new generation starts
+        from what the last one measured instead of exploring again."""
         if draft_tokens in (None, 0):
             return cls(0, k_max=0)
         if draft_tokens == "auto":
-            return cls(None, k_max=min(6, limit))
+            return cls(None, k_max=min(6, limit), times={} if times is None else times)
         if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or not 1 <= draft_tokens <= limit:
             raise ValueError(f"draft_tokens must be None, 0, an integer in 1..{limit} or 'auto', got {draft_tokens!r}")
         return cls(draft_tokens, k_max=draft_tokens)
@@ -134,11 +141,17 @@ class DraftPolicy:
             expected = self.counts.expected_tokens(k)
             if batch * expected / t > best:
                 best_k, best = k, batch * expected / t
+        if self.k_last == 0 and self.probed:  # the last probe from 0 left it at 0: wait longer before the next
+            self.quiet = min(self.quiet + 1, 3) if best_k == 0 else 0
+        self.probed = False
         self.k_last = best_k
         if self.n == 2 and (batch, 0) not in self.times:  # measure a plain step early: the baseline drafting must beat
             return 0
-        # probe one draft more every 8th round; from k = 0 every 32nd (where drafting does not pay, a probe costs most)
-        if self.n % (self.probe_every * (4 if best_k == 0 else 1)) == 0 and best_k < self.k_max:
+        # probe one draft more every 8th round; from k = 0 every 32nd, then 64th .. 256th while probes keep finding
+        # k = 0 best (where drafting does not pay, a probe costs most: the MTP reads every position it skipped)
+        every = self.probe_every * (4 << self.quiet if best_k == 0 else 1)
+        if self.n % every == 0 and best_k < self.k_max:
+            self.probed = best_k == 0
             return best_k + 1
         if self.n % self.probe_every == self.probe_every // 2 and best_k > 0:
             return best_k - 1
