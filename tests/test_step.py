@@ -214,3 +214,26 @@ def test_the_mtp_layer_program_equals_its_layer(kind, B, T, monkeypatch):
     (ha, ca), (hb, cb) = out
     assert torch.equal(ha, hb)
     assert all(torch.equal(x.k, y.k) and torch.equal(x.v, y.v) for x, y in zip(ca, cb))
+
+
+def test_decoders_on_two_threads_share_one_program(trained):
+    """The program's layer table is copied per call (ctypes lets go of the GIL inside it, and a call fills in its own
+    caches): two generations of one model on two threads give what each gives alone. (With one shared table this
+    crashed the process within 60 generations here.)"""
+    import threading
+
+    prompts = [r[0] for r in test_batch.greedy_requests(8, 2, seed=6, max_prompt=30)]
+    alone = [mtp.generate(trained, p, max_new_tokens=60).tokens for p in prompts]
+    wrong = []
+
+    def run(i):
+        for _ in range(30):
+            if mtp.generate(trained, prompts[i], max_new_tokens=60).tokens != alone[i]:
+                wrong.append(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == []

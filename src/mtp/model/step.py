@@ -334,7 +334,11 @@ def _run(prog: Program, B: int, T: int, ids: torch.Tensor | None, x: torch.Tenso
     steps: list = []
     S = None
     window = None  # a kept step's conv windows: one scratch for every layer
-    for L, kind, state in zip(prog.layers, prog.kinds, states):
+    # this call's copy of the layers (the caches and outputs are filled in per call: decoders on other threads may
+    # run the same program at once)
+    layers = (_Layer * len(prog.layers))()
+    ctypes.memmove(layers, prog.layers, ctypes.sizeof(layers))
+    for L, kind, state in zip(layers, prog.kinds, states):
         if kind is GatedDeltaNet:
             C, kw = 2 * L.Hk * L.Kd + L.Hv * L.Vd, L.kernel - 1
             if (type(state) is not DeltaState or state.conv.shape != (B, C, kw) or state.ssm.shape != (B, L.Hv, L.Kd, L.Vd)
@@ -371,7 +375,7 @@ def _run(prog: Program, B: int, T: int, ids: torch.Tensor | None, x: torch.Tenso
                  None if x is None else x.data_ptr(), index.data_ptr(), starts.data_ptr(),
                  None if prog.embed is None else prog.embed.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                  prog.norm.data_ptr(), out.data_ptr())
-    status = LIBRARY.lib().qwen35_decode(ctypes.byref(prog.kernels), ctypes.byref(step), prog.layers, len(prog.layers),
+    status = LIBRARY.lib().qwen35_decode(ctypes.byref(prog.kernels), ctypes.byref(step), layers, len(layers),
                                          torch.get_num_threads())
     if status == -2:
         raise IndexError(f"a token id is outside the vocabulary of {prog.vocab}")
