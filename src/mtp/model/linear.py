@@ -438,9 +438,10 @@ class FusedProjections:
 
     int8 and int4 parts are quantized per output row, so the fused codes are the parts' codes concatenated along the
     outputs (exactly what quantizing the concatenated weight gives): the fusion is built from them, with no float
-    copy, and the parts then run on views of the fused codes (no second copy) where the layout is row-major (the
-    qmatmul kernels, torch's int8 kernel). torch's CPU int4 packing is not, so there the fused packing is built from
-    the parts' unpacked codes (`int4`) and each part keeps its own. bf16 / fp32 parts are fused from their weights."""
+    copy, and the parts then run on views of the fused codes (no second copy) where the layout allows: torch's
+    row-major int8 codes, and qmatmul's codes interleaved by groups of 8 outputs (int8 parts padded to a group in the
+    fused layer: `padded`). torch's CPU int4 packing does not, so there the fused packing is built from the parts'
+    unpacked codes (`int4`) and each part keeps its own. bf16 / fp32 parts are fused from their weights."""
 
     def __init__(self, parts: list[FastLinear], int4: list[Int4Weight] | None = None):
         self.parts = parts

@@ -31,18 +31,13 @@ static inline __m256 load8_bf16(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
 
-/* The exact integer dot products of u8 x s8 byte pairs, summed in fours into eight int32 lanes. With AVX-512 VNNI one
- * vpdpbusd (the build native.py makes where the CPU has it); else vpmaddubsw + vpmaddwd, which give the same
- * integers (their int16 pair sums cannot saturate here: |w| * |x| <= 127 * 127 for int8 codes, 15 * 127 for int4), so
- * both builds' outputs are bit for bit the same. */
+/* The build: AVX-512 VNNI's vpdpbusd where native.py builds for it (the CPU has it), else AVX2's vpmaddubsw +
+ * vpmaddwd; the kernels below give the same integers either way (Q8_DOT, Q4_DOT), so both builds' outputs are bit
+ * for bit the same. */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define QMATMUL_ISA "avx512vnni"
-static inline __m256i dot_u8s8(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
 #else
 #define QMATMUL_ISA "avx2"
-static inline __m256i dot_u8s8(__m256i u, __m256i s) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
 #endif
 
 const char* qmatmul_isa(void) { return QMATMUL_ISA; }
