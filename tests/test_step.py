@@ -237,3 +237,15 @@ def test_decoders_on_two_threads_share_one_program(trained):
     for t in threads:
         t.join()
     assert wrong == []
+
+
+def test_a_released_model_keeps_its_fusions_and_its_program():
+    """Releasing the float weights (an inference-only load) swaps in placeholders: the fusions must stay fresh, or
+    the layers run unfused and the program never runs. The tiny model's weights were changed in place by its init
+    (versions above 0), as a random model built in code or a model trained before `prepare_for_inference` has them."""
+    model = tiny_model(0).to(torch.bfloat16)
+    assert model.model.layers[0].mlp.up_proj.weight._version > 0
+    model.prepare_for_inference("int8", release=True)
+    fusions = [m.__dict__["_fused"] for m in model.modules() if "_fused" in m.__dict__]
+    assert fusions and all(f.fresh() for f in fusions)
+    assert step.program(model) is not None

@@ -627,6 +627,8 @@ def prepare_for_inference(model: nn.Module, kernel: str, skip: tuple[str, ...] =
                     done.add(id(p))
                     if prepared is not None:
                         prepared(p)
+                if fusion := m.__dict__.get("_fused"):  # `prepared` may have released the parts' weights: a release
+                    fusion.versions = [p.weight._version for p in parts]  # swaps in a placeholder, it changes nothing
                 n += len(parts)
         if (type(m) is nn.Linear or isinstance(m, FastLinear)) and id(m) not in done and not skipped(name):
             codes = int4[name]() if name in int4 else None
