@@ -137,6 +137,7 @@ class Run:
     rows: list[dict] = field(default_factory=list)
     last_val: dict = field(default_factory=dict)
     fsdp_root: nn.Module | None = None  # the FSDP2 root (the objective) under strategy fsdp with > 1 process
+    owns_group: bool = False  # `setup` created the process group (so `train` destroys it when done)
 
     @property
     def main_proc(self) -> bool:
@@ -165,7 +166,8 @@ def setup(cfg: TrainConfig) -> Run:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(cfg.device, local_rank, option="train config key 'device'")
-    if world > 1 and not dist.is_initialized():
+    owns_group = world > 1 and not dist.is_initialized()
+    if owns_group:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -213,7 +215,7 @@ def setup(cfg: TrainConfig) -> Run:
         runner = torch.compile(runner)
     tokenizer_dir = cfg.data if (Path(cfg.data) / "tokenizer.json").exists() else cfg.init
     run = Run(cfg, Path(cfg.out), rank, world, device, model, runner, optimizer, params, batches, val_batches,
-              depth, tokenizer_dir, fsdp_root=fsdp_root)
+              depth, tokenizer_dir, fsdp_root=fsdp_root, owns_group=owns_group)
     resume(run)
     return run
 
@@ -470,4 +472,6 @@ def train(cfg: TrainConfig) -> dict:
             break
     bar.close()
     finish(run, stopped_early)
+    if run.owns_group:  # left to interpreter exit, gloo's threads were sometimes torn down still joinable: the
+        dist.destroy_process_group()  # process aborted ("terminate called without an active exception") after saving
     return run.last_val
