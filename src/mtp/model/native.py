@@ -8,8 +8,11 @@ the compiler (about a second), then loaded with ctypes. They share torch's OpenM
 - `attention.c`: decode attention (attention_kernel.py);
 - `norm.c`: RMSNorm (norm_kernel.py);
 - `argmax.c`: the greedy choice over a vocabulary (argmax_kernel.py);
+- `act.c`: SwiGLU's `silu(gate) * up` and the attention gate `out * sigmoid(gate)` (act.py);
+- `step.c`: a Qwen3.5 dense decode forward as one call over the kernels above, reached through their function
+  pointers (step.py);
 - `rtn.c`: round-to-nearest int8 / int4 quantization of float weights, what a `--quantize` load spends (rtn.py);
-- `native.h`: what they share (bf16 conversions); a build is keyed on it too.
+- `native.h`: what they share (bf16 conversions, one vector exp); a build is keyed on it too.
 
 Where a library cannot be used (not x86-64 Linux with AVX2/FMA/F16C, no compiler, a failed build, or disabled by its
 environment switch or by MTP_NATIVE=0) the callers keep torch's kernels; `NativeLibrary.available()` says which and
