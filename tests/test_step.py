@@ -174,14 +174,15 @@ def test_decoding_through_the_program_is_the_layer_by_layer_decoding(trained, mo
 @pytest.mark.parametrize("N", [1024, 64, 13])
 def test_the_gates_are_row_invariant_and_round_as_torch_does(N):
     """act.c's SwiGLU product and attention gate: each row alone is its row of a batch, and the values are torch's
-    form within one bf16 rounding (its exp and ours may differ in the last bit of a float)."""
+    form within two bf16 steps (its exp and ours may differ in a float's last bit, which can move each of the two
+    roundings by a step, on any CPU's vector width)."""
     g = torch.Generator().manual_seed(N)
     gate, up = (torch.randn(7, N, generator=g).mul(4).to(torch.bfloat16) for _ in range(2))
     with torch.no_grad():
         for ours, theirs in ((act.silu_mul(gate, up), rowwise(torch.nn.functional.silu, gate) * up),
                              (act.sigmoid_mul(up, gate), up * rowwise(torch.sigmoid, gate))):
-            ulp = theirs.float().abs().clamp(min=1e-30) * 2**-7
-            assert ((ours.float() - theirs.float()).abs() <= ulp).all()
+            steps = theirs.float().abs().clamp(min=1e-30) * 2**-6
+            assert ((ours.float() - theirs.float()).abs() <= steps).all()
         for r in range(7):
             assert torch.equal(act.silu_mul(gate[r : r + 1], up[r : r + 1]), act.silu_mul(gate, up)[r : r + 1])
             assert torch.equal(act.sigmoid_mul(up[r : r + 1], gate[r : r + 1]), act.sigmoid_mul(up, gate)[r : r + 1])

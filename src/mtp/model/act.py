@@ -40,19 +40,20 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
+def _combine(kernel: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """act.c's `kernel` on a, b bf16 [..., N] -> [..., N]."""
+    a2, b2 = _rows(a), _rows(b)
+    out = torch.empty(a.shape, dtype=torch.bfloat16)
+    getattr(LIBRARY.lib(), kernel)(a2.shape[0], a2.shape[1], a2.data_ptr(), a2.stride(0), b2.data_ptr(), b2.stride(0),
+                                   out.data_ptr(), torch.get_num_threads())
+    return out
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gate, up bf16 [..., N] -> round(round(silu(gate)) * up) [..., N] (`usable`)."""
-    g, u = _rows(gate), _rows(up)
-    out = torch.empty(gate.shape, dtype=torch.bfloat16)
-    LIBRARY.lib().silu_mul(g.shape[0], g.shape[1], g.data_ptr(), g.stride(0), u.data_ptr(), u.stride(0),
-                           out.data_ptr(), torch.get_num_threads())
-    return out
+    return _combine("silu_mul", gate, up)
 
 
 def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """x, gate bf16 [..., N] -> round(x * round(sigmoid(gate))) [..., N] (`usable`)."""
-    x2, g = _rows(x), _rows(gate)
-    out = torch.empty(x.shape, dtype=torch.bfloat16)
-    LIBRARY.lib().sigmoid_mul(x2.shape[0], x2.shape[1], x2.data_ptr(), x2.stride(0), g.data_ptr(), g.stride(0),
-                              out.data_ptr(), torch.get_num_threads())
-    return out
+    return _combine("sigmoid_mul", x, gate)
