@@ -485,34 +485,29 @@ class FusedProjections:
         if parts[0].bias is not None:  # (again on a refresh: the parts' current biases, padded as the codes are)
             f.bias = nn.Parameter(torch.cat([F.pad(p.bias.detach(), (0, m - n)) for p, n, m in
                                              zip(parts, self.sizes, self.padded)]), requires_grad=False)
+        # the fused tensors the parts then view, and how many outputs one of their rows holds (qmatmul codes: 8)
         if grouped:
             f._packed = cat("_packed")
             f._scale = torch.cat([F.pad(p._scale, (0, m - n)) for p, n, m in zip(parts, self.sizes, self.padded)])
-            for p, start, n in zip(parts, [sum(self.padded[:i]) for i in range(len(parts))], self.sizes):
-                p._packed, p._scale = f._packed[start // 8 : (start + n + 7) // 8], f._scale[start : start + n]
-            views = ()
+            views = {"_packed": 8, "_scale": 1}
         elif f.kernel == "int8":
             f._packed, f._scale = cat("_packed"), cat("_scale")
-            views = ("_packed", "_scale")
+            views = {"_packed": 1, "_scale": 1}
         elif f._native:  # int4 layers have a multiple of 16 outputs: every part starts at a group of 8
             f._perm, f._group = parts[0]._perm, parts[0]._group  # the parts' own (`fusable`: all alike)
             f._packed, f._sz, f._low = cat("_packed"), cat("_sz"), cat("_low")
-            start = 0
-            for p, n in zip(parts, self.sizes):
-                p._packed, p._sz, p._low = (t[start // 8 : (start + n) // 8] for t in (f._packed, f._sz, f._low))
-                start += n
-            views = ()
+            views = {"_packed": 8, "_sz": 8, "_low": 8}
         else:
             if int4 is None:
                 raise ValueError("fusing int4 layers for torch's kernel needs their Int4Weights (its packing is not by row)")
             f._set_int4(Int4Weight(torch.cat([q.codes for q in int4]), torch.cat([q.scale for q in int4]),
                                    torch.cat([q.zero for q in int4]), int4[0].group, int4[0].perm))
-            views = ()
+            views = {}
         start = 0
-        for p, n in zip(parts, self.sizes):  # row-major codes: the parts run on row views
-            for attr in views:
-                setattr(p, attr, getattr(f, attr)[start : start + n])
-            start += n
+        for p, n, m in zip(parts, self.sizes, self.padded):
+            for attr, unit in views.items():
+                setattr(p, attr, getattr(f, attr)[start // unit : (start + n + unit - 1) // unit])
+            start += m
         f._version = f.weight._version
         f.__dict__["_released"] = f.weight
         if not hasattr(f, "_slot"):
