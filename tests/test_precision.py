@@ -11,6 +11,7 @@ import torch
 
 import mtp
 from conftest import pattern_batch, trained_tiny_model
+from mtp.model import qmatmul
 from mtp.model.linear import FastLinear
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +29,8 @@ def test_prepared_layers_are_row_invariant(shipped, quantize):
     model = shipped[quantize]
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, FastLinear)]
     want = {None: {"bf16"}, "int8": {"int8"}, "int4": {"int4", "int8"}}[quantize]  # int8 where int4 cannot run the shape
-    assert layers and all(m.kernel in ({"bf16"} if n.endswith("mtp.fc") else want) for n, m in layers)
+    kept = {None: {"bf16"}}.get(quantize, {"bf16-native"} if qmatmul.available() else {"bf16"})  # keep_precision
+    assert layers and all(m.kernel in (kept if n.endswith("mtp.fc") else want) for n, m in layers)
     if quantize == "int4":
         assert sum(m.kernel == "int4" for _, m in layers) > len(layers) // 2
     g = torch.Generator().manual_seed(0)

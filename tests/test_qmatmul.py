@@ -101,6 +101,22 @@ def test_activation_quantization_costs_little_accuracy():
 
 
 @needs_kernels
+@pytest.mark.parametrize("shape", [(384, 768), (201, 37), (8, 1)])
+def test_bf16_kernel_is_the_fp32_product_rounded_once(shape):
+    """bf16 x bf16 with fp32 accumulation: within a few fp32 roundings of the float64 product, then one bf16
+    rounding; an odd K and outputs that are not a multiple of 8 included; an fp32 bias added before the rounding."""
+    N, K = shape
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(N, K, generator=g).to(torch.bfloat16)
+    x = torch.randn(5, K, generator=g).to(torch.bfloat16)
+    bias = torch.randn(N, generator=g)
+    ref = x.double() @ w.double().T + bias.double()
+    y = qmatmul.bf16_linear(x, qmatmul.pack_bf16(w), N, bias).double()
+    assert ((y - ref).abs() <= ref.abs() * 2**-8 + 1e-5 * K**0.5).all()
+    assert torch.equal(qmatmul.bf16_linear(x[:0], qmatmul.pack_bf16(w), N), torch.zeros(0, N, dtype=torch.bfloat16))
+
+
+@needs_kernels
 def test_zeros_and_empty_inputs():
     codes, scale = quantize_int8(torch.randn(32, 64))
     assert torch.equal(qmatmul.q8_linear(torch.zeros(2, 64, dtype=torch.bfloat16), codes, scale),
@@ -118,7 +134,9 @@ def test_rows_and_threads_do_not_change_a_row():
     x = torch.randn(64, 512, generator=g).to(torch.bfloat16)
     threads = torch.get_num_threads()
     try:
-        for kernel in (lambda a: qmatmul.q8_linear(a, codes, scale), lambda a: qmatmul.q4_linear(a, packed, s, low, 128)):
+        bf = qmatmul.pack_bf16(w.to(torch.bfloat16))
+        for kernel in (lambda a: qmatmul.q8_linear(a, codes, scale), lambda a: qmatmul.q4_linear(a, packed, s, low, 128),
+                       lambda a: qmatmul.bf16_linear(a, bf, 201)):
             torch.set_num_threads(1)
             single = torch.cat([kernel(x[i : i + 1]) for i in range(64)])
             for n in (1, 2):
@@ -165,6 +183,7 @@ BUILDS = textwrap.dedent("""
             x = (torch.randn(M, K, generator=g) * 3).to(torch.bfloat16)
             out[f"q8 {N} {K} {M}"] = qmatmul.q8_linear(x, codes, scale)
             out[f"q4 {N} {K} {group} {M}"] = qmatmul.q4_linear(x, packed, s, low, group)
+            out[f"bf16 {N} {K} {M}"] = qmatmul.bf16_linear(x, qmatmul.pack_bf16(w.to(torch.bfloat16)), N)
     torch.save(out, sys.argv[1])
 """)
 

@@ -172,7 +172,7 @@ class CausalLM(nn.Module, ABC):
         """Swap the linear layers for row-invariant CPU inference kernels (`model/linear.py`): bf16 weights use
         oneDNN's packed layout, fp32 weights a row-by-row product; `quantize` "int8" (weight-only, per-channel scales)
         or "int4" (weight-only, groups of 128, `linear.Int4Weight`) quantizes every linear layer and every routed
-        expert but `keep_precision` (bf16); a layer the int4 kernel cannot run (outputs not a multiple of 16, inputs
+        expert but `keep_precision` (bf16, "bf16-native"); a layer the int4 kernel cannot run (outputs not a multiple of 16, inputs
         not of 32) gets int8. Parameters and the state dict stay as they are; a no-op off CPU. The decoder calls it
         once on a model that was not prepared (`prepared`).
 
@@ -214,7 +214,7 @@ class CausalLM(nn.Module, ABC):
             prepare_linears(self, quantize, skip=keep, prepared=quantized)
         for name, m in self.named_modules():
             if any(name.endswith(s) for s in keep) and isinstance(m, nn.Linear):
-                prepare_linears(m, "bf16")
+                prepare_linears(m, "bf16-native")
             elif isinstance(m, Experts) and "_kernels" not in m.__dict__ and not any(name.endswith(s) for s in keep):
                 m.prepare(quantize)
                 if on_quantized is not None:

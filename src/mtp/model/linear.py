@@ -11,6 +11,9 @@ that runs it):
   decode step, and verifying 4 rows costs about 1.5 rows (docs/decisions.md, 2026-11-30 speed). oneDNN packs bf16
   weights only on CPUs with AVX-512 (bw/vl/dq) or AVX-NE-CONVERT; on an AVX2-only CPU (AMD EPYC Zen 3, say) the
   kernel is `F.linear` on the bf16 weight, which is row-invariant there.
+- "bf16-native": bf16 weights through `qmatmul.bf16_linear` (fp32 multiply-adds in one fixed order per output, the
+  same bits on every AVX2 CPU): the bf16 layers a quantized model keeps (`keep_precision`: the MTP's `fc`, routers),
+  so that step.c's one-call draft runs them with the eager path's bits. Without qmatmul it is "bf16".
 - "int8": int8 weights with per-output-channel scales. On x86 CPUs with AVX2 `qmatmul.q8_linear` (activations
   quantized to int8 in blocks of 32, integer products: 2-3x torch's kernel, docs/decisions.md), else torch's
   weight-only `_weight_int8pack_mm` (bf16 activations).
@@ -53,7 +56,7 @@ from torch import nn
 from . import qmatmul, rtn
 from .packed import dequantize_codes
 
-KERNELS = ("bf16", "int8", "int4", "fp32")
+KERNELS = ("bf16", "bf16-native", "int8", "int4", "fp32")
 # Group sizes torch's CPU int4 kernel takes (a larger group is split into these).
 INT4_KERNEL_GROUPS = (32, 64, 128, 256)
 # The group size `--quantize int4` uses (the common GPTQ/AWQ choice; the kernel's fastest at 4 rows, decisions.md).
@@ -248,7 +251,10 @@ class FastLinear(nn.Linear):
             # the parameter itself, or an aligned copy: MKL rounds differently for a weight at another alignment (a
             # memory-mapped tensor sits wherever the file put it), and the same checkpoint should give the same bits
             self._packed = w if w.is_contiguous() and w.data_ptr() % 64 == 0 else w.clone(memory_format=torch.contiguous_format)
-        elif kernel == "bf16":
+        elif kernel == "bf16-native" and qmatmul.available():
+            self._packed = qmatmul.pack_bf16(w.to(torch.bfloat16))
+        elif kernel in ("bf16", "bf16-native"):
+            self.kernel = "bf16"
             w = w.to(torch.bfloat16)
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w, 1) if packed_bf16_supported() else w.contiguous()
         elif kernel == "int4":
@@ -356,11 +362,13 @@ class FastLinear(nn.Linear):
             x2 = x2.index_select(1, self._perm)
         if self._pad:
             x2 = F.pad(x2, (0, self._pad))
-        if self.kernel in ("int8", "int4") and self._native:  # qmatmul adds an fp32 bias before its one rounding
-            bias = None if self.bias is None else self.bias.float()
+        if self.kernel == "bf16-native" or (self.kernel in ("int8", "int4") and self._native):
+            bias = None if self.bias is None else self.bias.float()  # qmatmul adds an fp32 bias before its one rounding
             if not x2.is_contiguous():
                 x2 = x2.contiguous()
-            if self.kernel == "int4":
+            if self.kernel == "bf16-native":
+                y = qmatmul.bf16_linear(x2, self._packed, self.out_features, bias)
+            elif self.kernel == "int4":
                 y = qmatmul.q4_linear(x2, self._packed, self._sz, self._low, self._group, bias)
             else:
                 y = qmatmul.q8_linear(x2, self._packed, self._scale, bias)

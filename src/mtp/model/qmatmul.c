@@ -359,3 +359,85 @@ int q4_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const f
     free_rows(&q);
     return 0;
 }
+
+/* bf16 weights times bf16 activations in fp32 (the bf16 layers a quantized model keeps: linear.py's "bf16-native"),
+ * w interleaved by groups of 8 outputs ([ceil(N/8)][K][8] bf16, pack_bf16 in qmatmul.py: one 16-byte load holds one
+ * input of 8 outputs). Per output two accumulators, the even inputs' and the odd inputs', each one fused multiply-add
+ * per input in order, then bias + (even + odd) rounded once: one fixed order per output whatever the tile, the rows
+ * and the threads (row-invariant), and the same bits in the AVX2 and AVX-512 builds (both run these 8-lane FMAs).
+ * R rows (<= 4) x GS groups (R * GS <= 4) from group g0 -> out [R][GS][8] floats. */
+#define BF_TILE(R, GS)                                                                                               \
+    static void bf_tile_##R##_##GS(const uint16_t* w, int64_t g0, int64_t K, const float* x, float* out) {        \
+        __m256 a[R][GS], b[R][GS];                                                                                   \
+        for (int r = 0; r < R; r++)                                                                                  \
+            for (int g = 0; g < GS; g++) a[r][g] = b[r][g] = _mm256_setzero_ps();                                    \
+        int64_t k = 0;                                                                                               \
+        for (; k + 1 < K; k += 2) {                                                                                  \
+            __m256 w0[GS], w1[GS];                                                                                   \
+            for (int g = 0; g < GS; g++) {                                                                           \
+                const uint16_t* wp = w + ((g0 + g) * K + k) * 8;                                                     \
+                _mm_prefetch((const char*)(wp + PREFETCH), _MM_HINT_T0);                                             \
+                w0[g] = load8_bf16(wp);                                                                              \
+                w1[g] = load8_bf16(wp + 8);                                                                          \
+            }                                                                                                        \
+            for (int r = 0; r < R; r++) {                                                                            \
+                const __m256 x0 = _mm256_broadcast_ss(x + r * K + k), x1 = _mm256_broadcast_ss(x + r * K + k + 1);         \
+                for (int g = 0; g < GS; g++) {                                                                       \
+                    a[r][g] = _mm256_fmadd_ps(x0, w0[g], a[r][g]);                                                   \
+                    b[r][g] = _mm256_fmadd_ps(x1, w1[g], b[r][g]);                                                   \
+                }                                                                                                    \
+            }                                                                                                        \
+        }                                                                                                            \
+        if (k < K)                                                                                                   \
+            for (int g = 0; g < GS; g++) {                                                                           \
+                const __m256 w0 = load8_bf16(w + ((g0 + g) * K + k) * 8);                                            \
+                for (int r = 0; r < R; r++) a[r][g] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * K + k), w0, a[r][g]);    \
+            }                                                                                                        \
+        for (int r = 0; r < R; r++)                                                                                  \
+            for (int g = 0; g < GS; g++) _mm256_storeu_ps(out + (r * GS + g) * 8, _mm256_add_ps(a[r][g], b[r][g]));   \
+    }
+BF_TILE(1, 4)
+BF_TILE(1, 1)
+BF_TILE(2, 1)
+BF_TILE(3, 1)
+BF_TILE(4, 1)
+
+/* x bf16 [M, K], w bf16 interleaved as above, bias fp32 [N] or NULL -> y bf16 [M, N]; 0 or -1 (memory). Threads split the output
+ * groups: one row takes 4 groups at a time (8 independent chains of multiply-adds), more rows one group for up to 4
+ * rows (each weight load serves them all). */
+int bf16_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, int64_t N, uint16_t* y,
+                int nthreads) {
+    float* xf = malloc(sizeof(float) * (size_t)(M * K)); /* the rows widened once (exact) */
+    if (!xf) return -1;
+    for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f(x[i]);
+    const int64_t G = (N + 7) / 8, GS = M == 1 ? 4 : 1, sets = (G + GS - 1) / GS;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t set = 0; set < sets; set++) {
+        const int64_t g0 = set * GS;
+        float o[4 * 4 * 8];
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int64_t R = M - m0 < 4 ? M - m0 : 4, gs = G - g0 < GS ? G - g0 : GS;
+            const float* xm = xf + m0 * K;
+            if (gs == 4) bf_tile_1_4(w, g0, K, xm, o);
+            else
+                for (int64_t g = 0; g < gs; g++)
+                    switch (R) {
+                        case 1: bf_tile_1_1(w, g0 + g, K, xm, o + g * 8); break;
+                        case 2: bf_tile_2_1(w, g0 + g, K, xm, o + g * 8 * 2); break;
+                        case 3: bf_tile_3_1(w, g0 + g, K, xm, o + g * 8 * 3); break;
+                        default: bf_tile_4_1(w, g0 + g, K, xm, o + g * 8 * 4);
+                    }
+            /* o: [R][gs][8] for the 4-group tile, else per group [R][8] at g * 8R */
+            for (int64_t g = 0; g < gs; g++)
+                for (int64_t r = 0; r < R; r++)
+                    for (int64_t j = 0; j < 8; j++) {
+                        const int64_t n = (g0 + g) * 8 + j;
+                        if (n >= N) continue;
+                        const float v = gs == 4 ? o[g * 8 + j] : o[g * 8 * R + r * 8 + j];
+                        y[(m0 + r) * N + n] = to_bf16(bias ? bias[n] + v : v);
+                    }
+        }
+    }
+    free(xf);
+    return 0;
+}

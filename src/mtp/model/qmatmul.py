@@ -34,6 +34,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.q8_linear.argtypes = [p, i64, i64, p, p, p, i64, p, i32]
     lib.q4_linear.argtypes = [p, i64, i64, p, p, p, i64, p, i64, p, i32]
     lib.q8_linear.restype = lib.q4_linear.restype = i32
+    lib.bf16_linear.argtypes = [p, i64, i64, p, p, i64, p, i32]
+    lib.bf16_linear.restype = i32
     lib.qmatmul_isa.restype = ctypes.c_char_p
 
 
@@ -92,6 +94,14 @@ def pack_int4_groups(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(N // 8, 8, ng).transpose(1, 2).reshape(N // 8, ng * 8).contiguous()
 
 
+def pack_bf16(w: torch.Tensor) -> torch.Tensor:
+    """bf16 weight [N, K] -> [ceil(N/8), K, 8], the bf16 kernel's interleaved layout: element (g, k, j) is output
+    8g+j's weight for input k (the last group padded with zeros)."""
+    N, K = w.shape
+    w = F.pad(w, (0, 0, 0, -N % 8))
+    return w.reshape(-1, 8, K).transpose(1, 2).contiguous()
+
+
 def _library() -> ctypes.CDLL:
     return LIBRARY.lib()
 
@@ -102,7 +112,7 @@ def _bias(bias: torch.Tensor | None) -> int | None:
 
 def _check(status: int) -> None:
     if status != 0:
-        raise MemoryError("qmatmul: out of memory for the activations' int8 copy")
+        raise MemoryError("qmatmul: out of memory for the activations' copy")
 
 
 def q8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -133,4 +143,15 @@ def q4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: t
     if M:
         _check(_library().q4_linear(x.data_ptr(), M, K, packed.data_ptr(), scale.data_ptr(), low.data_ptr(), group, _bias(bias),
                               N, y.data_ptr(), torch.get_num_threads()))
+    return y
+
+
+def bf16_linear(x: torch.Tensor, w: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x bf16 [M, K] (contiguous) times a bf16 weight in `pack_bf16`'s layout, plus fp32 bias [N] -> bf16 [M, N]:
+    fp32 multiply-adds in one order per output (row-invariant; the same bits on every AVX2 CPU)."""
+    M, K = x.shape
+    y = torch.empty(M, out_features, dtype=torch.bfloat16)
+    if M:
+        _check(_library().bf16_linear(x.data_ptr(), M, K, w.data_ptr(), _bias(bias), out_features, y.data_ptr(),
+                                      torch.get_num_threads()))
     return y
