@@ -250,3 +250,76 @@ def test_a_released_model_keeps_its_fusions_and_its_program():
     fusions = [m.__dict__["_fused"] for m in model.modules() if "_fused" in m.__dict__]
     assert fusions and all(f.fresh() for f in fusions)
     assert step.program(model) is not None
+
+
+def draft_state(model, B: int, seed: int):
+    """A round state of B rows with random pending positions (1..4 per row), MTP slots and MTP caches."""
+    from mtp.decode.round import PENDING, RoundState
+
+    g = torch.Generator().manual_seed(seed)
+    st = RoundState.allocate(model, B, 64, True, False)
+    st.pend_h.copy_(torch.randn(st.pend_h.shape, generator=g))
+    st.pend_next.copy_(torch.randint(0, model.config.vocab_size, (B, PENDING), generator=g))
+    st.pend_n.copy_(torch.randint(1, 5, (B,), generator=g))
+    st.mtp_pos.copy_(torch.randint(0, 20, (B,), generator=g))
+    for c in st.mtp_cache:
+        for t in (c.k, c.v):
+            t.copy_(torch.randn(t.shape, generator=g))
+    return st
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("B,K,layers", [(1, 1, 1), (1, 3, 1), (3, 4, 1), (2, 3, 2)])
+def test_the_draft_chain_in_one_call_equals_the_round_step_by_step(kind, B, K, layers, monkeypatch):
+    """round.draft's greedy chain as one C call (`step.draft`) == the same chain step by step in Python: the same
+    drafts and the same MTP keys/values, for rows at different MTP positions with different pending counts, and with
+    two MTP layers taken in turn."""
+    from mtp.decode.round import draft
+
+    model = quantized(kind, mtp_num_hidden_layers=layers)
+    model.prepare_decode(64)
+    out = []
+    for one_call in (True, False):
+        st = draft_state(model, B, seed=B + K)
+        host = (st.mtp_pos.tolist(), st.pend_n.tolist())
+        with monkeypatch.context() as m:
+            if not one_call:
+                m.setattr(type(model), "mtp_draft", lambda *a: None)
+            with torch.inference_mode():
+                drafts, shaped = draft(model, st, K, None, None, width=max(host[1]), host=host)
+        assert shaped is None
+        out.append((drafts, st.mtp_cache))
+    assert isinstance(model.__dict__["_step"]["draft"], step.Program)
+    (da, ca), (db, cb) = out
+    assert da.shape == (B, K) and torch.equal(da, db)
+    assert all(torch.equal(x.k, y.k) and torch.equal(x.v, y.v) for x, y in zip(ca, cb))
+
+
+def test_the_draft_chain_hands_over_what_it_cannot_run_and_refuses_bad_state():
+    """A hook on the MTP, a bf16 model (its fc on oneDNN) and a sampling rule take the step-by-step chain; a pending
+    count outside 1..width or a pending token outside the vocabulary raises before anything is written."""
+    model = quantized("int8")
+    model.prepare_decode(64)
+    st = draft_state(model, 2, seed=1)
+    args = lambda st, w: (3, st.pend_h, st.pend_next, st.pend_n, st.mtp_pos, st.mtp_cache, w,  # noqa: E731
+                          (st.mtp_pos.tolist(), st.pend_n.tolist()))
+    with torch.inference_mode():
+        assert model.mtp_draft(*args(st, 4)) is not None
+        handle = model.mtp.fc.register_forward_hook(lambda *a: None)
+        assert model.mtp_draft(*args(st, 4)) is None
+        handle.remove()
+        before = [c.k.clone() for c in st.mtp_cache]
+        st.pend_n[0] = 5
+        with pytest.raises(ValueError):
+            model.mtp_draft(*args(st, 4))
+        st.pend_n[0] = 1
+        st.pend_next[1, 0] = model.config.vocab_size
+        with pytest.raises(IndexError):
+            model.mtp_draft(*args(st, 4))
+        assert all(torch.equal(b, c.k) for b, c in zip(before, st.mtp_cache))
+    bf16 = tiny_model(0).to(torch.bfloat16)
+    bf16.prepare_for_inference(None)
+    bf16.prepare_decode(64)
+    with torch.inference_mode():
+        assert bf16.mtp_draft(*args(draft_state(bf16, 2, seed=1), 4)) is None
+        assert "not an int8/int4" in step.verdict(bf16, "draft")  # its MTP layer runs on oneDNN

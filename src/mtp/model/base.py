@@ -403,6 +403,13 @@ class CausalLM(nn.Module, ABC):
             raise RuntimeError("this model has no MTP module")
         return self.mtp.new_state(batch, max_len, self.dtype, self.device)
 
+    def mtp_draft(self, K: int, pend_h: torch.Tensor, pend_next: torch.Tensor, pend_n: torch.Tensor,
+                  mtp_pos: torch.Tensor, caches: list, width: int, host: tuple[list[int], list[int]]) -> torch.Tensor | None:
+        """The round's greedy draft chain (decode/round.py `draft`: no sampling rule, the full head, a sequential MTP)
+        as one call -> drafts [B, K], where the family has one (None: the round runs it step by step, to the same
+        drafts and caches). The arguments are the round state's (`RoundState`) and the host's (mtp_pos, pend_n)."""
+        return None
+
     def mtp_step(self, d: int, hidden: torch.Tensor, next_ids: torch.Tensor | None, start: int | list[int] | Positions,
                  caches: list | None = None, router_logits: list | None = None) -> torch.Tensor:
         """MTP depth d at positions start..start+T-1 (or the given decode `Positions`): h^{d-1} [B, T, H] and the

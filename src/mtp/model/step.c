@@ -1,5 +1,6 @@
 /* The decode forward of a Qwen3.5 dense backbone (Gated DeltaNet and gated-attention layers, SwiGLU MLPs, int8 or int4
- * linears) as one C call, built and loaded by native.py and called by step.py. A plain step of the shipped model
+ * linears) as one C call, and the greedy draft chain of its MTP as another (`qwen35_draft`), built and loaded by
+ * native.py and called by step.py. A plain step of the shipped model
  * made ~400 tensor operations, ~80 module calls and ~45 ctypes calls for ~1 ms of arithmetic; here the layers run
  * back to back without returning to Python.
  *
@@ -29,6 +30,8 @@ typedef struct { /* the eager kernels (their own files say what each computes) *
                          int64_t, int64_t, const void*, const void*, const int64_t*, float, void*, int);
     void (*silu_mul)(int64_t, int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, uint16_t*, int);
     void (*sigmoid_mul)(int64_t, int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, uint16_t*, int);
+    int (*bf16_linear)(const uint16_t*, int64_t, int64_t, const uint16_t*, const float*, int64_t, uint16_t*, int);
+    void (*argmax_rows)(int64_t, int64_t, const void*, int64_t, int, int64_t*, int);
 } Kernels;
 
 typedef struct { /* a prepared linear layer without bias (linear.FastLinear on qmatmul.c): bf16 [M, K] -> [M, N] */
@@ -204,5 +207,97 @@ int qwen35_decode(const Kernels* k, const Step* s, const Layer* layers, int64_t 
     for (int64_t i = 0; i < L && !failed; i++) failed = layer(k, s, layers + i, x, h, y, o, scratch, nth);
     if (!failed) k->rmsnorm(M, H, x, H, s->norm, 1, s->eps, 1, s->out, nth);
     free(buf);
+    return failed ? -1 : 0;
+}
+
+typedef struct {
+    int64_t B, W, K, H, V, S, R, P; /* rows, pending positions read, drafts, hidden, vocabulary, MTP cache slots,
+                                       rotary dims, rotary table rows */
+    float eps;                      /* the pre-fc norms' */
+    const uint16_t *embed, *norm_e, *norm_h; /* the embedding the MTP reads [V, H]; pre_fc_norm_embedding, _hidden [H] */
+    const uint16_t* fc;             /* the input projection [2H] -> [H], bf16 in qmatmul's pack_bf16 layout */
+    const uint16_t* norm;           /* the MTP's final norm [H] */
+    Linear head;                    /* the output head the drafts take: [H] -> [V] */
+    const uint16_t *cos, *sin;      /* rotary tables [P, R] */
+    const uint16_t* pend_h;         /* [B, PR, H]: the kept positions the MTP reads first */
+    const int64_t* pend_next;       /* [B, PR]: the token after each */
+    int64_t PR;                     /* pending slots per row */
+    const int64_t *pend_n, *mtp_pos; /* [B]: pending positions per row (1..W), the MTP slots filled */
+    int64_t* drafts;                /* out [B, K] */
+} Draft;
+
+/* fc(cat(norm_e(embed[ids]), norm_h(hid))) for M rows: hid [M, H] -> x [M, H]; cat [M, 2H] and e [M, H] scratch */
+static int mtp_input(const Kernels* k, const Draft* d, const int64_t* ids, const uint16_t* hid, int64_t M, uint16_t* cat,
+                     uint16_t* e, uint16_t* x, int nth) {
+    const size_t row = sizeof(uint16_t) * (size_t)d->H;
+    const int64_t H = d->H;
+    for (int64_t m = 0; m < M; m++) memcpy(e + m * H, d->embed + ids[m] * H, row);
+    k->rmsnorm(M, H, e, H, d->norm_e, 1, d->eps, 1, x, nth);
+    for (int64_t m = 0; m < M; m++) memcpy(cat + m * 2 * H, x + m * H, row);
+    k->rmsnorm(M, H, hid, H, d->norm_h, 1, d->eps, 1, e, nth);
+    for (int64_t m = 0; m < M; m++) memcpy(cat + m * 2 * H + H, e + m * H, row);
+    return k->bf16_linear(cat, M, 2 * H, d->fc, NULL, H, x, nth);
+}
+
+/* The greedy draft chain of a sequential MTP (round.py's `draft` with no sampling rule and the full head), as one
+ * call: depth 1 reads each row's W pending positions (MTP slots mtp_pos + 0..W-1) and drafts token 1 from the output
+ * at its last pending one; depth j reads draft j-1 at slot mtp_pos + pend_n - 2 + j. Depth j runs MTP layer (j-1) % L
+ * with its cache. Each piece is the eager path's kernel (fc: bf16_linear, the layer and norm: qwen35_decode, the head,
+ * argmax_rows) or an exact copy, so the drafts and the caches written are the eager ones bit for bit.
+ * 0; -1 out of memory; -2 a token outside the vocabulary; -3 a position outside the cache or the rotary table;
+ * -4 a pending count outside 0..W (nothing written). A row with none pending (0: a row not decoding) drafts from
+ * its last pending slot, as the round's index -1 does: its drafts are never used. */
+int qwen35_draft(const Kernels* k, const Draft* d, const Layer* layers, int64_t L, int nth) {
+    const int64_t B = d->B, W = d->W, H = d->H, R = d->R, M = B * W;
+    for (int64_t b = 0; b < B; b++) {
+        if (d->pend_n[b] < 0 || d->pend_n[b] > W) return -4; /* 0: a row with nothing pending (not decoding) */
+        if (d->mtp_pos[b] < 0 || d->mtp_pos[b] + d->pend_n[b] - 2 + d->K >= d->S || d->mtp_pos[b] + W > d->S
+            || d->mtp_pos[b] + W > d->P || d->mtp_pos[b] + d->pend_n[b] - 2 + d->K >= d->P)
+            return -3;
+        for (int64_t t = 0; t < W; t++)
+            if (d->pend_next[b * d->PR + t] < 0 || d->pend_next[b * d->PR + t] >= d->V) return -2;
+    }
+    uint16_t* buf = malloc(sizeof(uint16_t) * (size_t)(M * (6 * H + 2 * R) + B * d->V));
+    int64_t* ints = malloc(sizeof(int64_t) * (size_t)(3 * M + B));
+    if (!buf || !ints) {
+        free(buf);
+        free(ints);
+        return -1;
+    }
+    uint16_t *hid = buf, *cat = hid + M * H, *e = cat + 2 * M * H, *x = e + M * H, *out = x + M * H;
+    uint16_t *cos = out + M * H, *sin = cos + M * R, *logits = sin + M * R, *h = hid; /* h: depth j's input [B, H] */
+    int64_t *ids = ints, *index = ids + M, *starts = index + M, *tok = starts + M;
+    for (int64_t b = 0; b < B; b++) {
+        starts[b] = d->mtp_pos[b];
+        for (int64_t t = 0; t < W; t++) {
+            const int64_t m = b * W + t;
+            memcpy(hid + m * H, d->pend_h + (b * d->PR + t) * H, sizeof(uint16_t) * (size_t)H);
+            ids[m] = d->pend_next[b * d->PR + t];
+            index[m] = d->mtp_pos[b] + t;
+        }
+    }
+    int failed = 0;
+    for (int64_t j = 1; j <= d->K && !failed; j++) {
+        const int64_t T = j == 1 ? W : 1, rows = B * T;
+        if (j > 1)
+            for (int64_t b = 0; b < B; b++) {
+                ids[b] = d->drafts[b * d->K + j - 2];
+                index[b] = starts[b] = d->mtp_pos[b] + d->pend_n[b] - 2 + j;
+            }
+        for (int64_t m = 0; m < rows; m++) {
+            memcpy(cos + m * R, d->cos + index[m] * R, sizeof(uint16_t) * (size_t)R);
+            memcpy(sin + m * R, d->sin + index[m] * R, sizeof(uint16_t) * (size_t)R);
+        }
+        if ((failed = mtp_input(k, d, ids, h, rows, cat, e, x, nth))) break;
+        const Step s = {B, T, H, d->V, d->S, R, d->eps, NULL, x, index, starts, NULL, cos, sin, d->norm, out};
+        if ((failed = qwen35_decode(k, &s, layers + (j - 1) % L, 1, nth))) break;
+        for (int64_t b = 0; b < B; b++) /* the output at the last pending position (depth 1), else the one */
+            memcpy(h + b * H, out + (b * T + (j == 1 ? (d->pend_n[b] + W - 1) % W : 0)) * H, sizeof(uint16_t) * (size_t)H);
+        if ((failed = linear(k, &d->head, h, B, logits, nth))) break;
+        k->argmax_rows(B, d->V, logits, d->V, 1, tok, nth);
+        for (int64_t b = 0; b < B; b++) d->drafts[b * d->K + j - 1] = tok[b];
+    }
+    free(buf);
+    free(ints);
     return failed ? -1 : 0;
 }

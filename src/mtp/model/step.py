@@ -13,6 +13,11 @@ MLPs and zero-centred norms, every projection an int8 or int4 `FastLinear` on qm
 fuses, no bias, no act-order permutation), no hooks, no autograd, not compiling, and a decode forward whose rows'
 first positions are on the host (`Positions.starts`). Anything else (bf16 weights on oneDNN, MoE, LoRA, a compiled
 graph) takes the per-layer path. MTP_STEP=0 (or MTP_NATIVE=0) turns it off.
+
+The greedy draft chain of the MTP (decode/round.py `draft`, no sampling rule and the full head) is one call too
+(`draft`, `build_draft`): each depth's embedding row, pre-fc norms, "bf16-native" input projection, MTP layer and
+norm, the int8/int4 head and the argmax, K depths back to back: ~25 tensor operations and 2 program calls per
+depth before, the same drafts and MTP keys/values bit for bit (tests/test_step.py).
 """
 
 from __future__ import annotations
@@ -20,13 +25,13 @@ from __future__ import annotations
 import ctypes
 import operator
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
-from . import act, attention_kernel, deltanet_kernel, norm_kernel, qmatmul
+from . import act, argmax_kernel, attention_kernel, deltanet_kernel, norm_kernel, qmatmul
 from .attention import GatedAttention
 from .cache import Cache, DeltaState, DeltaSteps, KVCache, Positions
 from .deltanet import GatedDeltaNet
@@ -40,7 +45,7 @@ p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 class _Kernels(ctypes.Structure):
     _fields_ = [(n, p) for n in ("q8_linear", "q4_linear", "rmsnorm", "deltanet_decode", "attend_decode", "silu_mul",
-                                 "sigmoid_mul")]
+                                 "sigmoid_mul", "bf16_linear", "argmax_rows")]
 
 
 class _Linear(ctypes.Structure):
@@ -60,21 +65,31 @@ class _Step(ctypes.Structure):
                 + [(n, p) for n in ("ids", "x", "index", "starts", "embed", "cos", "sin", "norm", "out")])
 
 
+class _Draft(ctypes.Structure):
+    _fields_ = ([(n, i64) for n in ("B", "W", "K", "H", "V", "S", "R", "P")] + [("eps", f32)]
+                + [(n, p) for n in ("embed", "norm_e", "norm_h", "fc", "norm")] + [("head", _Linear)]
+                + [(n, p) for n in ("cos", "sin", "pend_h", "pend_next")] + [("PR", i64)]
+                + [(n, p) for n in ("pend_n", "mtp_pos", "drafts")])
+
+
 def _declare(lib: ctypes.CDLL) -> None:
-    lib.qwen35_decode.argtypes = [ctypes.POINTER(_Kernels), ctypes.POINTER(_Step), ctypes.POINTER(_Layer), i64,
-                                  ctypes.c_int]
-    lib.qwen35_decode.restype = ctypes.c_int
+    for name, struct in (("qwen35_decode", _Step), ("qwen35_draft", _Draft)):
+        fn = getattr(lib, name)
+        fn.argtypes = [ctypes.POINTER(_Kernels), ctypes.POINTER(struct), ctypes.POINTER(_Layer), i64, ctypes.c_int]
+        fn.restype = ctypes.c_int
 
 
 LIBRARY = NativeLibrary("step.c", "MTP_STEP", "decode forwards run layer by layer", _declare)
-_LIBRARIES = (qmatmul.LIBRARY, norm_kernel.LIBRARY, deltanet_kernel.LIBRARY, attention_kernel.LIBRARY, act.LIBRARY)
+_LIBRARIES = (qmatmul.LIBRARY, norm_kernel.LIBRARY, deltanet_kernel.LIBRARY, attention_kernel.LIBRARY, act.LIBRARY,
+              argmax_kernel.LIBRARY)
 
 
 def _kernels() -> _Kernels:
     fn = lambda lib, name: ctypes.cast(getattr(lib.lib(), name), p).value  # noqa: E731
     return _Kernels(fn(qmatmul.LIBRARY, "q8_linear"), fn(qmatmul.LIBRARY, "q4_linear"), fn(norm_kernel.LIBRARY, "rmsnorm"),
                     fn(deltanet_kernel.LIBRARY, "deltanet_decode"), fn(attention_kernel.LIBRARY, "attend_decode"),
-                    fn(act.LIBRARY, "silu_mul"), fn(act.LIBRARY, "sigmoid_mul"))
+                    fn(act.LIBRARY, "silu_mul"), fn(act.LIBRARY, "sigmoid_mul"), fn(qmatmul.LIBRARY, "bf16_linear"),
+                    fn(argmax_kernel.LIBRARY, "argmax_rows"))
 
 
 class Ineligible(Exception):
@@ -103,6 +118,7 @@ class Program:
     prepared: list[tuple[FastLinear, torch.Tensor, torch.Tensor]]  # each linear run and the codes and scales read
     modules: list[nn.Module]  # the backbone's (`hooked`)
     kernels: _Kernels = field(default_factory=_kernels)
+    draft: _Draft | None = None  # a draft program's static fields (`build_draft`)
 
     def __post_init__(self) -> None:
         # what `fresh` and `hooked` compare, laid out for C-level loops (a step runs them every time)
@@ -129,8 +145,8 @@ class Program:
 _version = operator.attrgetter("_version")
 
 
-def _scales(lin: FastLinear) -> torch.Tensor:
-    return lin._scale if lin.kernel == "int8" else lin._sz
+def _scales(lin: FastLinear) -> torch.Tensor | None:
+    return lin._scale if lin.kernel == "int8" else lin._sz if lin.kernel == "int4" else None
 
 
 def _linear(lin: FastLinear, prepared: list, params: list, parts: list | None = None) -> _Linear:
@@ -247,11 +263,57 @@ def build(layers: list[nn.Module], norm: nn.Module, embed: nn.Embedding | None, 
                    params, prepared, modules)
 
 
+def build_draft(model: nn.Module) -> Program:
+    """The greedy draft chain of `model`'s sequential MTP (`draft`): its layers (as `build` reads them; the chain runs
+    one at a time), its embedding, pre-fc norms, "bf16-native" input projection and the int8/int4 head it drafts with."""
+    mtp = model.mtp
+    if mtp is None or mtp.style != "sequential":
+        raise Ineligible("no sequential MTP module")
+    prog = build(list(mtp.layers), mtp.norm, None, [mtp])
+    if any(kind is not GatedAttention for kind in prog.kinds):
+        raise Ineligible("an MTP layer is not a gated-attention layer")
+    params, prepared = list(prog.params), list(prog.prepared)
+
+    def param(module: nn.Module, name: str, what: str) -> torch.Tensor:
+        t = _bf16(module._parameters[name], what)
+        params.append((module._parameters, name, t, t._version))
+        return t
+
+    embeds, heads = {mtp.embed_for_depth(1), mtp.embed_for_depth(2)}, {model.mtp_head_module(1), model.mtp_head_module(2)}
+    if len(embeds) != 1 or len(heads) != 1:
+        raise Ineligible("the depths read different embeddings or heads")
+    embed = embeds.pop() or model.model.embed_tokens
+    norms = (mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden)
+    if type(embed) is not nn.Embedding or any(type(n) is not RMSNorm or n.eps != prog.eps for n in norms):
+        raise Ineligible("the MTP's embedding or pre-fc norms are not the kinds the C draft runs")
+    fc, H = mtp.fc, prog.hidden
+    if not (isinstance(fc, FastLinear) and fc.kernel == "bf16-native" and fc.bias is None
+            and (fc.in_features, fc.out_features) == (2 * H, H)):
+        raise Ineligible("the MTP's input projection is not a bf16-native layer without bias")
+    prepared.append((fc, fc._packed, None))
+    params.append((fc._parameters, "weight", fc.weight, fc.weight._version))
+    head_prepared: list = []
+    head_module = heads.pop()
+    head = _linear(head_module, head_prepared, params)
+    prepared += head_prepared
+    e = param(embed, "weight", "the embedding")
+    if e.shape[1] != H or head.K != H or head.N != e.shape[0]:
+        raise Ineligible("the embedding and the head do not fit the hidden size")
+    d = _Draft(H=H, V=e.shape[0], eps=prog.eps, embed=e.data_ptr(), fc=fc._packed.data_ptr(), norm=prog.norm.data_ptr(),
+               head=head)
+    d.norm_e, d.norm_h = (param(n, "weight", "a pre-fc norm").data_ptr() for n in norms)
+    return replace(prog, params=params, prepared=prepared, modules=prog.modules + [embed, fc, head_module, *norms],
+                   draft=d)
+
+
 def _make(owner: nn.Module, part: str | int) -> Program:
-    """The program of `owner`'s `part`: a Qwen35ForCausalLM's "backbone", or a Qwen35MTP's layer `part` (then its norm)."""
+    """The program of `owner`'s `part`: a Qwen35ForCausalLM's "backbone" or "draft" (`build_draft`), or a Qwen35MTP's
+    layer `part` (then its norm)."""
     if part == "backbone":
         m = owner.model
         return build(list(m.layers), m.norm, m.embed_tokens, [owner, m])
+    if part == "draft":
+        return build_draft(owner)
     return build([owner.layers[part]], owner.norm, None, [owner])
 
 
@@ -384,3 +446,54 @@ def _run(prog: Program, B: int, T: int, ids: torch.Tensor | None, x: torch.Tenso
     if status != 0:
         raise MemoryError("qwen35_decode: out of memory")
     return out, steps
+
+
+def draft(model, K: int, pend_h: torch.Tensor, pend_next: torch.Tensor, pend_n: torch.Tensor, mtp_pos: torch.Tensor,
+          caches: list, width: int, host: tuple[list[int], list[int]]) -> torch.Tensor | None:
+    """round.py's greedy draft chain (no sampling rule, the full head) of K >= 1 drafts as one C call -> drafts [B, K]
+    (long), or None where it cannot run so (the round then runs it step by step, to the same drafts and caches).
+    pend_h [B, PR, H], pend_next [B, PR], pend_n and mtp_pos [B]: the round state's; `width`: the pending positions
+    depth 1 reads; `host`: (mtp_pos, pend_n) on the host. A pending count past `width` raises ValueError, a pending
+    token outside the vocabulary IndexError, before anything is written."""
+    if torch.is_grad_enabled() or torch.compiler.is_compiling() or K < 1 or model.rotary is None:
+        return None
+    prog = program(model, "draft")
+    table = model.rotary._table
+    if prog is None or prog.hooked() or table is None or table[0].dtype != torch.bfloat16:
+        return None
+    cos, sin = table
+    B, PR = pend_next.shape
+    H, R = prog.hidden, cos.shape[-1]
+    tensors = (pend_h, pend_next, pend_n, mtp_pos, cos, sin)
+    if (pend_h.dtype != torch.bfloat16 or pend_h.shape != (B, PR, H) or pend_next.dtype != torch.int64
+            or pend_n.dtype != torch.int64 or mtp_pos.dtype != torch.int64 or pend_n.shape != (B,) or mtp_pos.shape != (B,)
+            or not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors) or not 1 <= width <= PR
+            or len(caches) != len(prog.layers)):
+        return None
+    layers = (_Layer * len(prog.layers))()  # this call's copy (decoders on other threads may run the program at once)
+    ctypes.memmove(layers, prog.layers, ctypes.sizeof(layers))
+    S = None
+    for L, c in zip(layers, caches):
+        if (type(c) is not KVCache or c.k.dtype != torch.bfloat16 or c.v.dtype != torch.bfloat16
+                or c.k.shape[:2] != (B, L.Hk) or c.k.shape[3] != L.Kd or c.v.shape != c.k.shape
+                or not (c.k.is_contiguous() and c.v.is_contiguous()) or R > L.Kd or (S is not None and c.k.shape[2] != S)):
+            return None
+        S = c.k.shape[2]
+        L.conv, L.values = c.k.data_ptr(), c.v.data_ptr()
+    starts, counts = host
+    if max(s + max(width, n - 1 + K) for s, n in zip(starts, counts)) > min(S, cos.shape[0]):
+        raise ValueError(f"draft: MTP positions past the cache's {S} slots or the rotary table's {cos.shape[0]}")
+    drafts = torch.empty(B, K, dtype=torch.int64)
+    d = _Draft.from_buffer_copy(prog.draft)
+    d.B, d.W, d.K, d.S, d.R, d.P, d.PR = B, width, K, S, R, cos.shape[0], PR
+    d.cos, d.sin, d.pend_h, d.pend_next = cos.data_ptr(), sin.data_ptr(), pend_h.data_ptr(), pend_next.data_ptr()
+    d.pend_n, d.mtp_pos, d.drafts = pend_n.data_ptr(), mtp_pos.data_ptr(), drafts.data_ptr()
+    status = LIBRARY.lib().qwen35_draft(ctypes.byref(prog.kernels), ctypes.byref(d), layers, len(layers),
+                                        torch.get_num_threads())
+    if status == -2:
+        raise IndexError(f"a pending token id is outside the vocabulary of {d.V}")
+    if status in (-3, -4):
+        raise ValueError("draft: an MTP position or pending count out of range")
+    if status != 0:
+        raise MemoryError("qwen35_draft: out of memory")
+    return drafts
