@@ -323,3 +323,19 @@ def test_the_draft_chain_hands_over_what_it_cannot_run_and_refuses_bad_state():
     with torch.inference_mode():
         assert bf16.mtp_draft(*args(draft_state(bf16, 2, seed=1), 4)) is None
         assert "not an int8/int4" in step.verdict(bf16, "draft")  # its MTP layer runs on oneDNN
+
+
+def test_keeping_every_layer_in_one_call_equals_keeping_each():
+    """Cache.keep_at after a verify forward (one C call for its Gated DeltaNet layers) == each layer's
+    DeltaState.keep_at, for rows keeping 0, some and all of the block."""
+    model = quantized("int8")
+    (_, steps, cache), (_, _, other) = both(model, 3, 4, False, seed=3)
+    n = torch.tensor([0, 2, 4])
+    with torch.inference_mode():
+        cache.keep_at(steps, n)
+        for state, st in zip(other.layers, steps):
+            if st is not None:
+                state.keep_at(st, n)
+    for a, b in zip(cache.layers, other.layers):
+        for name in ("ssm", "conv") if hasattr(a, "ssm") else ("k", "v"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name

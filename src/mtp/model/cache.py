@@ -163,6 +163,8 @@ class Cache:
         """After a decode forward (`CausalLM.decode`): keep each row's first n[b] tokens (n [B] long on the device, 0
         for a row that keeps nothing). Recurrent states are selected from the steps; attention entries are addressed by
         position and need nothing. Positions are the caller's (`rows` on the host, the round's tensors)."""
-        for state, st in zip(self.layers, steps):
-            if st is not None:
-                state.keep_at(st, n)
+        kept = [(state, st) for state, st in zip(self.layers, steps) if st is not None]
+        if not kept or (all(type(s) is DeltaState for s, _ in kept) and deltanet_kernel.keep_layers(kept, n)):
+            return  # (the Gated DeltaNet layers of one forward: one C call)
+        for state, st in kept:
+            state.keep_at(st, n)

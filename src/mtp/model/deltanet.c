@@ -191,3 +191,18 @@ void deltanet_keep(int64_t B, int64_t Hv, int64_t T, int64_t KV, const int64_t* 
             memcpy((char*)conv + (r * C + c) * keep_w, (const char*)window + ((r * C + c) * W + keep) * esize, (size_t)keep_w);
     }
 }
+
+typedef struct { /* one layer's deltanet_keep: the cache's state and conv inputs, the forward's steps */
+    int64_t B, Hv, T, KV, C, kernel, esize;
+    const float* states;
+    float* ssm;
+    const void* window;
+    void* conv;
+} Keep;
+
+/* deltanet_keep for L layers at once (Cache.keep_at after a decode forward: one call, not one per layer). */
+void deltanet_keep_layers(int64_t L, const Keep* k, const int64_t* n, int nthreads) {
+    for (int64_t i = 0; i < L; i++)
+        deltanet_keep(k[i].B, k[i].Hv, k[i].T, k[i].KV, n, k[i].states, k[i].ssm, k[i].C, k[i].kernel, k[i].esize,
+                      k[i].window, k[i].conv, nthreads);
+}

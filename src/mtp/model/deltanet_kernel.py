@@ -26,6 +26,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.deltanet_decode.restype = i32
     lib.deltanet_keep.argtypes = [i64, i64, i64, i64, p, p, p, i64, i64, i64, p, p, i32]
     lib.deltanet_keep.restype = None
+    lib.deltanet_keep_layers.argtypes = [i64, p, p, i32]
+    lib.deltanet_keep_layers.restype = None
+
+
+class _Keep(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in ("B", "Hv", "T", "KV", "C", "kernel", "esize")] + [
+        (n, ctypes.c_void_p) for n in ("states", "ssm", "window", "conv")]
 
 
 LIBRARY = NativeLibrary("deltanet.c", None, "Gated DeltaNet decodes with torch ops", _declare)
@@ -117,6 +124,27 @@ def _keep(ssm, conv, states, window, n):
     LIBRARY.lib().deltanet_keep(B, Hv, T, Kd * Vd, n.data_ptr(), states.data_ptr(), ssm.data_ptr(), conv.shape[1],
                                 conv.shape[2] + 1, conv.element_size(), window.data_ptr(), conv.data_ptr(),
                                 torch.get_num_threads())
+
+
+def keep_layers(kept: list, n: torch.Tensor) -> bool:
+    """`DeltaState.keep_at` of every (DeltaState, DeltaSteps) pair in `kept` as one C call (n [B] long); False (nothing
+    done) where one of them cannot run so."""
+    if torch.is_grad_enabled() or torch.compiler.is_compiling() or not LIBRARY.available() or n.device.type != "cpu":
+        return False
+    layers = (_Keep * len(kept))()
+    for L, (state, steps) in zip(layers, kept):
+        ssm, conv, states, window = state.ssm, state.conv, steps.states, steps.window
+        tensors = (ssm, conv, states, window)
+        if (ssm.dtype != torch.float32 or states.dtype != torch.float32 or conv.dtype != window.dtype
+                or conv.dtype not in (torch.bfloat16, torch.float32) or states.dim() != 5 or states.shape[0] != n.shape[0]
+                or not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)):
+            return False
+        B, Hv, T, Kd, Vd = states.shape
+        L.B, L.Hv, L.T, L.KV, L.C, L.kernel, L.esize = B, Hv, T, Kd * Vd, conv.shape[1], conv.shape[2] + 1, conv.element_size()
+        L.states, L.ssm, L.window, L.conv = states.data_ptr(), ssm.data_ptr(), window.data_ptr(), conv.data_ptr()
+    n = n.to(torch.int64).contiguous()
+    LIBRARY.lib().deltanet_keep_layers(len(kept), layers, n.data_ptr(), torch.get_num_threads())
+    return True
 
 
 @torch.library.custom_op("mtp::deltanet_decode", mutates_args=())
