@@ -7,7 +7,8 @@ one sequence: the backbone consumed `pos[b]` tokens, `last[b]` (emitted, not yet
                 after each: exactly the teacher-forced depth-1 computation of training), which yields draft 1; drafts
                 2..K follow the causal chain (parallel heads: all at once).
   2. verify   - `verify()`: ONE backbone forward over [last, d_1..d_K] for every row.
-  3. accept   - `accept.py`, on the device: each row's accepted count n and its next token.
+  3. accept   - `accept.py`, on the device: each row's accepted count n and its next token (`accept_and_keep`; greedy
+                rows on the CPU: `round_kernel.py`, one C call for steps 3-4 with the same result).
   4. keep     - `cache.keep_at(steps, n + 1)`: attention entries are addressed by position (nothing to undo),
                 Gated DeltaNet states are selected at the kept position, never recomputed; positions advance by n+1;
                 the kept positions become the MTP's `pending` for the next round.
@@ -27,7 +28,7 @@ import torch
 
 from ..model.argmax_kernel import argmax
 from ..model.cache import Cache
-from . import accept
+from . import accept, round_kernel
 from .sampling import RowSampling, shape_logits
 
 # The most drafts one round makes; the MTP's pending positions (kept but not read) are held up to PENDING.
@@ -141,7 +142,6 @@ def verify(model, st: RoundState, drafts: torch.Tensor, limit: torch.Tensor, act
     tokens[b, K+1] = n (one tensor, so the host synchronises once)."""
     B, K = drafts.shape
     dev = drafts.device
-    rows = torch.arange(B, device=dev)
     ids = torch.cat([st.last[:, None], drafts], dim=1) if appended is None else appended.ids(st.last, drafts, limit)
     at = model.decode_positions(st.pos[:, None] + torch.arange(ids.shape[1], device=dev), starts)
     # an eager plain step that every row keeps: recurrent states may update in place (the CPU's C step; reading the
@@ -153,7 +153,21 @@ def verify(model, st: RoundState, drafts: torch.Tensor, limit: torch.Tensor, act
         appended.read(hidden)
         hidden = hidden[:, : K + 1]
     logits = model.head(hidden)  # [B, K+1, V]
+    return accept_and_keep(st, steps, hidden, logits, drafts, limit, active, rs, draft_logits, noise, u)
 
+
+def accept_and_keep(st: RoundState, steps: list, hidden: torch.Tensor, logits: torch.Tensor, drafts: torch.Tensor,
+                    limit: torch.Tensor, active: torch.Tensor, rs: RowSampling | None, draft_logits: torch.Tensor | None,
+                    noise: torch.Tensor | None, u: torch.Tensor | None) -> torch.Tensor:
+    """Steps 3-4 after the verify forward (its `steps`, hidden [B, K+1, H] and logits [B, K+1, V]): `verify`'s
+    arguments and result."""
+    B, K = drafts.shape
+    if rs is None and round_kernel.usable(st, drafts, hidden):  # greedy on the CPU: the same, as one C call
+        tokens, keep = round_kernel.accept_greedy(st, argmax(logits), drafts, limit, active, hidden)
+        st.cache.keep_at(steps, keep)
+        return tokens
+    dev = drafts.device
+    rows = torch.arange(B, device=dev)
     if rs is None:
         n, nxt = accept.accept_argmax(drafts, limit, logits)
     else:

@@ -129,9 +129,9 @@ class NativeLibrary:
     """One C source, built and loaded on first use. `declare(lib)` sets the functions' ctypes signatures; `switch` is
     the environment variable that turns this library off (=0); `fallback` says what runs instead, for the warning."""
 
-    def __init__(self, source: str, switch: str | None, fallback: str, declare: Callable[[ctypes.CDLL], None],
+    def __init__(self, source: str | Path, switch: str | None, fallback: str, declare: Callable[[ctypes.CDLL], None],
                  isas: tuple[Isa, ...] = ()):
-        self.source = Path(__file__).with_name(source)
+        self.source = source if isinstance(source, Path) else Path(__file__).with_name(source)  # a name: beside this file
         self.switch, self.fallback, self.declare, self.isas = switch, fallback, declare, isas
         self.isa: Isa | None = None  # the build loaded (None: the baseline)
         self._lock = threading.Lock()
