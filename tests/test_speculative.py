@@ -173,6 +173,21 @@ def test_auto_policy_follows_the_verify_cost():
     assert settle(lambda q: 0.01 * (1 + 0.02 * (q - 1))) >= 4
 
 
+def test_auto_policy_is_not_thrown_by_rounds_the_machine_slowed():
+    """Every 5th drafting round slowed 6x by interference (another process, a page fault) leaves auto drafting deep
+    where drafts pay (a mean over the rounds chose k = 0 here); a lasting change of cost is still followed."""
+    pol = DraftPolicy.from_arg("auto", 8)
+    for r in range(300):
+        k = pol.next_k(1)
+        cost = 0.01 + 0.001 * k
+        pol.update(1, k, [(k, k if r % 4 else 0)], cost * (6 if k and r % 5 == 0 else 1))
+    assert pol.k_last >= 3
+    for r in range(300):  # from now on every drafting round costs 6x: drafting stops
+        k = pol.next_k(1)
+        pol.update(1, k, [(k, k if r % 4 else 0)], (0.01 + 0.001 * k) * (6 if k else 1))
+    assert pol.k_last == 0
+
+
 def test_auto_policy_stays_in_bounds_and_follows_acceptance():
     pol = DraftPolicy.from_arg("auto", 8)
     for _ in range(50):

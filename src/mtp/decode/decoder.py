@@ -105,8 +105,8 @@ class Decoder:
             limit = min(MAX_DRAFT, model.masks.config.masks)
         # round times measured by earlier decoders of this model in the same setup (`DraftPolicy.from_arg`)
         setup = (compile, torch.get_num_threads(), draft_vocab is not None, use_masks, max_batch)
-        times = model.__dict__.setdefault("_round_times", {}).setdefault(setup, {})
-        self.policy = DraftPolicy.from_arg(draft_tokens if use_mtp or use_masks else None, limit, times)
+        samples = model.__dict__.setdefault("_round_times", {}).setdefault(setup, {})
+        self.policy = DraftPolicy.from_arg(draft_tokens if use_mtp or use_masks else None, limit, samples)
         self.max_len = min(max_len, model.context_length)
         slots = cache_slots(self.max_len, compile, model.context_length)
         model.prepare_decode(slots)
@@ -376,9 +376,10 @@ class Decoder:
         other = time.perf_counter() - t
         for s in seqs:
             s.session.stats.time_other += other
-        # a compiled graph's first call compiles it (or reads it from the disk cache): not a round time to learn from
+        # a compiled graph's first call compiles it (or reads it from the disk cache), and an eager round's first of its
+        # kind (per model) builds what it runs (one-call programs, buffers: ~5x a round here): not a time to learn from
         graph = (B, K, None if rs is None else (rs.use_penalty, rs.use_top_k, rs.use_top_p, rs.any_sampled, rs.any_unseeded))
-        first = self.runner.compiled and graph not in self.runner.called
+        first = graph not in self.runner.called
         self.runner.called.add(graph)
         self.policy.update(D, k, [(ks[b], out[b][K + 1]) for b in range(D)], None if first else time.perf_counter() - t0)
         self.last_round = [(s, ks[b], out[b][K + 1]) for b, s in enumerate(seqs)]

@@ -63,32 +63,36 @@ class DraftPolicy:
     sequence drafts min(k, what it has left)), chosen to maximise tokens per second of the whole batch,
         B * E(k) / t_round(B, k)
     with E(k) from the acceptance pooled over the batch (exponential forgetting) and t_round the measured time of a
-    round at that batch size and k (EMA; unseen k interpolated from the ones seen at this B, or scaled from the nearest
-    B). Verifying B(k+1) tokens costs more per token as the batch grows, so k falls with B, down to 0 (MTP off) where
-    extra verified tokens stop paying. The second round measures k = 0 (the baseline); every 8th round tries k+1
-    (from k = 0 every 32nd, doubling up to every 256th while the probes find k = 0 best) and every 8th (offset)
-    k-1, to keep measuring."""
+    round at that batch size and k (a mean over the last rounds without outliers, `estimate`; unseen k interpolated
+    from the ones seen at this B, or scaled from the nearest B). Verifying B(k+1) tokens costs more per token as the
+    batch grows, so k falls with B, down to 0 (MTP off) where extra verified tokens stop paying. The second round
+    measures k = 0 (the baseline); every 8th round tries k+1 (from k = 0 too, the wait doubling up to every 256th
+    round while the probes find k = 0 best) and every 8th (offset) k-1, to keep measuring."""
 
     k_fixed: int | None  # None: auto; 0: MTP off
     k_max: int = 6
     counts: AcceptanceCounts = field(default_factory=AcceptanceCounts)  # pooled over the batch
-    times: dict[tuple[int, int], float] = field(default_factory=dict)  # (B, k) -> EMA seconds per round
+    samples: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # (B, k) -> the last WINDOW round times
+    times: dict[tuple[int, int], float] = field(default_factory=dict)  # (B, k) -> seconds per round (`estimate`)
     k_last: int = 2
     probe_every: int = 8
     n: int = 0
-    quiet: int = 0  # probes from k = 0 in a row that left it at 0 (each doubles the next wait, up to 8x)
+    quiet: int = 0  # probes from k = 0 in a row that left it at 0 (each doubles the next wait, up to 32x)
     probed: bool = False  # the last round was a probe from k = 0
+
+    def __post_init__(self) -> None:
+        self.times.update({key: estimate(v) for key, v in self.samples.items()})
 
     @classmethod
     def from_arg(cls, draft_tokens: int | str | None, limit: int,
-                 times: dict[tuple[int, int], float] | None = None) -> DraftPolicy:
-        """`times`: round times measured before (by earlier decoders of the same model and setup), shared and kept
+                 samples: dict[tuple[int, int], list[float]] | None = None) -> DraftPolicy:
+        """`samples`: round times measured before (by earlier decoders of the same model and setup), shared and kept
         up to date: a round's cost is the model's and the machine's, not the text's, so a new generation starts
         from what the last one measured instead of exploring again."""
         if draft_tokens in (None, 0):
             return cls(0, k_max=0)
         if draft_tokens == "auto":
-            return cls(None, k_max=min(6, limit), times={} if times is None else times)
+            return cls(None, k_max=min(6, limit), samples={} if samples is None else samples)
         if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or not 1 <= draft_tokens <= limit:
             raise ValueError(f"draft_tokens must be None, 0, an integer in 1..{limit} or 'auto', got {draft_tokens!r}")
         return cls(draft_tokens, k_max=draft_tokens)
@@ -142,14 +146,14 @@ class DraftPolicy:
             if batch * expected / t > best:
                 best_k, best = k, batch * expected / t
         if self.k_last == 0 and self.probed:  # the last probe from 0 left it at 0: wait longer before the next
-            self.quiet = min(self.quiet + 1, 3) if best_k == 0 else 0
+            self.quiet = min(self.quiet + 1, 5) if best_k == 0 else 0
         self.probed = False
         self.k_last = best_k
         if self.n == 2 and (batch, 0) not in self.times:  # measure a plain step early: the baseline drafting must beat
             return 0
-        # probe one draft more every 8th round; from k = 0 every 32nd, then 64th .. 256th while probes keep finding
+        # probe one draft more every 8th round; from k = 0 too, then every 16th .. 256th while probes keep finding
         # k = 0 best (where drafting does not pay, a probe costs most: the MTP reads every position it skipped)
-        every = self.probe_every * (4 << self.quiet if best_k == 0 else 1)
+        every = self.probe_every * (1 << self.quiet if best_k == 0 else 1)
         if self.n % every == 0 and best_k < self.k_max:
             self.probed = best_k == 0
             return best_k + 1
@@ -163,5 +167,24 @@ class DraftPolicy:
         self.counts.record(rows)
         if seconds is None:
             return
-        old = self.times.get((batch, k))
-        self.times[(batch, k)] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        recent = self.samples.setdefault((batch, k), [])
+        recent.append(seconds)
+        del recent[:-WINDOW]
+        self.times[(batch, k)] = estimate(recent)
+
+
+# Round times kept per (B, k), and how they make the round's cost. Another process on the machine or a page fault
+# adds time to a round, and a round that looks slow for k > 0 can hold k at 0, where probes are rare (seen here: a
+# mean over rounds that met interference chose k = 0 at 0.7x the best k). But a round's own cost varies too: at k = 0
+# every 8th round also lets the MTP read the positions it skipped (`round.catch_up`, ~1.6x a round), which a low
+# quantile would leave out. So the estimate is the mean of the last WINDOW rounds, leaving out those past OUTLIER x
+# their median.
+WINDOW = 16
+OUTLIER = 2.5
+
+
+def estimate(times: list[float]) -> float:
+    """The mean of `times`, those over OUTLIER x their median left out."""
+    median = sorted(times)[(len(times) - 1) // 2]
+    kept = [t for t in times if t <= OUTLIER * median]
+    return sum(kept) / len(kept)
