@@ -117,6 +117,8 @@ def test_bench_quick_writes_report(model_dir, tmp_path, capsys):
     for p in prof.values():
         assert p["ms_per_round"] > 0 and p["ops_per_round"] > 10 and p["graph_calls_per_round"] == 0
         assert 0 < p["linear_ms_per_round"] <= p["ms_per_round"] * 1.5
+        assert p["c_calls_per_round"] > 0 and 0 < p["c_ms_per_round"] <= p["ms_per_round"] * 1.5  # the C kernels ran
+        assert p["host_ms_per_round"] >= 0
     assert prof["mtp k=3"]["tokens_per_round"] >= 1 and prof["mtp plain"]["tokens_per_round"] == 1
     assert prof["mtp k=3"]["ops_per_round"] > prof["mtp plain"]["ops_per_round"]  # the round also drafts
     assert "where a round's time goes" in (out / "report.md").read_text()

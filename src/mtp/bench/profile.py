@@ -9,7 +9,11 @@ microseconds per operation, so its run is not timed). Per round (one backbone fo
 - `linear_ms`: time inside the linear layers' kernels (the weights' bytes and FLOPs; at the shipped model's size
   this is the part the hardware must spend);
 - `other_ms` = wall - linear: everything else (attention, norms, activations, the Python round, dispatch): an
-  upper bound on the host overhead, which is the part compiling removes.
+  upper bound on the host overhead, which is the part compiling removes;
+- `c_calls`, `c_ms`: calls into our C kernels (model/native.py, which the profiler does not see: the one-call
+  forward and draft, the qmatmul products, ...) and the time inside them, each round of a third run timed under
+  `native.timed()`;
+- `host_ms` = that run's round time - c_ms - linear_ms: the Python round, tensor operations and dispatch.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from ..decode import generate
+from ..decode.decoder import Decoder
+from ..model import native
 
 # the kernels of the linear layers (model/linear.py: FastLinear's prepared kernels and the plain ones)
 LINEAR_KERNELS = ("mtp::prepared_linear", "mkldnn::_linear_pointwise", "aten::_weight_int8pack_mm", "aten::addmm",
@@ -59,6 +65,29 @@ def _outermost_linear_us(events) -> float:
     return total
 
 
+def _rounds_in_c(model, ids: list[int], kw: dict, linear_ms: float) -> tuple[float, float, float]:
+    """One more generation, each round timed whole and for the time inside our C kernels (ctypes calls, which the
+    profiler does not see) -> per round (C ms, C calls, host ms = round - C - linear_ms)."""
+    rounds = []  # (wall seconds, C seconds, C calls) per round
+    real = Decoder._round
+
+    def timed_round(self, D):
+        with native.timed() as c:
+            t0 = time.perf_counter()
+            out = real(self, D)
+            rounds.append((time.perf_counter() - t0, c.seconds, c.calls))
+        return out
+
+    Decoder._round = timed_round
+    try:
+        generate(model, ids, **kw)
+    finally:
+        Decoder._round = real
+    n = max(1, len(rounds))
+    wall, c_s, calls = (sum(r[i] for r in rounds) for i in range(3))
+    return c_s / n * 1e3, calls / n, max(0.0, (wall - c_s) / n * 1e3 - linear_ms)
+
+
 def round_profile(model, ids: list[int], draft_tokens: int | str | None, compiled: bool, max_new_tokens: int = 16) -> dict:
     """Profile one greedy generation of `max_new_tokens` from `ids`; returns per-round figures (see the module
     docstring) and `rounds`, `tokens_per_round`. Keep `max_new_tokens` small: torch's profiler takes seconds per
@@ -83,18 +112,21 @@ def round_profile(model, ids: list[int], draft_tokens: int | str | None, compile
     linear_us = _outermost_linear_us(events) - _outermost_linear_us(prefill_prof.events())
     prounds = max(1, rp.stats.backbone_forwards)
     ms_round = decode_s / rounds * 1e3
-    linear_ms = linear_us / prounds / 1e3
+    linear_ms = max(0.0, linear_us / prounds / 1e3)
+    c_ms, c_calls, host_ms = _rounds_in_c(model, ids, kw, linear_ms)
     return {"rounds": rounds, "tokens_per_round": round((r.stats.new_tokens - 1) / rounds, 3),
             "wall_s": round(wall, 4), "ms_per_round": round(ms_round, 3), "ops_per_round": round(ops / prounds, 1),
             "graph_calls_per_round": round(graphs / prounds, 2), "linear_ms_per_round": round(linear_ms, 3),
-            "other_ms_per_round": round(max(0.0, ms_round - linear_ms), 3)}
+            "other_ms_per_round": round(max(0.0, ms_round - linear_ms), 3), "c_ms_per_round": round(c_ms, 3),
+            "c_calls_per_round": round(c_calls, 1), "host_ms_per_round": round(host_ms, 3)}
 
 
 def format_profile(rows: dict[str, dict]) -> str:
     """A markdown table of {configuration: round_profile(...)}."""
     lines = ["| configuration | ms / round | tokens / round | ops / round | graph calls / round | linear kernels ms | "
-             "everything else ms |", "|---|---:|---:|---:|---:|---:|---:|"]
+             "C calls / round | C kernels ms | host ms |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, p in rows.items():
         lines.append(f"| {name} | {p['ms_per_round']:.2f} | {p['tokens_per_round']:.2f} | {p['ops_per_round']:.0f} | "
-                     f"{p['graph_calls_per_round']:.1f} | {p['linear_ms_per_round']:.2f} | {p['other_ms_per_round']:.2f} |")
+                     f"{p['graph_calls_per_round']:.1f} | {p['linear_ms_per_round']:.2f} | {p['c_calls_per_round']:.1f} | "
+                     f"{p['c_ms_per_round']:.2f} | {p['host_ms_per_round']:.2f} |")
     return "\n".join(lines)

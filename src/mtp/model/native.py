@@ -31,7 +31,9 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -170,6 +172,52 @@ class NativeLibrary:
         return self._why or ""
 
     def lib(self) -> ctypes.CDLL:
+        """The loaded library (within `timed()`: a view of it that times each call)."""
+        lib = self.handle()
+        return lib if _TIMER is None else _Timed(lib, _TIMER)
+
+    def handle(self) -> ctypes.CDLL:
+        """The loaded library itself (its functions' addresses: step.py passes them to C)."""
         if self._lib is None and not self.available():
             raise RuntimeError(f"{self.source.name} kernels are not available here: {self.reason()}")
         return self._lib
+
+
+@dataclass
+class NativeTime:
+    """Seconds spent inside calls into our C kernels, and how many calls (`timed`)."""
+
+    seconds: float = 0.0
+    calls: int = 0
+
+
+_TIMER: NativeTime | None = None
+
+
+class _Timed:
+    def __init__(self, lib: ctypes.CDLL, timer: NativeTime):
+        self._lib, self._timer = lib, timer
+
+    def __getattr__(self, name: str):
+        fn, timer = getattr(self._lib, name), self._timer
+
+        def call(*args):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                timer.seconds += time.perf_counter() - t0
+                timer.calls += 1
+        return call
+
+
+@contextmanager
+def timed() -> Iterator[NativeTime]:
+    """Within: every call into the C kernels (through `NativeLibrary.lib()`) is timed into the yielded `NativeTime`
+    (bench/profile.py: what of a round is C and what is the host's). Not for threads running at once."""
+    global _TIMER
+    before, _TIMER = _TIMER, NativeTime()
+    try:
+        yield _TIMER
+    finally:
+        _TIMER = before

@@ -85,7 +85,7 @@ _LIBRARIES = (qmatmul.LIBRARY, norm_kernel.LIBRARY, deltanet_kernel.LIBRARY, att
 
 
 def _kernels() -> _Kernels:
-    fn = lambda lib, name: ctypes.cast(getattr(lib.lib(), name), p).value  # noqa: E731
+    fn = lambda lib, name: ctypes.cast(getattr(lib.handle(), name), p).value  # noqa: E731
     return _Kernels(fn(qmatmul.LIBRARY, "q8_linear"), fn(qmatmul.LIBRARY, "q4_linear"), fn(norm_kernel.LIBRARY, "rmsnorm"),
                     fn(deltanet_kernel.LIBRARY, "deltanet_decode"), fn(attention_kernel.LIBRARY, "attend_decode"),
                     fn(act.LIBRARY, "silu_mul"), fn(act.LIBRARY, "sigmoid_mul"), fn(qmatmul.LIBRARY, "bf16_linear"),
