@@ -49,6 +49,12 @@ class RotaryTable:
         table = self.ensure(end, dtype, device)
         return table[0][start:end], table[1][start:end]
 
+    @property
+    def table(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The cos, sin tables [P, R] built so far (positions 0..P-1), or None: what `gather` indexes (step.py's
+        one-call draft reads them directly)."""
+        return self._table
+
     def gather(self, index: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, 1, T, R] of the positions index [B, T] (a tensor; the table must already reach them:
         `ensure` first - a compiled decode step cannot grow it)."""

@@ -458,7 +458,7 @@ def draft(model, K: int, pend_h: torch.Tensor, pend_next: torch.Tensor, pend_n: 
     if torch.is_grad_enabled() or torch.compiler.is_compiling() or K < 1 or model.rotary is None:
         return None
     prog = program(model, "draft")
-    table = model.rotary._table
+    table = model.rotary.table
     if prog is None or prog.hooked() or table is None or table[0].dtype != torch.bfloat16:
         return None
     cos, sin = table
