@@ -72,27 +72,28 @@ class DraftPolicy:
     k_fixed: int | None  # None: auto; 0: MTP off
     k_max: int = 6
     counts: AcceptanceCounts = field(default_factory=AcceptanceCounts)  # pooled over the batch
-    samples: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # (B, k) -> the last WINDOW round times
-    times: dict[tuple[int, int], float] = field(default_factory=dict)  # (B, k) -> seconds per round (`estimate`)
+    rounds: RoundTimes = field(default_factory=lambda: RoundTimes())  # measured round times (shared: `from_arg`)
     k_last: int = 2
     probe_every: int = 8
     n: int = 0
     quiet: int = 0  # probes from k = 0 in a row that left it at 0 (each doubles the next wait, up to 32x)
     probed: bool = False  # the last round was a probe from k = 0
 
-    def __post_init__(self) -> None:
-        self.times.update({key: estimate(v) for key, v in self.samples.items()})
+    @property
+    def times(self) -> dict[tuple[int, int], float]:
+        """(B, k) -> estimated seconds of a round."""
+        return self.rounds.estimates
 
     @classmethod
     def from_arg(cls, draft_tokens: int | str | None, limit: int,
-                 samples: dict[tuple[int, int], list[float]] | None = None) -> DraftPolicy:
-        """`samples`: round times measured before (by earlier decoders of the same model and setup), shared and kept
+                 rounds: RoundTimes | None = None) -> DraftPolicy:
+        """`rounds`: round times measured before (by earlier decoders of the same model and setup), shared and kept
         up to date: a round's cost is the model's and the machine's, not the text's, so a new generation starts
         from what the last one measured instead of exploring again."""
         if draft_tokens in (None, 0):
             return cls(0, k_max=0)
         if draft_tokens == "auto":
-            return cls(None, k_max=min(6, limit), samples={} if samples is None else samples)
+            return cls(None, k_max=min(6, limit), rounds=RoundTimes() if rounds is None else rounds)
         if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or not 1 <= draft_tokens <= limit:
             raise ValueError(f"draft_tokens must be None, 0, an integer in 1..{limit} or 'auto', got {draft_tokens!r}")
         return cls(draft_tokens, k_max=draft_tokens)
@@ -167,10 +168,7 @@ class DraftPolicy:
         self.counts.record(rows)
         if seconds is None:
             return
-        recent = self.samples.setdefault((batch, k), [])
-        recent.append(seconds)
-        del recent[:-WINDOW]
-        self.times[(batch, k)] = estimate(recent)
+        self.rounds.record((batch, k), seconds)
 
 
 # Round times kept per (B, k), and how they make the round's cost. Another process on the machine or a page fault
@@ -188,3 +186,17 @@ def estimate(times: list[float]) -> float:
     median = sorted(times)[(len(times) - 1) // 2]
     kept = [t for t in times if t <= OUTLIER * median]
     return sum(kept) / len(kept)
+
+
+@dataclass
+class RoundTimes:
+    """Round times per (B, k): the last WINDOW of each, and their `estimate` (kept with them, read every round)."""
+
+    samples: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    estimates: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def record(self, key: tuple[int, int], seconds: float) -> None:
+        recent = self.samples.setdefault(key, [])
+        recent.append(seconds)
+        del recent[:-WINDOW]
+        self.estimates[key] = estimate(recent)

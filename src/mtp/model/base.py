@@ -97,6 +97,10 @@ class CausalLM(nn.Module, ABC):
     # The MTP's input projection: kept in bf16 when the rest is quantized (serving engines learned that int8 there
     # costs acceptance; vLLM keeps `mtp.fc` unquantised). Families name theirs.
     keep_precision: ClassVar[tuple[str, ...]] = ("mtp.fc",)
+    # Of those, the ones that run qmatmul's bf16 product ("bf16-native") rather than oneDNN's: what a family's one-call
+    # draft reads (Qwen3.5: model/step.py), so the draft and the layers give the same bits. The rest (routers) keep
+    # oneDNN, which is ~2.5x faster over a prompt's rows.
+    native_bf16: ClassVar[tuple[str, ...]] = ()
     # The config key counting routed experts when checkpoints may hold them per expert (None: no MoE layers).
     experts_key: ClassVar[str | None] = None
 
@@ -172,9 +176,9 @@ class CausalLM(nn.Module, ABC):
         """Swap the linear layers for row-invariant CPU inference kernels (`model/linear.py`): bf16 weights use
         oneDNN's packed layout, fp32 weights a row-by-row product; `quantize` "int8" (weight-only, per-channel scales)
         or "int4" (weight-only, groups of 128, `linear.Int4Weight`) quantizes every linear layer and every routed
-        expert but `keep_precision` (bf16, "bf16-native"); a layer the int4 kernel cannot run (outputs not a multiple of 16, inputs
-        not of 32) gets int8. Parameters and the state dict stay as they are; a no-op off CPU. The decoder calls it
-        once on a model that was not prepared (`prepared`).
+        expert but `keep_precision` (bf16; "bf16-native" for `native_bf16`); a layer the int4 kernel cannot run
+        (outputs not a multiple of 16, inputs not of 32) gets int8. Parameters and the state dict stay as they are; a
+        no-op off CPU. The decoder calls it once on a model that was not prepared (`prepared`).
 
         Quantizing goes layer by layer; `on_quantized(weight)` is called with each float weight once its codes exist
         (the loader drops its memory-mapped pages there). `release=True` (inference only) then lets go of each
@@ -214,7 +218,7 @@ class CausalLM(nn.Module, ABC):
             prepare_linears(self, quantize, skip=keep, prepared=quantized)
         for name, m in self.named_modules():
             if any(name.endswith(s) for s in keep) and isinstance(m, nn.Linear):
-                prepare_linears(m, "bf16-native")
+                prepare_linears(m, "bf16-native" if any(name.endswith(s) for s in self.native_bf16) else "bf16")
             elif isinstance(m, Experts) and "_kernels" not in m.__dict__ and not any(name.endswith(s) for s in keep):
                 m.prepare(quantize)
                 if on_quantized is not None:

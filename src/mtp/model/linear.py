@@ -12,8 +12,8 @@ that runs it):
   weights only on CPUs with AVX-512 (bw/vl/dq) or AVX-NE-CONVERT; on an AVX2-only CPU (AMD EPYC Zen 3, say) the
   kernel is `F.linear` on the bf16 weight, which is row-invariant there.
 - "bf16-native": bf16 weights through `qmatmul.bf16_linear` (fp32 multiply-adds in one fixed order per output, the
-  same bits on every AVX2 CPU): the bf16 layers a quantized model keeps (`keep_precision`: the MTP's `fc`, routers),
-  so that step.c's one-call draft runs them with the eager path's bits. Without qmatmul it is "bf16".
+  same bits on every AVX2 CPU): the kept bf16 layers a family's one-call draft reads (`CausalLM.native_bf16`:
+  Qwen3.5's MTP `fc`), so that step.c runs them with the eager path's bits. Without qmatmul it is "bf16".
 - "int8": int8 weights with per-output-channel scales. On x86 CPUs with AVX2 `qmatmul.q8_linear` (activations
   quantized to int8 in blocks of 32, integer products: 2-3x torch's kernel, docs/decisions.md), else torch's
   weight-only `_weight_int8pack_mm` (bf16 activations).

@@ -360,7 +360,7 @@ int q4_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const f
     return 0;
 }
 
-/* bf16 weights times bf16 activations in fp32 (the bf16 layers a quantized model keeps: linear.py's "bf16-native"),
+/* bf16 weights times bf16 activations in fp32 (linear.py's "bf16-native": kept bf16 layers a one-call draft reads),
  * w interleaved by groups of 8 outputs ([ceil(N/8)][K][8] bf16, pack_bf16 in qmatmul.py: one 16-byte load holds one
  * input of 8 outputs). Per output two accumulators, the even inputs' and the odd inputs', each one fused multiply-add
  * per input in order, then bias + (even + odd) rounded once: one fixed order per output whatever the tile, the rows
@@ -376,7 +376,7 @@ int q4_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const f
             __m256 w0[GS], w1[GS];                                                                                   \
             for (int g = 0; g < GS; g++) {                                                                           \
                 const uint16_t* wp = w + ((g0 + g) * K + k) * 8;                                                     \
-                _mm_prefetch((const char*)(wp + PREFETCH), _MM_HINT_T0);                                             \
+                _mm_prefetch((const char*)wp + PREFETCH, _MM_HINT_T0);                                               \
                 w0[g] = load8_bf16(wp);                                                                              \
                 w1[g] = load8_bf16(wp + 8);                                                                          \
             }                                                                                                        \

@@ -119,6 +119,7 @@ class Qwen35ForCausalLM(CausalLM):
     transformers (`Qwen3_5ForCausalLM`), vLLM and llama.cpp read; our names are the checkpoint's."""
 
     config_class = Qwen35Config
+    native_bf16 = ("mtp.fc",)  # the one-call draft runs it (step.py)
 
     @staticmethod
     def internal_name(name: str, config: Qwen35Config | None = None) -> str | None:
