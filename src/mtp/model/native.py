@@ -9,8 +9,9 @@ the compiler (about a second), then loaded with ctypes. They share torch's OpenM
 - `norm.c`: RMSNorm (norm_kernel.py);
 - `argmax.c`: the greedy choice over a vocabulary (argmax_kernel.py);
 - `act.c`: SwiGLU's `silu(gate) * up` and the attention gate `out * sigmoid(gate)` (act.py);
-- `step.c`: a Qwen3.5 dense decode forward as one call over the kernels above, reached through their function
-  pointers (step.py);
+- `step.c`: a Qwen3.5 dense decode forward, and its MTP's greedy draft chain, as one call each over the kernels
+  above, reached through their function pointers (step.py);
+- `../decode/round.c`: the end of a greedy round, accept and keep (decode/round_kernel.py: a source given by path);
 - `rtn.c`: round-to-nearest int8 / int4 quantization of float weights, what a `--quantize` load spends (rtn.py);
 - `native.h`: what they share (bf16 conversions, one vector exp); a build is keyed on it too.
 
