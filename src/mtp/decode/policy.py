@@ -57,6 +57,37 @@ class AcceptanceCounts:
         return expected
 
 
+# Round times kept per (B, k), and how they make the round's cost. Another process on the machine or a page fault
+# adds time to a round, and a round that looks slow for k > 0 can hold k at 0, where probes are rare (seen here: a
+# mean over rounds that met interference chose k = 0 at 0.7x the best k). But a round's own cost varies too: at k = 0
+# every 8th round also lets the MTP read the positions it skipped (`round.catch_up`, ~1.6x a round), which a low
+# quantile would leave out. So the estimate is the mean of the last WINDOW rounds, leaving out those past OUTLIER x
+# their median.
+WINDOW = 16
+OUTLIER = 2.5
+
+
+def estimate(times: list[float]) -> float:
+    """The mean of `times`, those over OUTLIER x their median left out."""
+    median = sorted(times)[(len(times) - 1) // 2]
+    kept = [t for t in times if t <= OUTLIER * median]
+    return sum(kept) / len(kept)
+
+
+@dataclass
+class RoundTimes:
+    """Round times per (B, k): the last WINDOW of each, and their `estimate` (kept with them, read every round)."""
+
+    samples: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    estimates: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def record(self, key: tuple[int, int], seconds: float) -> None:
+        recent = self.samples.setdefault(key, [])
+        recent.append(seconds)
+        del recent[:-WINDOW]
+        self.estimates[key] = estimate(recent)
+
+
 @dataclass
 class DraftPolicy:
     """The draft length for a batch of B sequences decoded together (continuous batching): one k per round (each
@@ -72,7 +103,7 @@ class DraftPolicy:
     k_fixed: int | None  # None: auto; 0: MTP off
     k_max: int = 6
     counts: AcceptanceCounts = field(default_factory=AcceptanceCounts)  # pooled over the batch
-    rounds: RoundTimes = field(default_factory=lambda: RoundTimes())  # measured round times (shared: `from_arg`)
+    rounds: RoundTimes = field(default_factory=RoundTimes)  # measured round times (shared: `from_arg`)
     k_last: int = 2
     probe_every: int = 8
     n: int = 0
@@ -169,34 +200,3 @@ class DraftPolicy:
         if seconds is None:
             return
         self.rounds.record((batch, k), seconds)
-
-
-# Round times kept per (B, k), and how they make the round's cost. Another process on the machine or a page fault
-# adds time to a round, and a round that looks slow for k > 0 can hold k at 0, where probes are rare (seen here: a
-# mean over rounds that met interference chose k = 0 at 0.7x the best k). But a round's own cost varies too: at k = 0
-# every 8th round also lets the MTP read the positions it skipped (`round.catch_up`, ~1.6x a round), which a low
-# quantile would leave out. So the estimate is the mean of the last WINDOW rounds, leaving out those past OUTLIER x
-# their median.
-WINDOW = 16
-OUTLIER = 2.5
-
-
-def estimate(times: list[float]) -> float:
-    """The mean of `times`, those over OUTLIER x their median left out."""
-    median = sorted(times)[(len(times) - 1) // 2]
-    kept = [t for t in times if t <= OUTLIER * median]
-    return sum(kept) / len(kept)
-
-
-@dataclass
-class RoundTimes:
-    """Round times per (B, k): the last WINDOW of each, and their `estimate` (kept with them, read every round)."""
-
-    samples: dict[tuple[int, int], list[float]] = field(default_factory=dict)
-    estimates: dict[tuple[int, int], float] = field(default_factory=dict)
-
-    def record(self, key: tuple[int, int], seconds: float) -> None:
-        recent = self.samples.setdefault(key, [])
-        recent.append(seconds)
-        del recent[:-WINDOW]
-        self.estimates[key] = estimate(recent)
