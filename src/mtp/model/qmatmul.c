@@ -360,82 +360,120 @@ int q4_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const f
     return 0;
 }
 
-/* bf16 weights times bf16 activations in fp32 (linear.py's "bf16-native": kept bf16 layers a one-call draft reads),
- * w interleaved by groups of 8 outputs ([ceil(N/8)][K][8] bf16, pack_bf16 in qmatmul.py: one 16-byte load holds one
- * input of 8 outputs). Per output two accumulators, the even inputs' and the odd inputs', each one fused multiply-add
- * per input in order, then bias + (even + odd) rounded once: one fixed order per output whatever the tile, the rows
- * and the threads (row-invariant), and the same bits in the AVX2 and AVX-512 builds (both run these 8-lane FMAs).
- * R rows (<= 4) x GS groups (R * GS <= 4) from group g0 -> out [R][GS][8] floats. */
-#define BF_TILE(R, GS)                                                                                               \
-    static void bf_tile_##R##_##GS(const uint16_t* w, int64_t g0, int64_t K, const float* x, float* out) {        \
-        __m256 a[R][GS], b[R][GS];                                                                                   \
-        for (int r = 0; r < R; r++)                                                                                  \
-            for (int g = 0; g < GS; g++) a[r][g] = b[r][g] = _mm256_setzero_ps();                                    \
-        int64_t k = 0;                                                                                               \
-        for (; k + 1 < K; k += 2) {                                                                                  \
-            __m256 w0[GS], w1[GS];                                                                                   \
-            for (int g = 0; g < GS; g++) {                                                                           \
-                const uint16_t* wp = w + ((g0 + g) * K + k) * 8;                                                     \
-                _mm_prefetch((const char*)wp + PREFETCH, _MM_HINT_T0);                                               \
-                w0[g] = load8_bf16(wp);                                                                              \
-                w1[g] = load8_bf16(wp + 8);                                                                          \
-            }                                                                                                        \
-            for (int r = 0; r < R; r++) {                                                                            \
-                const __m256 x0 = _mm256_broadcast_ss(x + r * K + k), x1 = _mm256_broadcast_ss(x + r * K + k + 1);         \
+/* bf16 weights times bf16 activations in fp32 (linear.py's "bf16-native": every bf16 layer where oneDNN cannot pack
+ * bf16, and the kept bf16 layers a one-call draft reads), w interleaved by groups of 8 outputs ([ceil(N/8)][K][8] bf16,
+ * pack_bf16 in qmatmul.py: one 16-byte load holds one input of 8 outputs). Per output two accumulators, the even
+ * inputs' and the odd inputs', each one fused multiply-add per input in order, then bias + (even + odd) rounded
+ * once: one fixed order per output whatever the tile, the rows and the threads (row-invariant), and the same bits in
+ * the AVX2 and AVX-512 builds (both run these 8-lane FMAs).
+ * One row: bf_row, 4 groups with both sums in flight (8 independent chains). Several rows: bf_rows, up to 4 rows x GS
+ * groups, the even sums in one pass over the inputs and the odd ones in a second (R x GS chains each, one weight load
+ * serving R rows): at 4 rows x 3 groups 1.1-1.9x the 4 x 1 tile with both sums at once, which ran out of registers
+ * for more than one group (docs/decisions.md, 2026-12-03). -> out [R][GS][8] floats. */
+__attribute__((noinline)) static void bf_row(const uint16_t* w, int64_t g0, int64_t K, const float* x, float* out) {
+    __m256 a[4], b[4];
+    for (int g = 0; g < 4; g++) a[g] = b[g] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 1 < K; k += 2) {
+        const __m256 x0 = _mm256_broadcast_ss(x + k), x1 = _mm256_broadcast_ss(x + k + 1);
+        for (int g = 0; g < 4; g++) {
+            const uint16_t* wp = w + ((g0 + g) * K + k) * 8;
+            _mm_prefetch((const char*)wp + PREFETCH, _MM_HINT_T0);
+            a[g] = _mm256_fmadd_ps(x0, load8_bf16(wp), a[g]);
+            b[g] = _mm256_fmadd_ps(x1, load8_bf16(wp + 8), b[g]);
+        }
+    }
+    if (k < K)
+        for (int g = 0; g < 4; g++) a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + k), load8_bf16(w + ((g0 + g) * K + k) * 8), a[g]);
+    for (int g = 0; g < 4; g++) _mm256_storeu_ps(out + g * 8, _mm256_add_ps(a[g], b[g]));
+}
+
+/* (noinline: inlined into bf16_linear's loop beside the others, GCC 12 ran the 4 x 3 tile 1.5x slower) */
+#define BF_ROWS(R, GS)                                                                                               \
+    __attribute__((noinline)) static void bf_rows_##R##_##GS(const uint16_t* w, int64_t g0, int64_t K, const float* x, float* out) {       \
+        __m256 s[R][GS];                                                                                             \
+        for (int64_t pass = 0; pass < 2; pass++) {                                                                   \
+            for (int r = 0; r < R; r++)                                                                              \
+                for (int g = 0; g < GS; g++) s[r][g] = _mm256_setzero_ps();                                          \
+            for (int64_t k = pass; k < K; k += 2) {                                                                  \
+                __m256 wv[GS];                                                                                       \
                 for (int g = 0; g < GS; g++) {                                                                       \
-                    a[r][g] = _mm256_fmadd_ps(x0, w0[g], a[r][g]);                                                   \
-                    b[r][g] = _mm256_fmadd_ps(x1, w1[g], b[r][g]);                                                   \
+                    wv[g] = load8_bf16(w + ((g0 + g) * K + k) * 8);                                                  \
+                }                                                                                                    \
+                for (int r = 0; r < R; r++) {                                                                        \
+                    const __m256 xv = _mm256_broadcast_ss(x + r * K + k);                                            \
+                    for (int g = 0; g < GS; g++) s[r][g] = _mm256_fmadd_ps(xv, wv[g], s[r][g]);                      \
                 }                                                                                                    \
             }                                                                                                        \
+            for (int r = 0; r < R; r++)                                                                              \
+                for (int g = 0; g < GS; g++) {                                                                       \
+                    float* o = out + (r * GS + g) * 8;                                                               \
+                    _mm256_storeu_ps(o, pass ? _mm256_add_ps(_mm256_loadu_ps(o), s[r][g]) : s[r][g]);                \
+                }                                                                                                    \
         }                                                                                                            \
-        if (k < K)                                                                                                   \
-            for (int g = 0; g < GS; g++) {                                                                           \
-                const __m256 w0 = load8_bf16(w + ((g0 + g) * K + k) * 8);                                            \
-                for (int r = 0; r < R; r++) a[r][g] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * K + k), w0, a[r][g]);    \
-            }                                                                                                        \
-        for (int r = 0; r < R; r++)                                                                                  \
-            for (int g = 0; g < GS; g++) _mm256_storeu_ps(out + (r * GS + g) * 8, _mm256_add_ps(a[r][g], b[r][g]));   \
     }
-BF_TILE(1, 4)
-BF_TILE(1, 1)
-BF_TILE(2, 1)
-BF_TILE(3, 1)
-BF_TILE(4, 1)
+BF_ROWS(1, 3)
+BF_ROWS(2, 3)
+BF_ROWS(3, 3)
+BF_ROWS(4, 3)
+BF_ROWS(1, 1)
+BF_ROWS(2, 1)
+BF_ROWS(3, 1)
+BF_ROWS(4, 1)
 
-/* x bf16 [M, K], w bf16 interleaved as above, bias fp32 [N] or NULL -> y bf16 [M, N]; 0 or -1 (memory). Threads split the output
- * groups: one row takes 4 groups at a time (8 independent chains of multiply-adds), more rows one group for up to 4
- * rows (each weight load serves them all). */
+/* out [R][gs][8] floats of groups g0.. for rows m0.. -> y bf16 (+ bias), rounded once each as to_bf16 does */
+static void bf_store(const float* o, int64_t R, int64_t gs, int64_t g0, int64_t m0, const float* bias, int64_t N,
+                     uint16_t* y) {
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t g = 0; g < gs; g++) {
+            const float* v = o + (r * gs + g) * 8;
+            const int64_t n = (g0 + g) * 8;
+            uint16_t* yr = y + (m0 + r) * N + n;
+            if (n + 8 <= N)
+                f_to_bf16x8(yr, bias ? _mm256_add_ps(_mm256_loadu_ps(bias + n), _mm256_loadu_ps(v)) : _mm256_loadu_ps(v));
+            else
+                for (int64_t j = 0; n + j < N; j++) yr[j] = to_bf16(bias ? bias[n + j] + v[j] : v[j]);
+        }
+}
+
+/* x bf16 [M, K], w bf16 interleaved as above, bias fp32 [N] or NULL -> y bf16 [M, N]; 0 or -1 (memory). Threads split the
+ * output groups, 4 at a time for one row, 3 for more (each set taking every row, 4 at a time). */
 int bf16_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, int64_t N, uint16_t* y,
                 int nthreads) {
     float* xf = malloc(sizeof(float) * (size_t)(M * K)); /* the rows widened once (exact) */
     if (!xf) return -1;
     for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f(x[i]);
-    const int64_t G = (N + 7) / 8, GS = M == 1 ? 4 : 1, sets = (G + GS - 1) / GS;
+    const int64_t G = (N + 7) / 8, GS = M == 1 ? 4 : 3, sets = (G + GS - 1) / GS;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t set = 0; set < sets; set++) {
-        const int64_t g0 = set * GS;
+        const int64_t g0 = set * GS, gs = G - g0 < GS ? G - g0 : GS;
         float o[4 * 4 * 8];
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            const int64_t R = M - m0 < 4 ? M - m0 : 4, gs = G - g0 < GS ? G - g0 : GS;
+            const int64_t R = M - m0 < 4 ? M - m0 : 4;
             const float* xm = xf + m0 * K;
-            if (gs == 4) bf_tile_1_4(w, g0, K, xm, o);
-            else
-                for (int64_t g = 0; g < gs; g++)
+            if (M == 1 && gs == 4) bf_row(w, g0, K, xm, o);
+            else if (M == 1) /* the last groups of one row */
+                for (int64_t g = 0; g < gs; g++) bf_rows_1_1(w, g0 + g, K, xm, o + g * 8);
+            else if (gs == 3)
+                switch (R) {
+                    case 1: bf_rows_1_3(w, g0, K, xm, o); break;
+                    case 2: bf_rows_2_3(w, g0, K, xm, o); break;
+                    case 3: bf_rows_3_3(w, g0, K, xm, o); break;
+                    default: bf_rows_4_3(w, g0, K, xm, o);
+                }
+            else { /* the last one or two groups: [R][gs][8] as the 3-group tile writes it */
+                float t[4 * 8];
+                for (int64_t g = 0; g < gs; g++) {
                     switch (R) {
-                        case 1: bf_tile_1_1(w, g0 + g, K, xm, o + g * 8); break;
-                        case 2: bf_tile_2_1(w, g0 + g, K, xm, o + g * 8 * 2); break;
-                        case 3: bf_tile_3_1(w, g0 + g, K, xm, o + g * 8 * 3); break;
-                        default: bf_tile_4_1(w, g0 + g, K, xm, o + g * 8 * 4);
+                        case 1: bf_rows_1_1(w, g0 + g, K, xm, t); break;
+                        case 2: bf_rows_2_1(w, g0 + g, K, xm, t); break;
+                        case 3: bf_rows_3_1(w, g0 + g, K, xm, t); break;
+                        default: bf_rows_4_1(w, g0 + g, K, xm, t);
                     }
-            /* o: [R][gs][8] for the 4-group tile, else per group [R][8] at g * 8R */
-            for (int64_t g = 0; g < gs; g++)
-                for (int64_t r = 0; r < R; r++)
-                    for (int64_t j = 0; j < 8; j++) {
-                        const int64_t n = (g0 + g) * 8 + j;
-                        if (n >= N) continue;
-                        const float v = gs == 4 ? o[g * 8 + j] : o[g * 8 * R + r * 8 + j];
-                        y[(m0 + r) * N + n] = to_bf16(bias ? bias[n] + v : v);
-                    }
+                    for (int64_t r = 0; r < R; r++) memcpy(o + (r * gs + g) * 8, t + r * 8, sizeof(float) * 8);
+                }
+            }
+            bf_store(o, R, gs, g0, m0, bias, N, y);
         }
     }
     free(xf);
