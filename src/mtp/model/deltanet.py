@@ -132,12 +132,11 @@ class GatedDeltaNet(nn.Module):
         B, T, _ = x.shape
         qkv, z, b, a = self.projections(x)
         qkv = qkv.transpose(1, 2)  # [B, C, T]
-        weight = self.conv1d.weight  # [C, 1, kernel]
         if cache is None:
-            qkv = F.conv1d(qkv, weight, padding=self.kernel - 1, groups=self.conv_dim)[..., :T]
+            qkv = self._conv(qkv, self.kernel - 1)[..., :T]
         else:
             window = torch.cat([cache.conv, qkv.to(cache.conv.dtype)], dim=-1)  # [B, C, kernel-1+T]
-            qkv = self._short_conv(window, T) if T <= 16 else F.conv1d(window, weight, groups=self.conv_dim)
+            qkv = self._short_conv(window, T) if T <= 16 else self._conv(window, 0)
             cache.conv.copy_(window[..., -(self.kernel - 1):])
         q, k, v, g, beta = self._heads(qkv, b, a)
 
@@ -179,6 +178,16 @@ class GatedDeltaNet(nn.Module):
         """x [B, T, H] -> the conv inputs qkv [B, T, C] (all q heads, all k heads, all v heads), the gate z
         [B, T, value_dim], b and a [B, T, Hv]."""
         return project(self, x, "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+    def _conv(self, x: torch.Tensor, padding: int) -> torch.Tensor:
+        """The depthwise conv of x [B, C, L] (a prefill's or a training forward's) -> [B, C, L + 2 padding - kernel + 1].
+        Without grad a bf16 input is convolved in fp32 and rounded back once: torch's bf16 depthwise conv on the CPU
+        runs a per-channel slow path (13x the fp32 one at 1152 channels x 384 tokens on an AVX2 EPYC, half of a
+        prefill; the same bf16 outputs there, docs/decisions.md, 2026-12-03)."""
+        weight = self.conv1d.weight  # [C, 1, kernel]
+        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled():
+            return F.conv1d(x.float(), weight.float(), padding=padding, groups=self.conv_dim).to(x.dtype)
+        return F.conv1d(x, weight, padding=padding, groups=self.conv_dim)
 
     def _short_conv(self, window: torch.Tensor, T: int) -> torch.Tensor:
         """The causal depthwise conv of the last T inputs of window [B, C, kernel-1+T] -> [B, C, T]: the taps summed
