@@ -328,12 +328,14 @@ def test_bad_expert_tensors_name_the_tensor_and_the_key(tmp_path):
 
 def test_quantized_moe_keeps_its_routers_on_onednn_and_its_mtp_fc_native():
     """Under int8 the kept bf16 layers split by what reads them: the MTP's `fc` runs qmatmul's bf16 product (the
-    one-call draft's bits, `native_bf16`), the routers oneDNN's (faster over a prompt's rows)."""
+    one-call draft's bits, `native_bf16`), the routers what bf16 layers run (`bf16_kernel`: oneDNN's where it packs
+    bf16 weights, faster over a prompt's rows)."""
     from mtp.model import qmatmul
-    from mtp.model.linear import FastLinear
+    from mtp.model.linear import FastLinear, bf16_kernel
 
     model = moe_model().to(torch.bfloat16)
     model.prepare_for_inference("int8")
     kept = {n: m.kernel for n, m in model.named_modules() if isinstance(m, FastLinear) and m.kernel.startswith("bf16")}
-    assert any(n.endswith("mlp.gate") for n in kept) and all(k == "bf16" for n, k in kept.items() if n.endswith("mlp.gate"))
+    routers = [k for n, k in kept.items() if n.endswith("mlp.gate")]
+    assert routers and all(k == bf16_kernel() for k in routers)
     assert kept["mtp.fc"] == ("bf16-native" if qmatmul.available() else "bf16")

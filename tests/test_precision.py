@@ -12,7 +12,7 @@ import torch
 import mtp
 from conftest import pattern_batch, trained_tiny_model
 from mtp.model import qmatmul
-from mtp.model.linear import FastLinear
+from mtp.model.linear import FastLinear, bf16_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,8 +28,9 @@ def test_prepared_layers_are_row_invariant(shipped, quantize):
     """Every prepared linear of the shipped model gives row i of a 1..6-row input exactly as a 1-row input."""
     model = shipped[quantize]
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, FastLinear)]
-    want = {None: {"bf16"}, "int8": {"int8"}, "int4": {"int4", "int8"}}[quantize]  # int8 where int4 cannot run the shape
-    kept = {None: {"bf16"}}.get(quantize, {"bf16-native"} if qmatmul.available() else {"bf16"})  # keep_precision
+    bf16 = {bf16_kernel()}  # oneDNN's, or ours where oneDNN cannot pack bf16 weights
+    want = {None: bf16, "int8": {"int8"}, "int4": {"int4", "int8"}}[quantize]  # int8 where int4 cannot run the shape
+    kept = {None: bf16}.get(quantize, {"bf16-native"} if qmatmul.available() else {"bf16"})  # keep_precision
     assert layers and all(m.kernel in (kept if n.endswith("mtp.fc") else want) for n, m in layers)
     if quantize == "int4":
         assert sum(m.kernel == "int4" for _, m in layers) > len(layers) // 2
@@ -151,7 +152,9 @@ def test_prepared_layers_compile_whole_and_are_renewed_after_in_place_changes():
             assert torch.equal(got, want)
         assert renew_prepared(model) == 0
         getattr(attn, names[0]).weight.mul_(2.0)
-        assert renew_prepared(model) == 2  # the layer and its fusion
-        assert attn.__dict__["_fused"].fresh()
+        # the layer and its fusion (a fusion of qmatmul's bf16 weights prepares its parts again itself: one count)
+        assert renew_prepared(model) >= 1
+        assert attn.__dict__["_fused"].fresh() and all(p.weight._version == p._version
+                                                       for p in attn.__dict__["_fused"].parts)
         for got, want in zip(step(x), project(attn, x, *names), strict=True):  # the graph reads the renewed weights
             assert torch.equal(got, want)

@@ -1,5 +1,6 @@
 """The one-call decode forward (model/step.py, step.c): its outputs, caches and per-layer steps equal the per-layer
-eager forward's bit for bit (int8 and int4, one row and many, a plain step and a verify block), decoding through it is
+eager forward's bit for bit (int8, int4 and bf16 on qmatmul's product, one row and many, a plain step and a verify
+block), decoding through it is
 the eager decoding (greedy speculative == plain, batched == solo), and whatever it cannot run takes the per-layer path:
 other kernels, hooks, changed weights, bad input."""
 
@@ -22,8 +23,12 @@ pytestmark = pytest.mark.skipif(not step.LIBRARY.available() or not act.LIBRARY.
 
 
 def quantized(kind: str, seed: int = 0, **overrides):
+    """A tiny bf16 model prepared for `kind`: "int8", "int4", or "bf16" with every bf16 layer on qmatmul's product
+    ("bf16-native": what bf16 layers run where oneDNN cannot pack bf16 weights; here on any CPU)."""
     model = tiny_model(seed, **overrides).to(torch.bfloat16)
-    model.prepare_for_inference(kind)
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("MTP_BF16", "native" if kind == "bf16" else "torch")
+        model.prepare_for_inference(None if kind == "bf16" else kind)
     return model
 
 
@@ -69,7 +74,7 @@ def assert_same(a, b) -> None:
             assert torch.equal(x.window, y.window) and torch.equal(x.states, y.states)
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "bf16"])
 @pytest.mark.parametrize("B,T,commit", [(1, 1, True), (1, 1, False), (1, 4, False), (2, 1, True), (3, 4, False)])
 def test_program_equals_the_layer_by_layer_forward(kind, B, T, commit):
     """(int4 on the tiny shape: the DeltaNet's b/a projections are too narrow for it, so its input projections run
@@ -108,7 +113,8 @@ def test_program_follows_changed_weights_and_hands_over_what_it_cannot_run():
     assert not step.program(model).hooked()
 
 
-def test_models_the_program_cannot_run_keep_the_layers():
+def test_models_the_program_cannot_run_keep_the_layers(monkeypatch):
+    monkeypatch.setenv("MTP_BF16", "torch")  # bf16 layers on oneDNN (or torch's product): not qmatmul's
     bf16 = tiny_model(0).to(torch.bfloat16)
     bf16.prepare_for_inference()  # oneDNN bf16 projections: not qmatmul's
     assert step.program(bf16) is None and "int8/int4" in step.verdict(bf16)
@@ -138,10 +144,12 @@ def test_bad_token_ids_and_positions_raise_before_anything_is_written():
     assert all(torch.equal(x, y) for x, y in zip(before, after))
 
 
-@pytest.fixture(scope="module")
-def trained():
+@pytest.fixture(scope="module", params=["int8", "bf16"])
+def trained(request):
     model = trained_tiny_model(steps=80, depth=3, max_position_embeddings=512).to(torch.bfloat16)
-    model.prepare_for_inference("int8")
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("MTP_BF16", "native")  # (bf16: every layer on qmatmul's product, which the program runs)
+        model.prepare_for_inference(None if request.param == "bf16" else request.param)
     return model
 
 
@@ -188,7 +196,7 @@ def test_the_gates_are_row_invariant_and_round_as_torch_does(N):
             assert torch.equal(act.sigmoid_mul(up[r : r + 1], gate[r : r + 1]), act.sigmoid_mul(up, gate)[r : r + 1])
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "bf16"])
 @pytest.mark.parametrize("B,T", [(1, 1), (1, 3), (2, 2)])
 def test_the_mtp_layer_program_equals_its_layer(kind, B, T, monkeypatch):
     """A draft step's MTP layer and norm (after its bf16 input projection) through the program == through the layer,
@@ -268,7 +276,7 @@ def draft_state(model, B: int, seed: int):
     return st
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "bf16"])
 @pytest.mark.parametrize("B,K,layers", [(1, 1, 1), (1, 3, 1), (3, 4, 1), (2, 3, 2)])
 def test_the_draft_chain_in_one_call_equals_the_round_step_by_step(kind, B, K, layers, monkeypatch):
     """round.draft's greedy chain as one C call (`step.draft`) == the same chain step by step in Python: the same
@@ -295,8 +303,8 @@ def test_the_draft_chain_in_one_call_equals_the_round_step_by_step(kind, B, K, l
     assert all(torch.equal(x.k, y.k) and torch.equal(x.v, y.v) for x, y in zip(ca, cb))
 
 
-def test_the_draft_chain_hands_over_what_it_cannot_run_and_refuses_bad_state():
-    """A hook on the MTP, a bf16 model (its fc on oneDNN) and a sampling rule take the step-by-step chain; a pending
+def test_the_draft_chain_hands_over_what_it_cannot_run_and_refuses_bad_state(monkeypatch):
+    """A hook on the MTP, a bf16 model on oneDNN (or torch's product) and a sampling rule take the step-by-step chain; a pending
     count outside 1..width or a pending token outside the vocabulary raises before anything is written."""
     model = quantized("int8")
     model.prepare_decode(64)
@@ -317,6 +325,7 @@ def test_the_draft_chain_hands_over_what_it_cannot_run_and_refuses_bad_state():
         with pytest.raises(IndexError):
             model.mtp_draft(*args(st, 4))
         assert all(torch.equal(b, c.k) for b, c in zip(before, st.mtp_cache))
+    monkeypatch.setenv("MTP_BF16", "torch")
     bf16 = tiny_model(0).to(torch.bfloat16)
     bf16.prepare_for_inference(None)
     bf16.prepare_decode(64)

@@ -9,11 +9,14 @@ that runs it):
 
 - "bf16": oneDNN's packed weight layout (`mkldnn._linear_pointwise`): about 2x `F.linear` in bf16 on a 1-row
   decode step, and verifying 4 rows costs about 1.5 rows (docs/decisions.md, 2026-11-30 speed). oneDNN packs bf16
-  weights only on CPUs with AVX-512 (bw/vl/dq) or AVX-NE-CONVERT; on an AVX2-only CPU (AMD EPYC Zen 3, say) the
-  kernel is `F.linear` on the bf16 weight, which is row-invariant there.
+  weights only on CPUs with AVX-512 (bw/vl/dq) or AVX-NE-CONVERT. On an AVX2-only CPU (AMD EPYC Zen 3, say) torch's
+  bf16 `F.linear` is 2.5-6x slower than "bf16-native" at every row count, so a bf16 layer runs "bf16-native" there
+  (`bf16_kernel`; `F.linear` only without qmatmul, row-invariant there too).
 - "bf16-native": bf16 weights through `qmatmul.bf16_linear` (fp32 multiply-adds in one fixed order per output, the
-  same bits on every AVX2 CPU): the kept bf16 layers a family's one-call draft reads (`CausalLM.native_bf16`:
-  Qwen3.5's MTP `fc`), so that step.c runs them with the eager path's bits. Without qmatmul it is "bf16".
+  same bits on every AVX2 CPU): every bf16 layer where oneDNN cannot pack (`bf16_kernel`), and elsewhere the kept
+  bf16 layers a family's one-call draft reads (`CausalLM.native_bf16`: Qwen3.5's MTP `fc`), so that step.c runs them
+  with the eager path's bits (a bf16 model whose layers all run it decodes through step.c too). Without qmatmul it
+  is "bf16".
 - "int8": int8 weights with per-output-channel scales. On x86 CPUs with AVX2 `qmatmul.q8_linear` (activations
   quantized to int8 in blocks of 32, integer products: 2-3x torch's kernel, docs/decisions.md), else torch's
   weight-only `_weight_int8pack_mm` (bf16 activations).
@@ -43,6 +46,7 @@ decode/compiled.py renews whatever changed (`renew_prepared`) as each decoder st
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -77,6 +81,19 @@ def packed_bf16_supported() -> bool:
         except RuntimeError:
             _PACKED_BF16 = False
     return _PACKED_BF16
+
+
+def bf16_kernel() -> str:
+    """The kernel a bf16 linear layer runs ("bf16" asked of `FastLinear.prepare`): "bf16-native" where qmatmul runs and
+    oneDNN cannot pack bf16 weights (an AVX2-only CPU: torch's bf16 product there is 2.5-6x slower at 1 to 128 rows,
+    docs/decisions.md, 2026-12-03), else oneDNN's "bf16". MTP_BF16=native (where qmatmul runs) or MTP_BF16=torch
+    chooses instead."""
+    choice = os.environ.get("MTP_BF16", "")
+    if choice not in ("", "native", "torch"):
+        raise ValueError(f"MTP_BF16 must be 'native' or 'torch', got {choice!r}")
+    if choice == "torch" or not qmatmul.available():
+        return "bf16"
+    return "bf16-native" if choice == "native" or not packed_bf16_supported() else "bf16"
 
 
 @dataclass
@@ -223,6 +240,7 @@ class FastLinear(nn.Linear):
     is then a meta tensor of the same shape, and a call that would need it raises `ReleasedWeightError`."""
 
     kernel: str | None = None
+    _native = False  # runs qmatmul.c ("bf16-native" always; "int8" / "int4" where it supports the shape)
     _released: nn.Parameter | None = None  # the meta placeholder `release` put in place of the weight
     checkpoint_codes = False  # "int4" prepared from an int4 checkpoint's own codes (`prepare(..., from_checkpoint=True)`)
 
@@ -242,8 +260,11 @@ class FastLinear(nn.Linear):
             raise ValueError(f"unknown linear kernel {kernel!r}; expected one of {KERNELS}")
         if self._released is not None:
             raise ReleasedWeightError(self._released_message("be prepared again"))
+        if kernel == "bf16":
+            kernel = bf16_kernel()
         w = self.weight.detach()
         self.kernel = kernel
+        self._native = False
         self._version = self.weight._version
         self._pad = 0  # int8: zero input columns the codes carry past in_features (`_set_int8`)
         self.checkpoint_codes = kernel == "int4" and int4 is not None and from_checkpoint
@@ -252,7 +273,7 @@ class FastLinear(nn.Linear):
             # memory-mapped tensor sits wherever the file put it), and the same checkpoint should give the same bits
             self._packed = w if w.is_contiguous() and w.data_ptr() % 64 == 0 else w.clone(memory_format=torch.contiguous_format)
         elif kernel == "bf16-native" and qmatmul.available():
-            self._packed = qmatmul.pack_bf16(w.to(torch.bfloat16))
+            self._packed, self._native = qmatmul.pack_bf16(w.to(torch.bfloat16)), True
         elif kernel in ("bf16", "bf16-native"):
             self.kernel = "bf16"
             w = w.to(torch.bfloat16)
@@ -449,14 +470,15 @@ class FusedProjections:
     copy, and the parts then run on views of the fused codes (no second copy) where the layout allows: torch's
     row-major int8 codes, and qmatmul's codes interleaved by groups of 8 outputs (int8 parts padded to a group in the
     fused layer: `padded`). torch's CPU int4 packing does not, so there the fused packing is built from the parts'
-    unpacked codes (`int4`) and each part keeps its own. bf16 / fp32 parts are fused from their weights."""
+    unpacked codes (`int4`) and each part keeps its own. "bf16-native" parts are fused from their packed weights as
+    qmatmul's int8 codes are (groups of 8 outputs, the parts' views); bf16 / fp32 parts from their weights."""
 
     def __init__(self, parts: list[FastLinear], int4: list[Int4Weight] | None = None):
         self.parts = parts
         self.sizes = [p.out_features for p in parts]
         self.padded = list(self.sizes)  # each part's width in the fused output (with int8 group pads: `_fuse_codes`)
         kernel = parts[0].kernel
-        if kernel in ("int8", "int4"):
+        if kernel in ("int8", "int4") or parts[0]._native:
             bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
             self.fused = nn.Linear(parts[0].in_features, sum(self.sizes), bias=bias is not None, device="meta")
             if bias is not None:
@@ -481,9 +503,10 @@ class FusedProjections:
         f, parts = self.fused, self.parts
         f.kernel = parts[0].kernel
         f._native, f._pad = parts[0]._native, parts[0]._pad
-        # qmatmul's int8 codes come in groups of 8 outputs: each part starts at a group, its last one padded with zero
-        # codes (and zero scales), so the parts stay views of the fused codes; the fused outputs then hold the pads
-        grouped = f.kernel == "int8" and f._native
+        # qmatmul's int8 codes (and bf16 weights) come in groups of 8 outputs: each part starts at a group, its last one
+        # padded with zero codes (and zero scales), so the parts stay views of the fused codes; the fused outputs then
+        # hold the pads
+        grouped = f.kernel in ("int8", "bf16-native") and f._native
         self.padded = [-(-n // 8) * 8 for n in self.sizes] if grouped else list(self.sizes)
         f.out_features = sum(self.padded)
         f.__dict__["_released"] = None
@@ -494,7 +517,10 @@ class FusedProjections:
             f.bias = nn.Parameter(torch.cat([F.pad(p.bias.detach(), (0, m - n)) for p, n, m in
                                              zip(parts, self.sizes, self.padded)]), requires_grad=False)
         # the fused tensors the parts then view, and how many outputs one of their rows holds (qmatmul codes: 8)
-        if grouped:
+        if f.kernel == "bf16-native":
+            f._packed = cat("_packed")
+            views = {"_packed": 8}
+        elif grouped:
             f._packed = cat("_packed")
             f._scale = torch.cat([F.pad(p._scale, (0, m - n)) for p, n, m in zip(parts, self.sizes, self.padded)])
             views = {"_packed": 8, "_scale": 1}
@@ -537,7 +563,7 @@ class FusedProjections:
     @torch.no_grad()
     def refresh(self) -> None:
         """Fuse the parts' current weights again (after an in-place change), into the same prepared layer."""
-        if self.fused.kernel in ("int8", "int4"):
+        if self.fused.kernel in ("int8", "int4") or self.fused._native:
             int4 = prepare_parts(self.parts, self.fused.kernel)  # raises for a released part: its weight is gone
             self._fuse_codes(int4)
         else:

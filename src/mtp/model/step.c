@@ -1,5 +1,5 @@
-/* The decode forward of a Qwen3.5 dense backbone (Gated DeltaNet and gated-attention layers, SwiGLU MLPs, int8 or int4
- * linears) as one C call, and the greedy draft chain of its MTP as another (`qwen35_draft`), built and loaded by
+/* The decode forward of a Qwen3.5 dense backbone (Gated DeltaNet and gated-attention layers, SwiGLU MLPs, int8, int4
+ * or bf16 linears on qmatmul.c) as one C call, and the greedy draft chain of its MTP as another (`qwen35_draft`), built and loaded by
  * native.py and called by step.py. A plain step of the shipped model
  * made ~400 tensor operations, ~80 module calls and ~45 ctypes calls for ~1 ms of arithmetic; here the layers run
  * back to back without returning to Python.
@@ -35,7 +35,8 @@ typedef struct { /* the eager kernels (their own files say what each computes) *
 } Kernels;
 
 typedef struct { /* a prepared linear layer without bias (linear.FastLinear on qmatmul.c): bf16 [M, K] -> [M, N] */
-    int64_t bits, N, K, G; /* bits 8: w int8 [N, K], scale [N]; 4: w packed [N, K/2], scale and low [N, K/G] */
+    int64_t bits, N, K, G; /* bits 8: w int8 [N, K], scale [N]; 4: w packed [N, K/2], scale and low [N, K/G];
+                              16: w bf16 in pack_bf16's layout ("bf16-native") */
     const void* w;
     const float* scale;
     const float* low;
@@ -74,6 +75,7 @@ typedef struct {
 } Step;
 
 static int linear(const Kernels* k, const Linear* l, const uint16_t* x, int64_t M, uint16_t* y, int nth) {
+    if (l->bits == 16) return k->bf16_linear(x, M, l->K, l->w, NULL, l->N, y, nth);
     if (l->bits == 4) return k->q4_linear(x, M, l->K, l->w, l->scale, l->low, l->G, NULL, l->N, y, nth);
     return k->q8_linear(x, M, l->K, l->w, l->scale, NULL, l->N, y, nth);
 }

@@ -9,15 +9,16 @@ pointers, so the same machine code) and exact operations between them, so its ou
 for bit (tests/test_step.py): greedy decoding through it is the eager decoding.
 
 What it runs: a bf16 model on the CPU whose backbone is exactly Gated DeltaNet / gated-attention layers with SwiGLU
-MLPs and zero-centred norms, every projection an int8 or int4 `FastLinear` on qmatmul.c (fused where the eager path
-fuses, no bias, no act-order permutation), no hooks, no autograd, not compiling, and a decode forward whose rows'
-first positions are on the host (`Positions.starts`). Anything else (bf16 weights on oneDNN, MoE, LoRA, a compiled
-graph) takes the per-layer path. MTP_STEP=0 (or MTP_NATIVE=0) turns it off.
+MLPs and zero-centred norms, every projection a `FastLinear` on qmatmul.c - int8, int4, or bf16 weights on its bf16
+product ("bf16-native": what bf16 layers run where oneDNN cannot pack them, `linear.bf16_kernel`) - fused where the
+eager path fuses, no bias, no act-order permutation; no hooks, no autograd, not compiling, and a decode forward whose
+rows' first positions are on the host (`Positions.starts`). Anything else (bf16 weights on oneDNN, MoE, LoRA, a
+compiled graph) takes the per-layer path. MTP_STEP=0 (or MTP_NATIVE=0) turns it off.
 
 The greedy draft chain of the MTP (decode/round.py `draft`, no sampling rule and the full head) is one call too
 (`draft`, `build_draft`): each depth's embedding row, pre-fc norms, "bf16-native" input projection, MTP layer and
-norm, the int8/int4 head and the argmax, K depths back to back: ~25 tensor operations and 2 program calls per
-depth before, the same drafts and MTP keys/values bit for bit (tests/test_step.py).
+norm, the head (int8, int4 or bf16-native) and the argmax, K depths back to back: ~25 tensor operations and 2
+program calls per depth before, the same drafts and MTP keys/values bit for bit (tests/test_step.py).
 """
 
 from __future__ import annotations
@@ -152,14 +153,16 @@ def _scales(lin: FastLinear) -> torch.Tensor | None:
 def _linear(lin: FastLinear, prepared: list, params: list, parts: list | None = None) -> _Linear:
     """The C view of a prepared linear `lin` (`parts`: the layers a fused `lin` was made from), recording what must stay
     as it is: the prepared codes and scales, and the float weights they were made from."""
-    if not (isinstance(lin, FastLinear) and lin.kernel in ("int8", "int4") and lin._native and lin.bias is None
-            and not lin._pad and (lin.kernel == "int8" or lin._perm is None)):
-        raise Ineligible(f"a projection is not an int8/int4 qmatmul layer without bias ({type(lin).__name__}, "
-                         f"{getattr(lin, 'kernel', None)})")
+    if not (isinstance(lin, FastLinear) and lin._native and lin.bias is None and not lin._pad
+            and (lin.kernel != "int4" or lin._perm is None)):
+        raise Ineligible(f"a projection is not an int8/int4/bf16-native qmatmul layer without bias "
+                         f"({type(lin).__name__}, {getattr(lin, 'kernel', None)})")
     prepared.append((lin, lin._packed, _scales(lin)))  # a new preparation makes new tensors: the program is then stale
     for part in parts or [lin]:  # (a released weight is its meta placeholder: replacing it is a change too)
         w = part._parameters["weight"]
         params.append((part._parameters, "weight", w, w._version))
+    if lin.kernel == "bf16-native":
+        return _Linear(16, lin.out_features, lin.in_features, 0, lin._packed.data_ptr(), None, None)
     if lin.kernel == "int8":
         return _Linear(8, lin.out_features, lin.in_features, 0, lin._packed.data_ptr(), lin._scale.data_ptr(), None)
     return _Linear(4, lin.out_features, lin.in_features, lin._group, lin._packed.data_ptr(), lin._sz.data_ptr(),
@@ -265,7 +268,8 @@ def build(layers: list[nn.Module], norm: nn.Module, embed: nn.Embedding | None, 
 
 def build_draft(model: nn.Module) -> Program:
     """The greedy draft chain of `model`'s sequential MTP (`draft`): its layers (as `build` reads them; the chain runs
-    one at a time), its embedding, pre-fc norms, "bf16-native" input projection and the int8/int4 head it drafts with."""
+    one at a time), its embedding, pre-fc norms, "bf16-native" input projection and the head it drafts with (int8, int4
+    or bf16-native)."""
     mtp = model.mtp
     if mtp is None or mtp.style != "sequential":
         raise Ineligible("no sequential MTP module")
