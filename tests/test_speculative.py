@@ -203,6 +203,30 @@ def test_auto_policy_stays_in_bounds_and_follows_acceptance():
         DraftPolicy.from_arg(9, 8)
 
 
+def test_a_new_generation_starts_from_the_acceptance_the_last_one_saw(models):
+    """Round costs where drafting pays only at high acceptance (a plain round 3.1 ms, k = 3 7.7 ms: the shipped bf16
+    model's on an AVX2 EPYC): a fresh policy whose first draft is rejected falls to k = 0 under the prior, while one
+    starting from a previous generation's counts (90% accepted) keeps drafting; decoders of one model share them."""
+    from mtp.decode.decoder import Decoder
+    from mtp.decode.policy import AcceptanceCounts, RoundTimes
+
+    rounds = RoundTimes()
+    for k, ms in enumerate((3.1, 5.2, 5.9, 7.7)):
+        rounds.record((1, k), ms / 1e3)
+    seen = AcceptanceCounts()
+    for r in range(60):
+        seen.record([(3, 3 if r % 10 else 0)])
+    ks = []
+    for counts in (AcceptanceCounts(), seen):
+        pol = DraftPolicy.from_arg("auto", 8, rounds, counts)
+        pol.update(1, 3, [(3, 0)], 7.7e-3)  # the first draft rejected
+        ks.append(pol.next_k(1))
+    assert ks[0] == 0 and ks[1] >= 2
+    model = models["sequential-hybrid"]
+    one, two = (Decoder(model, 1, 64, "auto").policy for _ in range(2))
+    assert one.counts is two.counts and Decoder(model, 1, 64, 3).policy.k_fixed == 3
+
+
 @pytest.mark.parametrize("stop_kind", ["eos", "length"])
 def test_stops_are_exact_under_speculation(models, stop_kind):
     model = models["sequential-hybrid"]

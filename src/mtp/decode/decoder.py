@@ -30,7 +30,7 @@ from ..model.linear import FastLinear, row_invariant
 from .compiled import Runner
 from .draft_vocab import DraftVocab
 from .masks import MaskDrafter
-from .policy import DraftPolicy, RoundTimes
+from .policy import AcceptanceCounts, DraftPolicy, RoundTimes
 from .prefill import PREFILL_CHUNK, prefill_chunk
 from .round import MAX_DRAFT, PENDING, RoundState
 from .sampling import RowSampling, gumbel, shape_logits
@@ -103,10 +103,13 @@ class Decoder:
             if compile:
                 raise ValueError("drafting from mask tokens runs eagerly: compile=True is not supported with a masks adapter")
             limit = min(MAX_DRAFT, model.masks.config.masks)
-        # round times measured by earlier decoders of this model in the same setup (`DraftPolicy.from_arg`)
+        # round times measured by earlier decoders of this model in the same setup, and the acceptance they saw with
+        # the same drafter (`DraftPolicy.from_arg`)
         setup = (compile, torch.get_num_threads(), draft_vocab is not None, use_masks, max_batch)
         rounds = model.__dict__.setdefault("_round_times", {}).setdefault(setup, RoundTimes())
-        self.policy = DraftPolicy.from_arg(draft_tokens if use_mtp or use_masks else None, limit, rounds)
+        counts = model.__dict__.setdefault("_acceptance", {}).setdefault((draft_vocab is not None, use_masks),
+                                                                          AcceptanceCounts())
+        self.policy = DraftPolicy.from_arg(draft_tokens if use_mtp or use_masks else None, limit, rounds, counts)
         self.max_len = min(max_len, model.context_length)
         slots = cache_slots(self.max_len, compile, model.context_length)
         model.prepare_decode(slots)

@@ -3,7 +3,8 @@
 `auto` picks, before every round of B sequences, the k in [0, k_max] that maximises the tokens per second of the
 batch,  B * E(k) / t_round(B, k),  E(k) = 1 + sum_{j=1..k} prod_{i<=j} a_i,  from what this decoder has measured:
 a_i = acceptance at draft position i (counts pooled over the rows, with exponential forgetting, so it follows the
-text: code accepts more than prose), t_round the measured time of a round at that batch size and k. A generation is
+text: code accepts more than prose; carried from one generation of a model to the next), t_round the measured time
+of a round at that batch size and k (carried alike). A generation is
 a batch of one. Unseen deeper positions get an optimistic estimate (the last seen acceptance), and every 8th round
 probes one draft more (and, offset, one fewer), so the policy keeps learning. k = 0 (no drafts) wins where verifying
 more tokens costs more than the drafts return, as for MoE models on memory-bound CPUs, where each extra verified
@@ -116,15 +117,19 @@ class DraftPolicy:
         return self.rounds.estimates
 
     @classmethod
-    def from_arg(cls, draft_tokens: int | str | None, limit: int,
-                 rounds: RoundTimes | None = None) -> DraftPolicy:
+    def from_arg(cls, draft_tokens: int | str | None, limit: int, rounds: RoundTimes | None = None,
+                 counts: AcceptanceCounts | None = None) -> DraftPolicy:
         """`rounds`: round times measured before (by earlier decoders of the same model and setup), shared and kept
         up to date: a round's cost is the model's and the machine's, not the text's, so a new generation starts
-        from what the last one measured instead of exploring again."""
+        from what the last one measured instead of exploring again. `counts`: the acceptance counts earlier decoders
+        of the same model and drafter left, shared alike: a generation starts from the model's recent acceptance
+        (forgetting then follows its text) instead of the prior, under which one rejected first draft had sent
+        generations to k = 0 for 30-60 rounds (docs/decisions.md, 2026-12-03)."""
         if draft_tokens in (None, 0):
             return cls(0, k_max=0)
         if draft_tokens == "auto":
-            return cls(None, k_max=min(6, limit), rounds=RoundTimes() if rounds is None else rounds)
+            return cls(None, k_max=min(6, limit), rounds=RoundTimes() if rounds is None else rounds,
+                        counts=AcceptanceCounts() if counts is None else counts)
         if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or not 1 <= draft_tokens <= limit:
             raise ValueError(f"draft_tokens must be None, 0, an integer in 1..{limit} or 'auto', got {draft_tokens!r}")
         return cls(draft_tokens, k_max=draft_tokens)
