@@ -157,3 +157,39 @@ def test_compiled_call_of_a_released_layer():
         want = layer(x)
         layer.release()
         assert torch.equal(torch.compile(lambda t: layer(t))(x), want)
+
+
+def test_bf16_native_fusions_view_their_parts_and_loads_drop_the_mapped_weights(tmp_path, monkeypatch):
+    """bf16 layers on qmatmul's product (what they run where oneDNN cannot pack bf16: forced here): each fusion's
+    output is its parts' outputs concatenated and a layer prepared from the concatenated weight's, bit for bit, the
+    parts viewing the fused copy (no second one); a bf16 load then drops each packed weight's memory-mapped pages (a
+    copy of the file: the model would otherwise hold the weights twice) and decodes the same tokens."""
+    kernels(monkeypatch, "native")
+    monkeypatch.setenv("MTP_BF16", "native")
+    model = bf16_model()
+    model.prepare_for_inference()
+    found = fusions(model)
+    assert {n.rsplit(".", 1)[-1] for n, _ in found} >= {"self_attn", "mlp", "linear_attn"}
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, fused in found:
+            assert fused.fused.weight.is_meta and fused.fused.kernel == "bf16-native"
+            x = torch.randn(5, fused.fused.in_features, generator=g).to(torch.bfloat16)
+            assert torch.equal(torch.cat(fused(x), -1), torch.cat([p.run(x) for p in fused.parts], -1)), name
+            old = nn.Linear(fused.fused.in_features, sum(fused.sizes), bias=False)
+            old.weight = nn.Parameter(torch.cat([p.weight.detach() for p in fused.parts]), requires_grad=False)
+            assert torch.equal(torch.cat(fused(x), -1), FastLinear.wrap(old, "bf16-native").run(x)), name
+            assert all(p._packed.untyped_storage().data_ptr() == fused.fused._packed.untyped_storage().data_ptr()
+                       for p in fused.parts), name
+    mtp.save_model(model, tmp_path / "m")
+    from mtp.io.safetensors_mmap import SafetensorsFile
+
+    dropped: list[str] = []
+    real = SafetensorsFile.release
+    monkeypatch.setattr(SafetensorsFile, "release", lambda self, key: (dropped.append(key), real(self, key))[1])
+    loaded = mtp.load_model(tmp_path / "m")
+    packed = [n for n, m in loaded.named_modules() if isinstance(m, FastLinear) and m.kernel == "bf16-native"]
+    assert packed and {f"{n}.weight" for n in packed if n != "lm_head"} <= set(dropped)
+    prompt = [1, 2, 3, 4, 5]
+    assert (mtp.generate(loaded, prompt, max_new_tokens=12, draft_tokens=2).tokens
+            == mtp.generate(model, prompt, max_new_tokens=12).tokens)

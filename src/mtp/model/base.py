@@ -182,17 +182,22 @@ class CausalLM(nn.Module, ABC):
         no-op off CPU. The decoder calls it once on a model that was not prepared (`prepared`).
 
         Quantizing goes layer by layer; `on_quantized(weight)` is called with each float weight once its codes exist
-        (the loader drops its memory-mapped pages there). `release=True` (inference only) then lets go of each
-        quantized layer's float weight (`FastLinear.release`, `Experts.release`): the model holds the codes, the
-        embedding and the output heads (kept in bf16: the reduced draft vocabulary reads their rows); training it or
-        changing a released weight raises `ReleasedWeightError`. `int4` (quantize "int4"): the layers, by module name,
-        that run their int4 checkpoint's own codes instead of quantizing their weights (`int4_checkpoint_layers`)."""
+        (unquantized: once its copy for qmatmul's bf16 product exists; the loader drops its memory-mapped pages there).
+        `release=True` (inference only) then lets go of each quantized layer's float weight (`FastLinear.release`,
+        `Experts.release`): the model holds the codes, the embedding and the output heads (kept in bf16: the reduced
+        draft vocabulary reads their rows); training it or changing a released weight raises `ReleasedWeightError`.
+        `int4` (quantize "int4"): the layers, by module name, that run their int4 checkpoint's own codes instead of
+        quantizing their weights (`int4_checkpoint_layers`)."""
         self.prepared = True
         if self.device.type != "cpu":
             return
         if quantize is None:
+            def packed(layer: FastLinear) -> None:  # a bf16 weight on qmatmul's product: its packed copy runs
+                if on_quantized is not None and layer.kernel == "bf16-native":
+                    on_quantized(layer.weight)
+
             if self.dtype in (torch.bfloat16, torch.float32):
-                prepare_linears(self, "bf16" if self.dtype == torch.bfloat16 else "fp32")
+                prepare_linears(self, "bf16" if self.dtype == torch.bfloat16 else "fp32", prepared=packed)
             if self.__dict__.get("masks") is not None:  # its LoRA hooks need each projection's own forward
                 self.masks.unfuse(self)
             return

@@ -98,7 +98,8 @@ def pack_bf16(w: torch.Tensor) -> torch.Tensor:
     """bf16 weight [N, K] -> [ceil(N/8), K, 8], the bf16 kernel's interleaved layout: element (g, k, j) is output
     8g+j's weight for input k (the last group padded with zeros)."""
     N, K = w.shape
-    w = F.pad(w, (0, 0, 0, -N % 8))
+    if N % 8:  # (only then: a pad is a copy, and an output head's weight is the largest there is)
+        w = F.pad(w, (0, 0, 0, -N % 8))
     return w.reshape(-1, 8, K).transpose(1, 2).contiguous()
 
 
