@@ -142,8 +142,12 @@ def verify(model, st: RoundState, drafts: torch.Tensor, limit: torch.Tensor, act
     tokens[b, K+1] = n (one tensor, so the host synchronises once)."""
     B, K = drafts.shape
     dev = drafts.device
-    ids = torch.cat([st.last[:, None], drafts], dim=1) if appended is None else appended.ids(st.last, drafts, limit)
-    at = model.decode_positions(st.pos[:, None] + torch.arange(ids.shape[1], device=dev), starts)
+    if K == 0 and appended is None and not torch.compiler.is_compiling():  # a plain step: the state's own columns
+        ids, index = st.last[:, None], st.pos[:, None]  # (read by the forward, before the accept moves them on)
+    else:
+        ids = torch.cat([st.last[:, None], drafts], dim=1) if appended is None else appended.ids(st.last, drafts, limit)
+        index = st.pos[:, None] + torch.arange(ids.shape[1], device=dev)
+    at = model.decode_positions(index, starts)
     # an eager plain step that every row keeps: recurrent states may update in place (the CPU's C step; reading the
     # mask on the host costs nothing there; a compiled step keeps its static shape and selects as ever)
     at.commit = (ids.shape[1] == 1 and dev.type == "cpu" and not torch.compiler.is_compiling()

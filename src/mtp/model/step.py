@@ -126,17 +126,19 @@ class Program:
         self._dicts, self._names, self._tensors, self._versions = (list(c) for c in zip(*self.params))
         self._linears = [lin for lin, _, _ in self.prepared]
         self._codes = [w for _, w, _ in self.prepared]
-        self._scales = [sc for _, _, sc in self.prepared]
+        # each linear's scales by attribute name (a layer without: its codes again), so `fresh` reads them in C
+        self._scale_names = [_SCALES.get(lin.kernel, "_packed") for lin in self._linears]
+        self._scales = [w if sc is None else sc for _, w, sc in self.prepared]
         self._hooks = [m._forward_hooks for m in self.modules] + [m._forward_pre_hooks for m in self.modules]
 
     def fresh(self) -> bool:
         """Nothing the program points at was replaced or changed in place since it was built (a weight behind a fusion
         or a prepared linear included: their versions then moved) and no layer was prepared again: the checks
-        `FusedProjections.fresh` makes, for every tensor read (~5 us at the shipped model's size)."""
+        `FusedProjections.fresh` makes, for every tensor read (~20 us at the shipped model's size, every loop in C)."""
         return (all(map(operator.is_, map(dict.get, self._dicts, self._names), self._tensors))
                 and list(map(_version, self._tensors)) == self._versions
-                and all(map(operator.is_, [lin._packed for lin in self._linears], self._codes))
-                and all(map(operator.is_, list(map(_scales, self._linears)), self._scales)))
+                and all(map(operator.is_, map(_packed, self._linears), self._codes))
+                and all(map(operator.is_, map(getattr, self._linears, self._scale_names), self._scales)))
 
     def hooked(self) -> bool:
         """Has a backbone module (or every module) a forward hook now? They must run: the layers then run."""
@@ -144,10 +146,13 @@ class Program:
 
 
 _version = operator.attrgetter("_version")
+_packed = operator.attrgetter("_packed")
+_SCALES = {"int8": "_scale", "int4": "_sz"}  # a prepared linear's scales (`_scales`)
 
 
 def _scales(lin: FastLinear) -> torch.Tensor | None:
-    return lin._scale if lin.kernel == "int8" else lin._sz if lin.kernel == "int4" else None
+    name = _SCALES.get(lin.kernel)
+    return None if name is None else getattr(lin, name)
 
 
 def _linear(lin: FastLinear, prepared: list, params: list, parts: list | None = None) -> _Linear:
