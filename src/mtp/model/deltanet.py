@@ -16,7 +16,7 @@ from torch import nn
 from ..config import Qwen35Config
 from . import deltanet_kernel
 from .cache import DeltaState, DeltaSteps, Positions
-from .linear import project
+from .linear import packed_bf16_supported, project
 from .norm import RMSNormGated
 from .rowwise import rowwise
 
@@ -181,11 +181,13 @@ class GatedDeltaNet(nn.Module):
 
     def _conv(self, x: torch.Tensor, padding: int) -> torch.Tensor:
         """The depthwise conv of x [B, C, L] (a prefill's or a training forward's) -> [B, C, L + 2 padding - kernel + 1].
-        Without grad a bf16 input is convolved in fp32 and rounded back once: torch's bf16 depthwise conv on the CPU
-        runs a per-channel slow path (13x the fp32 one at 1152 channels x 384 tokens on an AVX2 EPYC, half of a
-        prefill; the same bf16 outputs there, docs/decisions.md, 2026-12-03)."""
+        Without grad, on a CPU without oneDNN's bf16 kernels (AVX2-only), a bf16 input is convolved in fp32 and
+        rounded back once: torch's bf16 depthwise conv there runs a per-channel slow path (13x the fp32 one at 1152
+        channels x 384 tokens on an AVX2 EPYC, half of a prefill; the same bf16 outputs, docs/decisions.md,
+        2026-12-03). Elsewhere oneDNN runs it, as before."""
         weight = self.conv1d.weight  # [C, 1, kernel]
-        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled():
+        if (x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled()
+                and not packed_bf16_supported()):
             return F.conv1d(x.float(), weight.float(), padding=padding, groups=self.conv_dim).to(x.dtype)
         return F.conv1d(x, weight, padding=padding, groups=self.conv_dim)
 
