@@ -277,15 +277,29 @@ def draft_state(model, B: int, seed: int):
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4", "bf16"])
-@pytest.mark.parametrize("B,K,layers", [(1, 1, 1), (1, 3, 1), (3, 4, 1), (2, 3, 2)])
-def test_the_draft_chain_in_one_call_equals_the_round_step_by_step(kind, B, K, layers, monkeypatch):
+@pytest.mark.parametrize("B,K,layers,reduced", [(1, 1, 1, False), (1, 3, 1, False), (3, 4, 1, False), (2, 3, 2, False),
+                                                (1, 3, 1, True), (3, 4, 2, True)])
+def test_the_draft_chain_in_one_call_equals_the_round_step_by_step(kind, B, K, layers, reduced, monkeypatch):
     """round.draft's greedy chain as one C call (`step.draft`) == the same chain step by step in Python: the same
-    drafts and the same MTP keys/values, for rows at different MTP positions with different pending counts, and with
-    two MTP layers taken in turn."""
+    drafts and the same MTP keys/values, for rows at different MTP positions with different pending counts, with two
+    MTP layers taken in turn, and over a reduced draft vocabulary (its head rows a bf16 layer, drafts mapped back to
+    the full vocabulary)."""
+    from mtp.decode.draft_vocab import DraftVocab
     from mtp.decode.round import draft
 
     model = quantized(kind, mtp_num_hidden_layers=layers)
     model.prepare_decode(64)
+    V = model.config.vocab_size
+    vocab = DraftVocab(torch.arange(1, V, 3), V) if reduced else None  # every third token
+    calls = []  # the chains the C call ran (it returns None where it would hand over)
+    real = type(model).mtp_draft
+
+    def counted(*args):
+        done = real(*args)
+        calls.append(done is not None)
+        return done
+
+    monkeypatch.setattr(type(model), "mtp_draft", counted)
     out = []
     for one_call in (True, False):
         st = draft_state(model, B, seed=B + K)
@@ -294,12 +308,14 @@ def test_the_draft_chain_in_one_call_equals_the_round_step_by_step(kind, B, K, l
             if not one_call:
                 m.setattr(type(model), "mtp_draft", lambda *a: None)
             with torch.inference_mode():
-                drafts, shaped = draft(model, st, K, None, None, width=max(host[1]), host=host)
+                drafts, shaped = draft(model, st, K, None, None, vocab, width=max(host[1]), host=host)
         assert shaped is None
         out.append((drafts, st.mtp_cache))
-    assert isinstance(model.__dict__["_step"]["draft"], step.Program)
+    assert isinstance(model.__dict__["_step"]["draft"], step.Program) and calls == [True]
     (da, ca), (db, cb) = out
     assert da.shape == (B, K) and torch.equal(da, db)
+    if reduced:
+        assert torch.isin(da, vocab.ids).all()
     assert all(torch.equal(x.k, y.k) and torch.equal(x.v, y.v) for x, y in zip(ca, cb))
 
 

@@ -7,6 +7,9 @@ only be missed (a rejected or never-made draft), never emitted wrongly. For samp
 is the MTP's distribution restricted to the N tokens (shaped by temperature / top-k / top-p like p), which is
 exactly the law the drafts are drawn from, so the acceptance rule stays exact.
 
+On the CPU in bf16 the reduced head is a prepared "bf16-native" layer (`DraftVocab.head`), which the model's one-call
+draft chain reads too (`CausalLM.mtp_draft`), so the chain runs in C with the step-by-step chain's drafts.
+
 The counts come from `token_frequencies.json` beside the model (written by `mtp data` for its train split and
 copied into every model folder `mtp train` writes).
 """
@@ -19,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..model.argmax_kernel import argmax
+from ..model.linear import FastLinear
 
 FREQUENCIES = "token_frequencies.json"
 
@@ -34,7 +38,8 @@ class DraftVocab:
             raise ValueError(f"draft vocabulary token ids must lie in 0..{vocab_size - 1}")
         self.ids = ids
         self.vocab_size = vocab_size
-        self._rows: dict[int, torch.Tensor] = {}
+        self._rows: dict[int, torch.Tensor] = {}  # per head module: its rows for the ids [N, H]
+        self._heads: dict[int, FastLinear] = {}  # per head module: those rows as a prepared layer (`head`)
 
     @property
     def size(self) -> int:
@@ -67,6 +72,7 @@ class DraftVocab:
         """Build the head rows of MTP depths 1..depths now (a compiled draft step cannot build them)."""
         for d in range(1, depths + 1):
             self._head_rows(model, d)
+            self.head(model, d)
 
     def _head_rows(self, model, d: int) -> torch.Tensor:
         head = model.mtp_head_module(d)
@@ -74,11 +80,29 @@ class DraftVocab:
         if rows is None or rows.device != model.device or rows.dtype != model.dtype:
             rows = self._rows[id(head)] = head.weight.detach()[self.ids.to(head.weight.device)].to(model.dtype).contiguous()
             self.ids = self.ids.to(model.device)
+            self._heads.pop(id(head), None)
         return rows
+
+    def head(self, model, d: int) -> FastLinear | None:
+        """MTP depth d's head over the reduced vocabulary as a prepared bf16 linear layer [H] -> [N] (qmatmul's bf16
+        product where it runs: what the model's one-call draft chain reads, `CausalLM.mtp_draft`), or None where the
+        model does not run prepared kernels (off the CPU, not bf16): `logits` then multiplies by the rows."""
+        if model.device.type != "cpu" or model.dtype != torch.bfloat16 or not model.prepared:
+            return None
+        rows = self._head_rows(model, d)
+        layer = self._heads.get(id(model.mtp_head_module(d)))
+        if layer is None:
+            layer = torch.nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
+            with torch.inference_mode(False), torch.no_grad():  # a normal tensor: its version is read at each call
+                layer.weight = torch.nn.Parameter(rows.clone(), requires_grad=False)
+                FastLinear.wrap(layer, "bf16-native")
+            self._heads[id(model.mtp_head_module(d))] = layer
+        return layer
 
     def logits(self, model, hidden: torch.Tensor, d: int) -> torch.Tensor:
         """MTP depth-d hidden [..., H] -> logits over the reduced vocabulary [..., N]."""
-        return hidden @ self._head_rows(model, d).t()
+        layer = self.head(model, d)
+        return hidden @ self._head_rows(model, d).t() if layer is None else layer(hidden)
 
     def argmax(self, model, hidden: torch.Tensor, d: int) -> torch.Tensor:
         """MTP depth-d hidden [B, H] -> the greedy draft [B] (a token id of the full vocabulary)."""

@@ -94,10 +94,13 @@ def draft(model, st: RoundState, K: int, rs: RowSampling | None, noise: torch.Te
     mtp = model.mtp
     B = st.pos.shape[0]
     dev = st.pos.device
-    if rs is None and vocab is None and host is not None and mtp.style == "sequential" and K > 0:
-        done = model.mtp_draft(K, st.pend_h, st.pend_next, st.pend_n, st.mtp_pos, st.mtp_cache, width, host)
-        if done is not None:  # the whole chain below in one call (CPU, where the family has one)
-            return done, None
+    if rs is None and host is not None and mtp.style == "sequential" and K > 0:
+        reduced = None if vocab is None else vocab.head(model, 1)  # (its layer: the chain's depths share one head)
+        if vocab is None or reduced is not None:
+            done = model.mtp_draft(K, st.pend_h, st.pend_next, st.pend_n, st.mtp_pos, st.mtp_cache, width, host,
+                                   None if vocab is None else (reduced, vocab.ids))
+            if done is not None:  # the whole chain below in one call (CPU, where the family has one)
+                return done, None
     rows = torch.arange(B, device=dev)
     at = model.decode_positions(st.mtp_pos[:, None] + torch.arange(width, device=dev), starts)
     hid, nxt = st.pend_h[:, :width], st.pend_next[:, :width]

@@ -414,10 +414,12 @@ class CausalLM(nn.Module, ABC):
         return self.mtp.new_state(batch, max_len, self.dtype, self.device)
 
     def mtp_draft(self, K: int, pend_h: torch.Tensor, pend_next: torch.Tensor, pend_n: torch.Tensor,
-                  mtp_pos: torch.Tensor, caches: list, width: int, host: tuple[list[int], list[int]]) -> torch.Tensor | None:
-        """The round's greedy draft chain (decode/round.py `draft`: no sampling rule, the full head, a sequential MTP)
-        as one call -> drafts [B, K], where the family has one (None: the round runs it step by step, to the same
-        drafts and caches). The arguments are the round state's (`RoundState`) and the host's (mtp_pos, pend_n)."""
+                  mtp_pos: torch.Tensor, caches: list, width: int, host: tuple[list[int], list[int]],
+                  vocab: tuple[nn.Module, torch.Tensor] | None = None) -> torch.Tensor | None:
+        """The round's greedy draft chain (decode/round.py `draft`: no sampling rule, a sequential MTP) as one call ->
+        drafts [B, K], where the family has one (None: the round runs it step by step, to the same drafts and caches).
+        The arguments are the round state's (`RoundState`) and the host's (mtp_pos, pend_n); `vocab`: a reduced draft
+        vocabulary's head layer and its token ids [N] instead of the full head (decode/draft_vocab.py)."""
         return None
 
     def mtp_step(self, d: int, hidden: torch.Tensor, next_ids: torch.Tensor | None, start: int | list[int] | Positions,

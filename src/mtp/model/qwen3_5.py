@@ -149,9 +149,10 @@ class Qwen35ForCausalLM(CausalLM):
         return done if done is not None else super().decode(ids, cache, pos)
 
     def mtp_draft(self, K: int, pend_h: torch.Tensor, pend_next: torch.Tensor, pend_n: torch.Tensor,
-                  mtp_pos: torch.Tensor, caches: list, width: int, host: tuple[list[int], list[int]]) -> torch.Tensor | None:
+                  mtp_pos: torch.Tensor, caches: list, width: int, host: tuple[list[int], list[int]],
+                  vocab: tuple[nn.Module, torch.Tensor] | None = None) -> torch.Tensor | None:
         """`CausalLM.mtp_draft`, as one C call where the MTP allows it (step.py: the same drafts and caches)."""
-        return step.draft(self, K, pend_h, pend_next, pend_n, mtp_pos, caches, width, host)
+        return step.draft(self, K, pend_h, pend_next, pend_n, mtp_pos, caches, width, host, vocab)
 
     def prepare_for_inference(self, *args, **kwargs) -> None:
         """`CausalLM.prepare_for_inference`; the one-call decode forward is then built anew (step.py)."""

@@ -219,7 +219,8 @@ typedef struct {
     const uint16_t *embed, *norm_e, *norm_h; /* the embedding the MTP reads [V, H]; pre_fc_norm_embedding, _hidden [H] */
     const uint16_t* fc;             /* the input projection [2H] -> [H], bf16 in qmatmul's pack_bf16 layout */
     const uint16_t* norm;           /* the MTP's final norm [H] */
-    Linear head;                    /* the output head the drafts take: [H] -> [V] */
+    Linear head;                    /* the output head the drafts take: [H] -> [N] (N = V, or a reduced vocabulary) */
+    const int64_t* vocab_ids;       /* [N] the token of each head output (a reduced vocabulary), or NULL: N = V */
     const uint16_t *cos, *sin;      /* rotary tables [P, R] */
     const uint16_t* pend_h;         /* [B, PR, H]: the kept positions the MTP reads first */
     const int64_t* pend_next;       /* [B, PR]: the token after each */
@@ -259,6 +260,7 @@ int qwen35_draft(const Kernels* k, const Draft* d, const Layer* layers, int64_t 
         for (int64_t t = 0; t < W; t++)
             if (d->pend_next[b * d->PR + t] < 0 || d->pend_next[b * d->PR + t] >= d->V) return -2;
     }
+    if (d->head.N > d->V) return -4;
     uint16_t* buf = malloc(sizeof(uint16_t) * (size_t)(M * (6 * H + 2 * R) + B * d->V));
     int64_t* ints = malloc(sizeof(int64_t) * (size_t)(3 * M + B));
     if (!buf || !ints) {
@@ -296,8 +298,8 @@ int qwen35_draft(const Kernels* k, const Draft* d, const Layer* layers, int64_t 
         for (int64_t b = 0; b < B; b++) /* the output at the last pending position (depth 1), else the one */
             memcpy(h + b * H, out + (b * T + (j == 1 ? (d->pend_n[b] + W - 1) % W : 0)) * H, sizeof(uint16_t) * (size_t)H);
         if ((failed = linear(k, &d->head, h, B, logits, nth))) break;
-        k->argmax_rows(B, d->V, logits, d->V, 1, tok, nth);
-        for (int64_t b = 0; b < B; b++) d->drafts[b * d->K + j - 1] = tok[b];
+        k->argmax_rows(B, d->head.N, logits, d->head.N, 1, tok, nth);
+        for (int64_t b = 0; b < B; b++) d->drafts[b * d->K + j - 1] = d->vocab_ids ? d->vocab_ids[tok[b]] : tok[b];
     }
     free(buf);
     free(ints);

@@ -17,7 +17,8 @@ compiled graph) takes the per-layer path. MTP_STEP=0 (or MTP_NATIVE=0) turns it 
 
 The greedy draft chain of the MTP (decode/round.py `draft`, no sampling rule and the full head) is one call too
 (`draft`, `build_draft`): each depth's embedding row, pre-fc norms, "bf16-native" input projection, MTP layer and
-norm, the head (int8, int4 or bf16-native) and the argmax, K depths back to back: ~25 tensor operations and 2
+norm, the head (int8, int4 or bf16-native; or a reduced draft vocabulary's bf16-native head, its argmax mapped to
+the token ids) and the argmax, K depths back to back: ~25 tensor operations and 2
 program calls per depth before, the same drafts and MTP keys/values bit for bit (tests/test_step.py).
 """
 
@@ -68,7 +69,7 @@ class _Step(ctypes.Structure):
 
 class _Draft(ctypes.Structure):
     _fields_ = ([(n, i64) for n in ("B", "W", "K", "H", "V", "S", "R", "P")] + [("eps", f32)]
-                + [(n, p) for n in ("embed", "norm_e", "norm_h", "fc", "norm")] + [("head", _Linear)]
+                + [(n, p) for n in ("embed", "norm_e", "norm_h", "fc", "norm")] + [("head", _Linear), ("vocab_ids", p)]
                 + [(n, p) for n in ("cos", "sin", "pend_h", "pend_next")] + [("PR", i64)]
                 + [(n, p) for n in ("pend_n", "mtp_pos", "drafts")])
 
@@ -458,18 +459,26 @@ def _run(prog: Program, B: int, T: int, ids: torch.Tensor | None, x: torch.Tenso
 
 
 def draft(model, K: int, pend_h: torch.Tensor, pend_next: torch.Tensor, pend_n: torch.Tensor, mtp_pos: torch.Tensor,
-          caches: list, width: int, host: tuple[list[int], list[int]]) -> torch.Tensor | None:
-    """round.py's greedy draft chain (no sampling rule, the full head) of K >= 1 drafts as one C call -> drafts [B, K]
-    (long), or None where it cannot run so (the round then runs it step by step, to the same drafts and caches).
-    pend_h [B, PR, H], pend_next [B, PR], pend_n and mtp_pos [B]: the round state's; `width`: the pending positions
-    depth 1 reads; `host`: (mtp_pos, pend_n) on the host. A pending count past `width` raises ValueError, a pending
-    token outside the vocabulary IndexError, before anything is written."""
+          caches: list, width: int, host: tuple[list[int], list[int]],
+          vocab: tuple[FastLinear, torch.Tensor] | None = None) -> torch.Tensor | None:
+    """round.py's greedy draft chain (no sampling rule) of K >= 1 drafts as one C call -> drafts [B, K] (long), or None
+    where it cannot run so (the round then runs it step by step, to the same drafts and caches). pend_h [B, PR, H],
+    pend_next [B, PR], pend_n and mtp_pos [B]: the round state's; `width`: the pending positions depth 1 reads;
+    `host`: (mtp_pos, pend_n) on the host; `vocab`: a reduced draft vocabulary's head (a "bf16-native" layer [H] -> [N])
+    and its token ids [N] (decode/draft_vocab.py), instead of the full head. A pending count past `width` raises
+    ValueError, a pending token outside the vocabulary IndexError, before anything is written."""
     if torch.is_grad_enabled() or torch.compiler.is_compiling() or K < 1 or model.rotary is None:
         return None
     prog = program(model, "draft")
     table = model.rotary.table
     if prog is None or prog.hooked() or table is None or table[0].dtype != torch.bfloat16:
         return None
+    head, ids = vocab if vocab is not None else (None, None)
+    if head is not None:
+        if (head.kernel != "bf16-native" or head.bias is not None or head.in_features != prog.hidden
+                or head.weight._version != head._version or ids.dtype != torch.int64 or not ids.is_contiguous()
+                or ids.shape != (head.out_features,) or head.out_features > prog.draft.V or ids.device.type != "cpu"):
+            return None
     cos, sin = table
     B, PR = pend_next.shape
     H, R = prog.hidden, cos.shape[-1]
@@ -497,6 +506,9 @@ def draft(model, K: int, pend_h: torch.Tensor, pend_next: torch.Tensor, pend_n: 
     d.B, d.W, d.K, d.S, d.R, d.P, d.PR = B, width, K, S, R, cos.shape[0], PR
     d.cos, d.sin, d.pend_h, d.pend_next = cos.data_ptr(), sin.data_ptr(), pend_h.data_ptr(), pend_next.data_ptr()
     d.pend_n, d.mtp_pos, d.drafts = pend_n.data_ptr(), mtp_pos.data_ptr(), drafts.data_ptr()
+    if head is not None:
+        d.head = _linear(head, [], [])
+        d.vocab_ids = ids.data_ptr()
     status = LIBRARY.lib().qwen35_draft(ctypes.byref(prog.kernels), ctypes.byref(d), layers, len(layers),
                                         torch.get_num_threads())
     if status == -2:
