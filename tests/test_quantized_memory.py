@@ -35,6 +35,26 @@ def bf16_model(**overrides):
     return tiny_model(std=0.05, **overrides).to(torch.bfloat16)
 
 
+def check_fusions(model, kernel: str, native: bool, views: bool) -> set[str]:
+    """Each fusion of `model` runs `kernel` and holds no float copy; its output == its parts' outputs concatenated == a
+    layer prepared from the concatenated float weight, bit for bit; with `views` every part runs on a view of the fused
+    codes. -> the kinds of module fused."""
+    found = fusions(model)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, fused in found:
+            assert fused.fused.weight.is_meta and fused.fused.kernel == kernel  # no float copy
+            assert fused.fused._native == native
+            x = torch.randn(5, fused.fused.in_features, generator=g).to(torch.bfloat16)
+            assert torch.equal(torch.cat(fused(x), -1), torch.cat([p.run(x) for p in fused.parts], -1)), name
+            old = nn.Linear(fused.fused.in_features, sum(fused.sizes), bias=False)
+            old.weight = nn.Parameter(torch.cat([p.weight.detach() for p in fused.parts]), requires_grad=False)
+            assert torch.equal(torch.cat(fused(x), -1), FastLinear.wrap(old, kernel).run(x)), name
+            storage = fused.fused._packed.untyped_storage().data_ptr()
+            assert all(p._packed.untyped_storage().data_ptr() == storage for p in fused.parts) == views, name
+    return {n.rsplit(".", 1)[-1] for n, _ in found}
+
+
 @pytest.mark.parametrize("which", KERNELS)
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 def test_fused_codes_are_the_parts_concatenated(quantize, which, monkeypatch):
@@ -43,21 +63,9 @@ def test_fused_codes_are_the_parts_concatenated(quantize, which, monkeypatch):
     kernels(monkeypatch, which)
     model = bf16_model()
     model.prepare_for_inference(quantize)
-    found = fusions(model)
-    assert {n.rsplit(".", 1)[-1] for n, _ in found} >= {"self_attn", "mlp"} | ({"linear_attn"} if quantize == "int8" else set())
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, fused in found:
-            assert fused.fused.weight.is_meta and fused.fused.kernel == quantize  # no float copy
-            assert fused.fused._native == (which == "native")
-            x = torch.randn(5, fused.fused.in_features, generator=g).to(torch.bfloat16)
-            parts = [p.run(x) for p in fused.parts]
-            assert torch.equal(torch.cat(fused(x), -1), torch.cat(parts, -1)), name
-            old = nn.Linear(fused.fused.in_features, fused.fused.out_features, bias=False)
-            old.weight = nn.Parameter(torch.cat([p.weight.detach() for p in fused.parts]), requires_grad=False)
-            assert torch.equal(torch.cat(fused(x), -1), FastLinear.wrap(old, quantize).run(x)), name
-            shares = fused.parts[1]._packed.untyped_storage().data_ptr() == fused.fused._packed.untyped_storage().data_ptr()
-            assert shares == (quantize == "int8" or which == "native"), name  # torch's int4 packing is not by row
+    # (torch's int4 packing is not by row: there each part keeps its own)
+    kinds = check_fusions(model, quantize, which == "native", quantize == "int8" or which == "native")
+    assert kinds >= {"self_attn", "mlp"} | ({"linear_attn"} if quantize == "int8" else set())
 
 
 @pytest.mark.parametrize("which", KERNELS)
@@ -168,19 +176,7 @@ def test_bf16_native_fusions_view_their_parts_and_loads_drop_the_mapped_weights(
     monkeypatch.setenv("MTP_BF16", "native")
     model = bf16_model()
     model.prepare_for_inference()
-    found = fusions(model)
-    assert {n.rsplit(".", 1)[-1] for n, _ in found} >= {"self_attn", "mlp", "linear_attn"}
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, fused in found:
-            assert fused.fused.weight.is_meta and fused.fused.kernel == "bf16-native"
-            x = torch.randn(5, fused.fused.in_features, generator=g).to(torch.bfloat16)
-            assert torch.equal(torch.cat(fused(x), -1), torch.cat([p.run(x) for p in fused.parts], -1)), name
-            old = nn.Linear(fused.fused.in_features, sum(fused.sizes), bias=False)
-            old.weight = nn.Parameter(torch.cat([p.weight.detach() for p in fused.parts]), requires_grad=False)
-            assert torch.equal(torch.cat(fused(x), -1), FastLinear.wrap(old, "bf16-native").run(x)), name
-            assert all(p._packed.untyped_storage().data_ptr() == fused.fused._packed.untyped_storage().data_ptr()
-                       for p in fused.parts), name
+    assert check_fusions(model, "bf16-native", True, True) >= {"self_attn", "mlp", "linear_attn"}
     mtp.save_model(model, tmp_path / "m")
     from mtp.io.safetensors_mmap import SafetensorsFile
 

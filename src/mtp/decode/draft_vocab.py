@@ -78,7 +78,9 @@ class DraftVocab:
         head = model.mtp_head_module(d)
         rows = self._rows.get(id(head))
         if rows is None or rows.device != model.device or rows.dtype != model.dtype:
-            rows = self._rows[id(head)] = head.weight.detach()[self.ids.to(head.weight.device)].to(model.dtype).contiguous()
+            with torch.inference_mode(False):  # a normal tensor: `head`'s layer takes it as its weight
+                rows = head.weight.detach()[self.ids.to(head.weight.device)].to(model.dtype).contiguous()
+            self._rows[id(head)] = rows
             self.ids = self.ids.to(model.device)
             self._heads.pop(id(head), None)
         return rows
@@ -93,8 +95,8 @@ class DraftVocab:
         layer = self._heads.get(id(model.mtp_head_module(d)))
         if layer is None:
             layer = torch.nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
-            with torch.inference_mode(False), torch.no_grad():  # a normal tensor: its version is read at each call
-                layer.weight = torch.nn.Parameter(rows.clone(), requires_grad=False)
+            with torch.inference_mode(False), torch.no_grad():
+                layer.weight = torch.nn.Parameter(rows, requires_grad=False)  # (the rows themselves: no second copy)
                 FastLinear.wrap(layer, "bf16-native")
             self._heads[id(model.mtp_head_module(d))] = layer
         return layer

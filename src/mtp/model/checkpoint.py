@@ -28,7 +28,6 @@ from ..io.tokenizer import Tokenizer
 from .base import MTP_LAYER, CausalLM
 from .budget import BUILD_ERRORS, TooLargeError, build_on_meta
 from .families import config_from_json, model_class_for
-from .linear import bf16_kernel
 from .masks import MASKS_CONFIG, load_adapter
 from .moe import Stack
 from .quantized import DecodedTensor, QuantizedIndex, decoded_index
@@ -147,10 +146,10 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
                  materialize(files, sources[name], tuple(p.shape), torch.float32 if cls.keeps_fp32(name) else dtype_, device)
                  for name, p in expected.items()}
         # quantizing: each weight's file pages are dropped once read (checked here, quantized below), so the load
-        # does not hold the whole float checkpoint in memory beside its codes; bf16 layers on qmatmul's product
-        # (`linear.bf16_kernel`) hold a packed copy, so their weights' pages are dropped once it is made
-        cpu_native = dtype_ == torch.bfloat16 and torch.device(device).type == "cpu" and bf16_kernel() == "bf16-native"
-        drop = _page_dropper(files, sources, state) if quantize is not None or cpu_native else None
+        # does not hold the whole float checkpoint in memory beside its codes; unquantized, `prepare_for_inference`
+        # drops the pages of the bf16 weights it packs for qmatmul's product (the others it runs in place)
+        cpu_bf16 = dtype_ == torch.bfloat16 and torch.device(device).type == "cpu"
+        drop = _page_dropper(files, sources, state) if quantize is not None or cpu_bf16 else None
         check_finite(files, sources, state, strict, drop if quantize is not None else None)
         if coded:  # the codes are integers: their scales are what could be NaN / Inf
             scales = {key: files.raw.tensor(key) for m in int4 for key in int4[m].scale_names()}
