@@ -168,37 +168,29 @@ static inline __m256i bcast4(const int8_t* p) {
         for (int r = 0; r < R; r++)                                                                                  \
             for (int g = 0; g < GS; g++) _mm256_storeu_ps(out + (r * GS + g) * 8, f[r][g]);                          \
     }
-Q8_TILE(1, 2)
-Q8_TILE(2, 2)
-Q8_TILE(3, 2)
-Q8_TILE(4, 2)
 Q8_TILE(1, 1)
 Q8_TILE(2, 1)
 Q8_TILE(3, 1)
 Q8_TILE(4, 1)
 
-/* rows m0..m0+R-1 against groups g0..g0+GS-1 -> y (bf16, the output scale and bias applied once) */
-static void q8_tile(const uint8_t* w, int64_t g0, int64_t GS, int64_t K, const QRows* q, int64_t m0, int64_t R,
-                    const float* sw, const float* bias, int64_t N, uint16_t* y) {
+/* rows m0..m0+R-1 against group g -> y (bf16, the output scale and bias applied once) */
+static void q8_tile(const uint8_t* w, int64_t g, int64_t K, const QRows* q, int64_t m0, int64_t R, const float* sw,
+                    const float* bias, int64_t N, uint16_t* y) {
     const int64_t nb = K / 32;
     const int8_t* xq = q->xq + m0 * K;
     const float* dx = q->dx + m0 * nb;
     const int32_t* xs = q->xs + m0 * nb;
-    float o[4 * 2 * 8];
-    switch (GS * 8 + R) {
-        case 17: q8_tile_1_2(w, g0, K, xq, dx, xs, nb, o); break;
-        case 18: q8_tile_2_2(w, g0, K, xq, dx, xs, nb, o); break;
-        case 19: q8_tile_3_2(w, g0, K, xq, dx, xs, nb, o); break;
-        case 20: q8_tile_4_2(w, g0, K, xq, dx, xs, nb, o); break;
-        case 9: q8_tile_1_1(w, g0, K, xq, dx, xs, nb, o); break;
-        case 10: q8_tile_2_1(w, g0, K, xq, dx, xs, nb, o); break;
-        case 11: q8_tile_3_1(w, g0, K, xq, dx, xs, nb, o); break;
-        default: q8_tile_4_1(w, g0, K, xq, dx, xs, nb, o);
+    float o[4 * 8];
+    switch (R) {
+        case 1: q8_tile_1_1(w, g, K, xq, dx, xs, nb, o); break;
+        case 2: q8_tile_2_1(w, g, K, xq, dx, xs, nb, o); break;
+        case 3: q8_tile_3_1(w, g, K, xq, dx, xs, nb, o); break;
+        default: q8_tile_4_1(w, g, K, xq, dx, xs, nb, o);
     }
     for (int64_t i = 0; i < R; i++)
-        for (int64_t j = 0; j < GS * 8; j++) {
-            const int64_t n = g0 * 8 + j;
-            if (n < N) y[(m0 + i) * N + n] = to_bf16(bias ? o[i * GS * 8 + j] * sw[n] + bias[n] : o[i * GS * 8 + j] * sw[n]);
+        for (int64_t j = 0; j < 8; j++) {
+            const int64_t n = g * 8 + j;
+            if (n < N) y[(m0 + i) * N + n] = to_bf16(bias ? o[i * 8 + j] * sw[n] + bias[n] : o[i * 8 + j] * sw[n]);
         }
 }
 
@@ -209,100 +201,92 @@ static void q8_tile(const uint8_t* w, int64_t g0, int64_t GS, int64_t K, const Q
  * per (output, group of G inputs) are interleaved the same way, [N/8][K/G][8]. Per output: gacc = fma(dx[b], p[b],
  * gacc) over a group's blocks in order, acc = fma(s[g], gacc, acc) and off += lo[g] * xg[g] over the groups in order
  * (xg: the group's activation sum, in float), y = acc + off: one order whatever the tile, rows and threads. */
+/* The products per block: VNNI's vpdpbusd into two int32 accumulators per (row, group) - the even and odd chunks, to
+ * halve its chains; AVX2's vpmaddubsw into one int16 accumulator, widened once per block by vpmaddwd (a pair of u8
+ * x s8 products is at most 2 * 15 * 127 = 3810, a block's 8 of them 30480 < 32768: exact), one multiply per chunk
+ * instead of two. Either way Q4_SUM is the block's exact integer dot product. */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define Q4_DOT(acc, w, x) _mm256_dpbusd_epi32(acc, w, x)
+#define Q4_EVEN(a, b, w, x) (a = _mm256_dpbusd_epi32(a, w, x))
+#define Q4_ODD(a, b, w, x) (b = _mm256_dpbusd_epi32(b, w, x))
+#define Q4_SUM(a, b) _mm256_add_epi32(a, b)
 #else
-#define Q4_DOT(acc, w, x) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)))
+#define Q4_EVEN(a, b, w, x) (a = _mm256_add_epi16(a, _mm256_maddubs_epi16(w, x)))
+#define Q4_ODD(a, b, w, x) Q4_EVEN(a, b, w, x)
+#define Q4_SUM(a, b) _mm256_madd_epi16(a, _mm256_set1_epi16(1))
 #endif
 
-#define Q4_TILE(R, GS)                                                                                               \
-    static void q4_tile_##R##_##GS(const uint8_t* w, const float* s, const float* lo, int64_t g0, int64_t K,       \
-                                   int64_t G, const int8_t* xq, const float* dx, const float* xg, int64_t nb,       \
-                                   float* out) {                                                                     \
+/* R rows x one group of 8 outputs (group g0) -> out [R][8] floats (bias not added). The block and group sums stay in
+ * registers; the running sums over groups (acc, off) live in out and a second buffer, touched once per group. Two
+ * things the compiler must not do, or 4 rows cost 3.3 x one instead of 2.2 x (docs/decisions.md, 2026-12-03, int4):
+ * keep acc and off in registers (4 rows x 2 groups needed 40 of AVX2's 16), and unroll the chunks of a block for more
+ * than one row (GCC then computes all 32 products first and spills them); one row unrolls (1.1x). */
+#define Q4_TILE(R, UNROLL)                                                                                           \
+    __attribute__((noinline)) static void q4_tile_##R(const uint8_t* w, const float* s, const float* lo, int64_t g0, \
+                                                      int64_t K, int64_t G, const int8_t* xq, const float* dx,      \
+                                                      const float* xg, int64_t nb, float* out) {                    \
         const __m256i low = _mm256_set1_epi8(0x0F);                                                                  \
         const int64_t ng = K / G, bpg = G / 32, KP = K / 8;                                                          \
-        __m256 acc[R][GS], off[R][GS];                                                                               \
-        for (int r = 0; r < R; r++)                                                                                  \
-            for (int g = 0; g < GS; g++) acc[r][g] = off[r][g] = _mm256_setzero_ps();                                \
+        const uint8_t* wg = w + g0 * KP * 32;                                                                        \
+        float offs[R * 8];                                                                                           \
+        for (int i = 0; i < R * 8; i++) out[i] = offs[i] = 0.0f;                                                     \
         for (int64_t q = 0; q < ng; q++) {                                                                           \
-            __m256 ga[R][GS];                                                                                        \
-            for (int r = 0; r < R; r++)                                                                              \
-                for (int g = 0; g < GS; g++) ga[r][g] = _mm256_setzero_ps();                                         \
+            __m256 ga[R];                                                                                            \
+            for (int r = 0; r < R; r++) ga[r] = _mm256_setzero_ps();                                                 \
             for (int64_t b = q * bpg; b < (q + 1) * bpg; b++) {                                                      \
-                __m256i ia[R][GS], ib[R][GS];                                                                        \
-                for (int r = 0; r < R; r++)                                                                          \
-                    for (int g = 0; g < GS; g++) ia[r][g] = ib[r][g] = _mm256_setzero_si256();                       \
-                for (int g = 0; g < GS; g++) _mm_prefetch((const char*)(w + ((g0 + g) * KP + b * 4) * 32 + PREFETCH), _MM_HINT_T0); \
-                for (int c = 0; c < 4; c++) {                                                                        \
-                    __m256i w0[GS], w1[GS];                                                                          \
-                    for (int g = 0; g < GS; g++) {                                                                   \
-                        const __m256i v = _mm256_loadu_si256((const __m256i*)(w + ((g0 + g) * KP + b * 4 + c) * 32)); \
-                        w0[g] = _mm256_and_si256(v, low);                                                            \
-                        w1[g] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);                                      \
-                    }                                                                                                \
+                __m256i ia[R], ib[R];                                                                                \
+                for (int r = 0; r < R; r++) ia[r] = ib[r] = _mm256_setzero_si256();                                  \
+                _mm_prefetch((const char*)(wg + b * 4 * 32 + PREFETCH), _MM_HINT_T0);                                \
+                _Pragma(UNROLL) for (int c = 0; c < 4; c++) {                                                        \
+                    const __m256i v = _mm256_loadu_si256((const __m256i*)(wg + (b * 4 + c) * 32));                   \
+                    const __m256i w0 = _mm256_and_si256(v, low), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low); \
                     for (int r = 0; r < R; r++) {                                                                    \
                         const int8_t* xr = xq + r * K + b * 32 + c * 8;                                              \
-                        const __m256i x0 = bcast4(xr), x1 = bcast4(xr + 4);                                          \
-                        for (int g = 0; g < GS; g++) {                                                               \
-                            ia[r][g] = Q4_DOT(ia[r][g], w0[g], x0);                                                  \
-                            ib[r][g] = Q4_DOT(ib[r][g], w1[g], x1);                                                  \
-                        }                                                                                            \
+                        Q4_EVEN(ia[r], ib[r], w0, bcast4(xr));                                                       \
+                        Q4_ODD(ia[r], ib[r], w1, bcast4(xr + 4));                                                    \
                     }                                                                                                \
                 }                                                                                                    \
-                for (int r = 0; r < R; r++) {                                                                        \
-                    const __m256 d = _mm256_set1_ps(dx[r * nb + b]);                                                 \
-                    for (int g = 0; g < GS; g++)                                                                     \
-                        ga[r][g] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(ia[r][g], ib[r][g])), ga[r][g]); \
-                }                                                                                                    \
+                for (int r = 0; r < R; r++)                                                                          \
+                    ga[r] = _mm256_fmadd_ps(_mm256_set1_ps(dx[r * nb + b]), _mm256_cvtepi32_ps(Q4_SUM(ia[r], ib[r])), ga[r]); \
             }                                                                                                        \
-            for (int g = 0; g < GS; g++) {                                                                           \
-                const __m256 sv = _mm256_loadu_ps(s + ((g0 + g) * ng + q) * 8);                                      \
-                const __m256 lv = _mm256_loadu_ps(lo + ((g0 + g) * ng + q) * 8);                                     \
-                for (int r = 0; r < R; r++) {                                                                        \
-                    acc[r][g] = _mm256_fmadd_ps(sv, ga[r][g], acc[r][g]);                                            \
-                    off[r][g] = _mm256_add_ps(off[r][g], _mm256_mul_ps(lv, _mm256_set1_ps(xg[r * ng + q])));         \
-                }                                                                                                    \
+            const __m256 sv = _mm256_loadu_ps(s + (g0 * ng + q) * 8), lv = _mm256_loadu_ps(lo + (g0 * ng + q) * 8);  \
+            for (int r = 0; r < R; r++) {                                                                            \
+                _mm256_storeu_ps(out + r * 8, _mm256_fmadd_ps(sv, ga[r], _mm256_loadu_ps(out + r * 8)));             \
+                _mm256_storeu_ps(offs + r * 8, _mm256_add_ps(_mm256_loadu_ps(offs + r * 8),                          \
+                                                             _mm256_mul_ps(lv, _mm256_set1_ps(xg[r * ng + q]))));   \
             }                                                                                                        \
         }                                                                                                            \
-        for (int r = 0; r < R; r++)                                                                                  \
-            for (int g = 0; g < GS; g++) _mm256_storeu_ps(out + (r * GS + g) * 8, _mm256_add_ps(acc[r][g], off[r][g])); \
+        for (int i = 0; i < R * 8; i += 8)                                                                           \
+            _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(out + i), _mm256_loadu_ps(offs + i)));           \
     }
-Q4_TILE(1, 2)
-Q4_TILE(2, 2)
-Q4_TILE(3, 2)
-Q4_TILE(4, 2)
-Q4_TILE(1, 1)
-Q4_TILE(2, 1)
-Q4_TILE(3, 1)
-Q4_TILE(4, 1)
+Q4_TILE(1, "GCC unroll 4")
+Q4_TILE(2, "GCC unroll 1")
+Q4_TILE(3, "GCC unroll 1")
+Q4_TILE(4, "GCC unroll 1")
 
-static void q4_tile(const uint8_t* w, const float* s, const float* lo, int64_t G, int64_t g0, int64_t GS, int64_t K,
-                    const QRows* q, const float* xg, int64_t m0, int64_t R, const float* bias, int64_t N, uint16_t* y) {
+/* rows m0..m0+R-1 against group g -> y (bf16, bias added once) */
+static void q4_tile(const uint8_t* w, const float* s, const float* lo, int64_t G, int64_t g, int64_t K, const QRows* q,
+                    const float* xg, int64_t m0, int64_t R, const float* bias, int64_t N, uint16_t* y) {
     const int64_t nb = K / 32, ng = K / G;
     const int8_t* xq = q->xq + m0 * K;
     const float *dx = q->dx + m0 * nb, *xr = xg + m0 * ng;
-    float o[4 * 2 * 8];
-    switch (GS * 8 + R) {
-        case 17: q4_tile_1_2(w, s, lo, g0, K, G, xq, dx, xr, nb, o); break;
-        case 18: q4_tile_2_2(w, s, lo, g0, K, G, xq, dx, xr, nb, o); break;
-        case 19: q4_tile_3_2(w, s, lo, g0, K, G, xq, dx, xr, nb, o); break;
-        case 20: q4_tile_4_2(w, s, lo, g0, K, G, xq, dx, xr, nb, o); break;
-        case 9: q4_tile_1_1(w, s, lo, g0, K, G, xq, dx, xr, nb, o); break;
-        case 10: q4_tile_2_1(w, s, lo, g0, K, G, xq, dx, xr, nb, o); break;
-        case 11: q4_tile_3_1(w, s, lo, g0, K, G, xq, dx, xr, nb, o); break;
-        default: q4_tile_4_1(w, s, lo, g0, K, G, xq, dx, xr, nb, o);
+    float o[4 * 8];
+    switch (R) {
+        case 1: q4_tile_1(w, s, lo, g, K, G, xq, dx, xr, nb, o); break;
+        case 2: q4_tile_2(w, s, lo, g, K, G, xq, dx, xr, nb, o); break;
+        case 3: q4_tile_3(w, s, lo, g, K, G, xq, dx, xr, nb, o); break;
+        default: q4_tile_4(w, s, lo, g, K, G, xq, dx, xr, nb, o);
     }
     for (int64_t i = 0; i < R; i++)
-        for (int64_t j = 0; j < GS * 8; j++) {
-            const int64_t n = g0 * 8 + j;
-            if (n < N) y[(m0 + i) * N + n] = to_bf16(bias ? o[i * GS * 8 + j] + bias[n] : o[i * GS * 8 + j]);
+        for (int64_t j = 0; j < 8; j++) {
+            const int64_t n = g * 8 + j;
+            if (n < N) y[(m0 + i) * N + n] = to_bf16(bias ? o[i * 8 + j] + bias[n] : o[i * 8 + j]);
         }
 }
 
 /* x bf16 [M, K], w int8 codes interleaved as above ([ceil(N/8)][K/4][8][4]), sw fp32 [N], bias fp32 [N] or NULL ->
- * y bf16 [M, N]. K % 32 == 0. 0 or -1 (memory). Threads split the output groups; one row takes a group at a time (one
- * weight stream: the prefetcher keeps up best; at the shipped model's widths 1.4x two or four streams), more rows two
- * (4 rows x 2 groups share each weight load). */
+ * y bf16 [M, N]. K % 32 == 0. 0 or -1 (memory). Threads split the output groups, one group at a time (one weight
+ * stream: the prefetcher keeps up best; at the shipped model's widths 1.4x two or four streams, and two groups x 4 rows
+ * ran out of registers, docs/decisions.md 2026-12-02), every row through it 4 at a time. */
 int q8_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const float* sw, const float* bias, int64_t N,
               uint16_t* y, int nthreads) {
     QRows q = {0}; /* free_rows frees it whatever failed */
@@ -310,24 +294,17 @@ int q8_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const f
         free_rows(&q);
         return -1;
     }
-    const int64_t G = (N + 7) / 8, GS = 1, sets = (G + GS - 1) / GS;
+    const int64_t G = (N + 7) / 8;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t set = 0; set < sets; set++) {
-        const int64_t g0 = set * GS, gs = G - g0 < GS ? G - g0 : GS;
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            const int64_t r = M - m0 < 4 ? M - m0 : 4;
-            if (gs == GS) q8_tile(w, g0, GS, K, &q, m0, r, sw, bias, N, y);
-            else
-                for (int64_t g = g0; g < G; g++) q8_tile(w, g, 1, K, &q, m0, r, sw, bias, N, y);
-        }
-    }
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t m0 = 0; m0 < M; m0 += 4) q8_tile(w, g, K, &q, m0, M - m0 < 4 ? M - m0 : 4, sw, bias, N, y);
     free_rows(&q);
     return 0;
 }
 
 /* x bf16 [M, K], w int4 codes interleaved as above ([ceil(N/8)][K/8][8][4], the last group padded), s and lo fp32
  * [ceil(N/8)][K/G][8], bias fp32 [N] or NULL -> y bf16 [M, N]. G % 32 == 0, K % G == 0. 0 or -1 (memory). Threads split the output groups
- * (one at a time for one row, two for more, as q8_linear). */
+ * (one at a time, every row through it 4 at a time, as q8_linear). */
 int q4_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const float* s, const float* lo, int64_t G,
               const float* bias, int64_t N, uint16_t* y, int nthreads) {
     QRows q = {0}; /* free_rows frees it whatever failed */
@@ -344,17 +321,10 @@ int q4_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const f
             for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) t += q.dx[m * nb + b] * (float)q.xs[m * nb + b];
             xg[m * ng + g] = t;
         }
-    const int64_t NG = (N + 7) / 8, GS = M == 1 ? 1 : 2, sets = (NG + GS - 1) / GS;
+    const int64_t NG = (N + 7) / 8;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t set = 0; set < sets; set++) {
-        const int64_t g0 = set * GS, gs = NG - g0 < GS ? NG - g0 : GS;
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            const int64_t r = M - m0 < 4 ? M - m0 : 4;
-            if (gs == GS) q4_tile(w, s, lo, G, g0, GS, K, &q, xg, m0, r, bias, N, y);
-            else
-                for (int64_t g = g0; g < NG; g++) q4_tile(w, s, lo, G, g, 1, K, &q, xg, m0, r, bias, N, y);
-        }
-    }
+    for (int64_t g = 0; g < NG; g++)
+        for (int64_t m0 = 0; m0 < M; m0 += 4) q4_tile(w, s, lo, G, g, K, &q, xg, m0, M - m0 < 4 ? M - m0 : 4, bias, N, y);
     free(xg);
     free_rows(&q);
     return 0;
