@@ -19,6 +19,7 @@ from conftest import tiny_model
 from mtp.config import Qwen35Config
 from mtp.model import argmax_kernel, attention_kernel, deltanet_kernel, norm_kernel, qmatmul, rtn
 from mtp.model.attention import attend_rows
+from mtp.model.cache import Positions
 from mtp.model.deltanet import GatedDeltaNet
 from mtp.model.linear import prepare_for_inference, row_invariant
 from mtp.model.native import cpu_problem
@@ -106,6 +107,14 @@ def test_deltanet_step_matches_its_torch_form_and_is_row_invariant(dtype, heads,
         o2, none = layer.decode(x[:, t : t + 1], in_place, commit=True)
         assert none is None and torch.equal(o2, o), t
         assert torch.equal(in_place.ssm, kept.ssm) and torch.equal(in_place.conv, kept.conv), t
+    chunk = copy.deepcopy(state)  # a prompt's chunk: in bf16 its T plain steps at once (same bits), in fp32 the
+    with row_invariant():  # chunked form (close)
+        o3, none = layer(x, Positions(0, 4), chunk)
+    assert none is None
+    if dtype == torch.bfloat16:
+        assert torch.equal(o3, out) and torch.equal(chunk.ssm, kept.ssm) and torch.equal(chunk.conv, kept.conv)
+    else:
+        assert rel(o3, ref) < 1e-5 and rel(chunk.ssm, kept.ssm) < 1e-5 and torch.equal(chunk.conv, kept.conv)
     mixed = copy.deepcopy(state)
     mixed.keep_at(steps, torch.tensor([0, 2, 4]))  # keep nothing / two tokens / all
     assert torch.equal(mixed.ssm[0], state.ssm[0]) and torch.equal(mixed.conv[0], state.conv[0])

@@ -103,8 +103,9 @@ static void delta_step(int64_t Kd, int64_t Vd, const float* S_in, float* S_out, 
 
 /* window [B, C, kernel-1+T], taps [C, kernel]; b and a [B, T, Hv] at row strides (sb0, sb1) and (sa0, sa1); A_log and
  * dt_bias fp32 [Hv]; z [B, T, Hv*Vd] at strides (sz0, sz1); norm_w [Vd]; ssm fp32 [B, Hv, Kd, Vd] (read only) ->
- * states fp32 [B, Hv, T, Kd, Vd] (the state after each token), out [B, T, Hv*Vd] (the gated norm's output). With
- * T = 1, states may be ssm: the state is then updated in place (the same arithmetic).
+ * states fp32 [B, Hv, T, Kd, Vd] (the state after each token), out [B, T, Hv*Vd] (the gated norm's output). states
+ * may be ssm: the state is then updated in place token after token, with the same arithmetic, and only the last one
+ * is kept (a plain step, T = 1, or a prompt's chunk: the prefill then computes what T plain steps would).
  * C = 2*Hk*Kd + Hv*Vd (all q heads, all k heads, all v heads); Hv a multiple of Hk. 0, or -1 when out of memory. */
 int deltanet_decode(int64_t B, int64_t T, int64_t Hk, int64_t Hv, int64_t Kd, int64_t Vd, int64_t kernel, int bf16,
                     const void* window, const void* taps, const void* b, int64_t sb0, int64_t sb1, const void* a,
@@ -145,11 +146,12 @@ int deltanet_decode(int64_t B, int64_t T, int64_t Hk, int64_t Hv, int64_t Kd, in
             float *kv = scratch, *o = scratch + Vd;
             const float neg_A = -expf(A_log[h]);
             const float* S = ssm + w * Kd * Vd;
+            const int in_place = states == ssm;
             for (int64_t t = 0; t < T; t++) {
                 const float* x = qkv + (r * T + t) * C;
                 const float beta = 1.0f / (1.0f + expf(-load(b, r * sb0 + t * sb1 + h, bf16)));
                 const float g = neg_A * softplus(load(a, r * sa0 + t * sa1 + h, bf16) + dt_bias[h]);
-                float* S_next = states + ((w * T + t) * Kd) * Vd;
+                float* S_next = in_place ? states + w * Kd * Vd : states + ((w * T + t) * Kd) * Vd;
                 delta_step(Kd, Vd, S, S_next, x + hk * Kd, x + Hk * Kd + hk * Kd, x + 2 * Hk * Kd + h * Vd, expf(g),
                            beta, kv, o);
                 S = S_next;

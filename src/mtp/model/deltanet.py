@@ -131,6 +131,14 @@ class GatedDeltaNet(nn.Module):
             return self.decode(x, cache, pos.commit)
         B, T, _ = x.shape
         qkv, z, b, a = self.projections(x)
+        # a bf16 prompt's chunk on the CPU: T plain steps in one C call, 1.3x faster prefills on the shipped model, 2.5x
+        # for short prompts (the chunked form is ~150 tensor ops per chunk). In fp32 the chunked form stays: it
+        # matches transformers to 1e-4, the recurrence (like every decode step) to ~1e-3 at a worst position; in bf16
+        # the rounding of every activation is larger than either (docs/decisions.md, 2026-12-03, prefill).
+        if cache is not None and z.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
+            window = torch.cat([cache.conv, qkv.transpose(1, 2).to(cache.conv.dtype)], dim=-1)
+            if self._in_place(window, z, cache):
+                return self._step_in_place(window, z, b, a, cache), None
         qkv = qkv.transpose(1, 2)  # [B, C, T]
         if cache is None:
             qkv = self._conv(qkv, self.kernel - 1)[..., :T]
@@ -157,15 +165,30 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self.projections(x)
         window = torch.cat([cache.conv, qkv.transpose(1, 2).to(cache.conv.dtype)], dim=-1)  # [B, C, kernel-1+T]
         if z.dtype == window.dtype and deltanet_kernel.usable(window, z, cache.ssm):  # one C call for all of it
-            args = (window, self.conv1d.weight[:, 0, :], b, a, self.A_log, self.dt_bias, z, self.norm.weight,
-                    self.norm.eps, cache.ssm)
-            if commit and not torch.compiler.is_compiling() and cache.ssm.is_contiguous() and cache.conv.is_contiguous():
-                return self.out_proj(deltanet_kernel.step_in_place(*args, cache.conv, self.num_k_heads)), None
-            out, states = deltanet_kernel.decode_step(*args, self.num_k_heads)
+            if commit and not torch.compiler.is_compiling() and self._in_place(window, z, cache):
+                return self._step_in_place(window, z, b, a, cache), None
+            out, states = deltanet_kernel.decode_step(*self._kernel_args(window, z, b, a, cache), self.num_k_heads)
             return self.out_proj(out), DeltaSteps(window, states)
         q, k, v, g, beta = self._heads(self._short_conv(window, T), b, a)
         o, _, states = recurrent_gated_delta_rule(q, k, v, g, beta, cache.ssm, keep_states=True)
         return self._out(o, z, x.dtype), DeltaSteps(window, states)
+
+    def _kernel_args(self, window: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                     cache: DeltaState) -> tuple:
+        return (window, self.conv1d.weight[:, 0, :], b, a, self.A_log, self.dt_bias, z, self.norm.weight, self.norm.eps,
+                cache.ssm)
+
+    @staticmethod
+    def _in_place(window: torch.Tensor, z: torch.Tensor, cache: DeltaState) -> bool:
+        """Can the C step update this cache in place (eager, CPU, no grad, contiguous state)?"""
+        return (z.dtype == window.dtype and deltanet_kernel.usable(window, z, cache.ssm) and cache.ssm.is_contiguous()
+                and cache.conv.is_contiguous())
+
+    def _step_in_place(self, window: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                       cache: DeltaState) -> torch.Tensor:
+        """The T tokens of window [B, C, kernel-1+T] kept by every row: the cache advances in place -> [B, T, H]."""
+        args = self._kernel_args(window, z, b, a, cache)
+        return self.out_proj(deltanet_kernel.step_in_place(*args, cache.conv, self.num_k_heads))
 
     def input_projections(self, hidden: int) -> None:
         """The input projections, under the checkpoint's names (Qwen3-Next fuses them differently)."""

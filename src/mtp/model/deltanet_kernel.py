@@ -71,14 +71,14 @@ def decode_step(window: torch.Tensor, taps: torch.Tensor, b: torch.Tensor, a: to
 def step_in_place(window: torch.Tensor, taps: torch.Tensor, b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor,
                   dt_bias: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor, eps: float, ssm: torch.Tensor,
                   conv: torch.Tensor, k_heads: int) -> torch.Tensor:
-    """`decode_step` of one token per row that every row keeps (a plain step): the state ssm [B, Hv, Kd, Vd] and the
-    conv inputs conv [B, C, kernel-1] are updated in place to what `keep` of n = 1 would select, with the same
-    arithmetic, and no per-token states are written or copied (~3x less state traffic; at real size the state is
-    megabytes per layer). Eager only (contiguous ssm and conv). -> out [B, 1, Hv*Vd]."""
-    if window.shape[-1] != taps.shape[-1] or not (ssm.is_contiguous() and conv.is_contiguous()):
-        raise ValueError("deltanet step in place: one token per row, a contiguous state and conv inputs")
+    """`decode_step` of T tokens per row that every row keeps (a plain step; a prompt's chunk): the state ssm
+    [B, Hv, Kd, Vd] and the conv inputs conv [B, C, kernel-1] are updated in place to what `keep` of n = T would
+    select, with the same arithmetic, and no per-token states are written or copied (~3x less state traffic for a
+    step; at real size the state is megabytes per layer). Eager only (contiguous ssm and conv). -> out [B, T, Hv*Vd]."""
+    if not (ssm.is_contiguous() and conv.is_contiguous()):
+        raise ValueError("deltanet step in place: a contiguous state and conv inputs")
     out, _ = _decode_step(window, taps, b, a, A_log, dt_bias, z, norm_w, eps, ssm, k_heads, states=ssm)
-    conv.copy_(window[..., 1:])
+    conv.copy_(window[..., -conv.shape[-1]:])
     return out
 
 
