@@ -4,7 +4,8 @@ Per value head, with state S [Kd, Vd]:  S <- S * exp(g);  delta = beta * (v - k^
 o = q^T S.  Two forms: a chunked (parallel within chunks) form for prefill and training, and a recurrent
 form for decoding and verification; a decode forward keeps the state after every position (`cache.DeltaSteps`)
 and `Cache.keep_at` selects one. On x86 CPUs a decode forward runs as one C call from the conv window to the gated
-norm (deltanet_kernel.py); the torch form below is the same arithmetic for other devices and machines.
+norm (deltanet_kernel.py), and so does a bf16 prompt's chunk (its tokens as plain steps, the state updated in place);
+the torch forms below are the same arithmetic for other devices and machines.
 """
 
 from __future__ import annotations
