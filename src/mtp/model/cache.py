@@ -121,6 +121,10 @@ class DeltaState:
     def rows(self, lo: int, hi: int) -> DeltaState:
         return DeltaState(self.conv[lo:hi], self.ssm[lo:hi])
 
+    def contiguous(self) -> bool:
+        """Can the C step update this state in place (both tensors contiguous)?"""
+        return self.conv.is_contiguous() and self.ssm.is_contiguous()
+
     def reset_row(self, b: int) -> None:
         """Row b starts a new sequence: no conv inputs, zero state."""
         self.conv[b].zero_()

@@ -136,10 +136,10 @@ class GatedDeltaNet(nn.Module):
         # for short prompts (the chunked form is ~150 tensor ops per chunk). In fp32 the chunked form stays: it
         # matches transformers to 1e-4, the recurrence (like every decode step) to ~1e-3 at a worst position; in bf16
         # the rounding of every activation is larger than either (docs/decisions.md, 2026-12-03, prefill).
-        if cache is not None and z.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
-            window = torch.cat([cache.conv, qkv.transpose(1, 2).to(cache.conv.dtype)], dim=-1)
-            if self._in_place(window, z, cache):
-                return self._step_in_place(window, z, b, a, cache), None
+        if (cache is not None and z.dtype == cache.conv.dtype == torch.bfloat16 and not torch.compiler.is_compiling()
+                and deltanet_kernel.usable(z, cache.ssm) and cache.contiguous()):
+            window = torch.cat([cache.conv, qkv.transpose(1, 2)], dim=-1)  # [B, C, kernel-1+T]
+            return self._step_in_place(window, z, b, a, cache), None
         qkv = qkv.transpose(1, 2)  # [B, C, T]
         if cache is None:
             qkv = self._conv(qkv, self.kernel - 1)[..., :T]
@@ -166,7 +166,7 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self.projections(x)
         window = torch.cat([cache.conv, qkv.transpose(1, 2).to(cache.conv.dtype)], dim=-1)  # [B, C, kernel-1+T]
         if z.dtype == window.dtype and deltanet_kernel.usable(window, z, cache.ssm):  # one C call for all of it
-            if commit and not torch.compiler.is_compiling() and self._in_place(window, z, cache):
+            if commit and not torch.compiler.is_compiling() and cache.contiguous():
                 return self._step_in_place(window, z, b, a, cache), None
             out, states = deltanet_kernel.decode_step(*self._kernel_args(window, z, b, a, cache), self.num_k_heads)
             return self.out_proj(out), DeltaSteps(window, states)
@@ -178,12 +178,6 @@ class GatedDeltaNet(nn.Module):
                      cache: DeltaState) -> tuple:
         return (window, self.conv1d.weight[:, 0, :], b, a, self.A_log, self.dt_bias, z, self.norm.weight, self.norm.eps,
                 cache.ssm)
-
-    @staticmethod
-    def _in_place(window: torch.Tensor, z: torch.Tensor, cache: DeltaState) -> bool:
-        """Can the C step update this cache in place (eager, CPU, no grad, contiguous state)?"""
-        return (z.dtype == window.dtype and deltanet_kernel.usable(window, z, cache.ssm) and cache.ssm.is_contiguous()
-                and cache.conv.is_contiguous())
 
     def _step_in_place(self, window: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                        cache: DeltaState) -> torch.Tensor:
