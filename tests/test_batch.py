@@ -182,3 +182,28 @@ def test_batch_policy_carries_costs_over_to_unseen_batch_sizes():
     assert pol.next_k(16) == 0                                   # 16: the fit says verifying extra tokens does not
     fit = pol.fit()
     assert fit is not None and pol.round_time(16, 2, fit) == pytest.approx(steep(16, 2), rel=1e-6)
+
+
+def test_a_row_reading_its_prompt_keeps_its_keys_through_rounds(models):
+    """A newcomer reads its prompt one chunk per step while the other rows decode; with 3 rows decoding it sits inside
+    the round's bucket of 4 as a row that keeps nothing. The rounds must not write over the keys it has read."""
+    model = models["bf16"]
+    g = torch.Generator().manual_seed(5)
+    dec = Decoder(model, max_batch=4, max_len=model.context_length - 16, draft_tokens=2)
+    for _ in range(3):
+        dec.add(Session(model, pattern_batch(8, 1, 20, g)[0].tolist(), 60, SamplingParams(), None, None, model.tokenizer))
+    for _ in range(3):
+        dec.step()
+    prompt = pattern_batch(8, 1, 300, g)[0].tolist()
+    reader = dec.add(Session(model, prompt, 20, SamplingParams(), None, None, model.tokenizer))
+    dec.step()  # its first chunk
+    assert dec.decoding == 3 and not reader.decoding
+    attn = [layer for layer in dec.state.cache.layers if hasattr(layer, "k")]
+    read = dec.state.cache.rows[3]
+    before = [(layer.k[3, :, :read].clone(), layer.v[3, :, :read].clone()) for layer in attn]
+    dec.step()  # a round with the reader in the bucket (and its second chunk)
+    assert all(torch.equal(k, layer.k[3, :, :read]) and torch.equal(v, layer.v[3, :, :read])
+               for (k, v), layer in zip(before, attn))
+    while dec.rows or dec.waiting:
+        dec.step()
+    assert reader.session.new_tokens == mtp.generate(model, prompt, max_new_tokens=20, draft_tokens=2).tokens

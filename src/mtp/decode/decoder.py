@@ -224,6 +224,10 @@ class Decoder:
         view = st.cache.view(row, row + 1)
         seq.hidden.append(prefill_chunk(model, seq.prompt, view, seq.read))
         st.cache.sync(view, row)
+        # while it reads, the row sits in the rounds' bucket as a row that keeps nothing: its verify still writes
+        # keys/values at pos + 0..K, which must land past what it has read (the next chunk overwrites them), not on
+        # its prompt's first positions
+        st.pos[row] = view.pos
         seq.read = min(seq.read + PREFILL_CHUNK, len(seq.prompt))
         if not seq.decoding:
             stats.time_prefill += time.perf_counter() - t0
