@@ -60,3 +60,127 @@ def test_the_c_accept_leaves_the_state_the_tensor_form_leaves(K, with_mtp, monke
         a, b = getattr(sa, name), getattr(sb, name)
         assert (a is None and b is None) or torch.equal(a, b), name
     assert ta[:, K + 1].tolist()[3] == 0  # the inactive row accepted nothing
+
+
+def round_state(model, B: int, seed: int) -> RoundState:
+    """A round state of B rows as if they had decoded a while: random caches, positions, last tokens, MTP slots and
+    1..4 pending positions per row."""
+    g = torch.Generator().manual_seed(seed)
+    V = model.config.vocab_size
+    st = RoundState.allocate(model, B, 64, True, False)
+    for t in st.tensors():
+        if t.is_floating_point():
+            t.copy_(torch.randn(t.shape, generator=g))
+    st.pos.copy_(torch.randint(0, 30, (B,), generator=g))
+    st.last.copy_(torch.randint(0, V, (B,), generator=g))
+    st.pend_next.copy_(torch.randint(0, V, st.pend_next.shape, generator=g))
+    st.pend_n.copy_(torch.randint(1, 5, (B,), generator=g))
+    st.mtp_pos.copy_(torch.randint(0, 20, (B,), generator=g))
+    return st
+
+
+def one_round(model, st: RoundState, K: int, limits: list[int], D: int, vocab, whole: bool):
+    """One greedy round on `st`: as one C call (`greedy_round`, which must run) or as round.py's steps."""
+    B = st.pos.shape[0]
+    starts, width = st.pos.tolist(), max(st.pend_n.tolist())
+    head = None if vocab is None else vocab.head(model, 1)
+    with torch.inference_mode():
+        if whole:
+            done = round_kernel.greedy_round(model, st, K, limits, D, starts, width, None if head is None else (head, vocab.ids))
+            assert done is not None
+            return done[0]
+        drafts = torch.zeros(B, 0, dtype=torch.long)
+        if K:
+            drafts, _ = round_mod.draft(model, st, K, None, None, vocab, width, (st.mtp_pos.tolist(), st.pend_n.tolist()))
+        active = torch.tensor([b < D for b in range(B)])
+        return round_mod.verify(model, st, drafts, torch.tensor(limits), active, None, None, None, None, starts).tolist()
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "bf16"])
+@pytest.mark.parametrize("B,D,K,reduced", [(1, 1, 0, False), (1, 1, 3, False), (4, 3, 0, False), (4, 3, 2, False),
+                                           (2, 2, 1, False), (3, 3, 4, True)])
+def test_the_whole_round_in_one_call_leaves_what_its_steps_leave(kind, B, D, K, reduced):
+    """`greedy_round` (draft chain, verify forward, head, argmax, accept and keep in one C call) == round.py's draft and
+    verify step by step: the same tokens and, bit for bit, every tensor of the round state (caches, MTP caches, positions,
+    pending positions), for a plain step every row keeps (states in place), a plain step with a row that keeps nothing,
+    rounds with drafts and rows at their limit, and over a reduced draft vocabulary."""
+    from mtp.decode.draft_vocab import DraftVocab
+    from test_step import quantized
+
+    model = quantized(kind, mtp_num_hidden_layers=2 if reduced else 1)
+    model.prepare_decode(64)
+    V = model.config.vocab_size
+    vocab = DraftVocab(torch.arange(1, V, 3), V) if reduced else None
+    limits = [K, max(K - 1, 0), K, 1][:B] if B > 1 else [K]
+    results = []
+    for whole in (True, False, True):  # (the second whole round reuses the first one's bound program)
+        st = round_state(model, B, seed=B + K)
+        tokens = one_round(model, st, K, limits, D, vocab, whole)
+        results.append((tokens, [t.clone() for t in st.tensors()]))
+    (ta, sa), (tb, sb), (tc, sc) = results
+    assert ta == tb == tc and len(ta) == B and all(len(row) == K + 2 for row in ta)
+    assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(sa, sb, sc))
+    assert all(row[K + 1] == 0 for row in ta[D:])  # a row not decoding accepted nothing
+
+
+def test_the_whole_round_follows_changed_weights_and_hands_over_what_it_cannot_run():
+    """A weight changed in place rebinds the round (its result is the steps' with the new weight); a hook on the head,
+    a model whose layers the programs cannot run, and a repetition penalty's state take the steps; bad state raises
+    before anything is written."""
+    from test_step import quantized
+
+    model = quantized("int8")
+    model.prepare_decode(64)
+    st = round_state(model, 2, seed=0)
+    one_round(model, st, 2, [2, 2], 2, None, True)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1.5)
+    a, b = round_state(model, 2, seed=1), round_state(model, 2, seed=1)
+    assert one_round(model, a, 2, [2, 2], 2, None, True) == one_round(model, b, 2, [2, 2], 2, None, False)
+    assert all(torch.equal(x, y) for x, y in zip(a.tensors(), b.tensors()))
+
+    handle = model.lm_head.register_forward_hook(lambda *args: None)
+    with torch.inference_mode():
+        assert round_kernel.greedy_round(model, round_state(model, 2, 2), 2, [2, 2], 2, [0, 0], 2) is None
+    handle.remove()
+    fp32 = tiny_model(0)
+    fp32.prepare_for_inference()
+    fp32.prepare_decode(64)
+    with torch.inference_mode():
+        assert round_kernel.greedy_round(fp32, round_state(fp32, 1, 0), 2, [2], 1, [0], 2) is None
+    st = round_state(model, 1, 3)
+    st.seen = torch.zeros(1, model.config.vocab_size, dtype=torch.bool)
+    with torch.inference_mode():
+        assert round_kernel.greedy_round(model, st, 2, [2], 1, [0], 2) is None
+
+    st = round_state(model, 1, 4)
+    st.pend_next[0, 0] = model.config.vocab_size  # a pending token outside the vocabulary
+    before = [t.clone() for t in st.tensors()]
+    with torch.inference_mode(), pytest.raises(IndexError, match="vocabulary"):
+        round_kernel.greedy_round(model, st, 2, [2], 1, st.pos.tolist(), 4)
+    assert all(torch.equal(x, y) for x, y in zip(before, st.tensors()))
+    with torch.inference_mode(), pytest.raises(ValueError, match="past the cache"):
+        round_kernel.greedy_round(model, st, 2, [2], 1, [63], 4)
+
+
+@pytest.mark.parametrize("D", [2, 1])
+def test_rounds_of_every_width_share_one_scratch_and_stay_exact(D):
+    """Rounds of changing width on one state (as `auto` picks them): the bound rounds share one scratch buffer, grown
+    for the widest (dropping the rounds bound to the old one), and every round leaves what its steps leave."""
+    from test_step import quantized
+
+    model = quantized("bf16")
+    model.prepare_decode(64)
+    whole, steps = round_state(model, 2, seed=7), round_state(model, 2, seed=7)
+    for K in (1, 3, 0, 2, 3, 0, 1):
+        limits = [K, K]
+        assert one_round(model, whole, K, limits, D, None, True) == one_round(model, steps, K, limits, D, None, False)
+        assert all(torch.equal(x, y) for x, y in zip(whole.tensors(), steps.tensors())), K
+    scratch = whole.__dict__["greedy_scratch"]
+    assert set(whole.__dict__["greedy_plans"]) >= {(3, False, None), (1, False, None)}  # (built on the grown buffer)
+    for plan in whole.__dict__["greedy_plans"].values():
+        steps, window = plan.program.held[:2]
+        scratch_tensors = [x for st in steps if st is not None for x in (st.window, st.states)]
+        scratch_tensors += [] if window is None else [window]
+        assert scratch_tensors and all(t.untyped_storage().data_ptr() == scratch.untyped_storage().data_ptr()
+                                       for t in scratch_tensors)

@@ -12,6 +12,7 @@ import torch
 import mtp
 import test_batch
 from conftest import tiny_model, trained_tiny_model
+from mtp.decode import round_kernel
 from mtp.model import act, step
 from mtp.model.base import CausalLM
 from mtp.model.cache import DeltaSteps
@@ -167,12 +168,17 @@ def test_decoding_through_the_program_is_the_layer_by_layer_decoding(trained, mo
     prompts = [r[0] for r in test_batch.greedy_requests(8, 3, seed=4, max_prompt=40)]
     with monkeypatch.context() as m:
         m.setattr(step, "decode", lambda *args: None)
+        m.setattr(round_kernel, "greedy_round", lambda *args: None)  # (the whole round as one call runs the programs)
         want = [mtp.generate(trained, p, max_new_tokens=30).tokens for p in prompts]
     monkeypatch.setattr(step, "decode", counted)
-    for p, w in zip(prompts, want):
-        for k in (None, 1, 3, "auto"):
-            assert mtp.generate(trained, p, max_new_tokens=30, draft_tokens=k).tokens == w, (p, k)
-    assert calls["program"] > 0
+    for whole in (False, True):  # the programs called round by round, and the whole round as one call
+        with monkeypatch.context() as m:
+            if not whole:
+                m.setattr(round_kernel, "greedy_round", lambda *args: None)
+            for p, w in zip(prompts, want):
+                for k in (None, 1, 3, "auto"):
+                    assert mtp.generate(trained, p, max_new_tokens=30, draft_tokens=k).tokens == w, (p, k)
+    assert calls["program"] > 0 and trained.__dict__["_step"]["verify"] is not None
     requests = test_batch.greedy_requests(8, 6, seed=5)
     sessions = test_batch.run_batched(trained, requests, 2)
     for (prompt, max_new, _, _), s in zip(requests, sessions):

@@ -27,6 +27,7 @@ import torch
 
 from ..model.argmax_kernel import argmax
 from ..model.linear import FastLinear, row_invariant
+from . import round_kernel
 from .compiled import Runner
 from .draft_vocab import DraftVocab
 from .masks import MaskDrafter
@@ -315,32 +316,15 @@ class Decoder:
         u = torch.rand(B, K, device=dev) if rs.any_unseeded else None
         return drafts, target, u
 
-    def _round(self, D: int) -> list[tuple[Sequence, list[int]]]:
-        model = self.model
-        seqs = self.rows[:D]
-        t0 = time.perf_counter()
-        B = bucket(D)
-        st = self._view(B)
-        k = self.policy.next_k(D) if self.use_mtp or self.masks is not None else 0
-        ks = [max(0, min(k, s.session.max_new - len(s.session.new_tokens) - 1)) for s in seqs] + [0] * (B - D)
-        if self.masks is not None:  # a row drafts only from a valid mask block
-            ks = [min(a, b) for a, b in zip(ks, self.masks.limits(k, B))]
-        # the round's width is the policy's k whatever fewer drafts the rows may use (one graph per k, not per remainder);
-        # a round where no row may use a draft is a plain step
-        K = k if max(ks) > 0 else 0
-        dev = model.device
+    def _round_steps(self, st: RoundState, K: int, ks: list[int], D: int, B: int, rs: RowSampling | None,
+                     t0: float) -> tuple[list[list[int]], float, float]:
+        """The round's draft and verify step by step (`runner`: eager or compiled) -> (tokens [B][K+2], seconds
+        drafting, seconds verifying)."""
+        model, dev = self.model, self.model.device
+        eager = not self.runner.compiled
         limit = torch.tensor(ks, device=dev)
         active = torch.tensor([True] * D + [False] * (B - D), device=dev)
-        rs = self._row_sampling(seqs, B)
-        d_noise, t_noise, u = self._noise(seqs, rs, B, K) if rs is not None else (None, None, None)
-        eager = not self.runner.compiled
-        if self.use_mtp and K == 0 and max(self.pend_n[:D]) >= PENDING:  # the pending buffer is full: the MTP reads it
-            full = torch.tensor([n >= PENDING for n in self.pend_n[:B]], device=dev)
-            self.runner.catch_up(model, st, full, self.mtp_pos[:B] if eager else None)
-            for b in range(B):
-                if self.pend_n[b] >= PENDING:
-                    self.mtp_pos[b] += self.pend_n[b] - 1
-                    self.pend_n[b] = 1
+        d_noise, t_noise, u = self._noise(self.rows[:D], rs, B, K) if rs is not None else (None, None, None)
         if K > 0 and self.masks is not None:
             drafts, draft_logits = self.masks.draft(model, st, K, rs, d_noise)
         elif K > 0:
@@ -356,9 +340,45 @@ class Decoder:
             out = self.runner.verify(model, st, drafts, limit, active, rs, draft_logits, t_noise, u,
                                      self.state.cache.rows[:B] if eager else None,
                                      appended=self.masks).tolist()  # the round's one sync
+        return out, t_draft, time.perf_counter() - t
+
+    def _round(self, D: int) -> list[tuple[Sequence, list[int]]]:
+        model = self.model
+        seqs = self.rows[:D]
+        t0 = time.perf_counter()
+        B = bucket(D)
+        st = self._view(B)
+        k = self.policy.next_k(D) if self.use_mtp or self.masks is not None else 0
+        ks = [max(0, min(k, s.session.max_new - len(s.session.new_tokens) - 1)) for s in seqs] + [0] * (B - D)
+        if self.masks is not None:  # a row drafts only from a valid mask block
+            ks = [min(a, b) for a, b in zip(ks, self.masks.limits(k, B))]
+        # the round's width is the policy's k whatever fewer drafts the rows may use (one graph per k, not per remainder);
+        # a round where no row may use a draft is a plain step
+        K = k if max(ks) > 0 else 0
+        dev = model.device
+        rs = self._row_sampling(seqs, B)
+        eager = not self.runner.compiled
+        if self.use_mtp and K == 0 and max(self.pend_n[:D]) >= PENDING:  # the pending buffer is full: the MTP reads it
+            full = torch.tensor([n >= PENDING for n in self.pend_n[:B]], device=dev)
+            self.runner.catch_up(model, st, full, self.mtp_pos[:B] if eager else None)
+            for b in range(B):
+                if self.pend_n[b] >= PENDING:
+                    self.mtp_pos[b] += self.pend_n[b] - 1
+                    self.pend_n[b] = 1
+        fused = None
+        if eager and rs is None and self.masks is None:  # greedy, no shaping: the whole round as one C call, where it can
+            head = None if K == 0 or self.vocab is None else self.vocab.head(model, 1)
+            if K == 0 or self.vocab is None or head is not None:
+                fused = round_kernel.greedy_round(model, st, K, ks, D, self.state.cache.rows[:B],
+                                                  max(self.pend_n[:B]) if K else 0,
+                                                  None if head is None else (head, self.vocab.ids))
+        if fused is not None:
+            out, t_draft = fused
+            t_verify = time.perf_counter() - t0 - t_draft
+        else:
+            out, t_draft, t_verify = self._round_steps(st, K, ks, D, B, rs, t0)
         if self.masks is not None:
             self.masks.commit(ks, [out[b][K + 1] for b in range(B)], D)
-        t_verify = time.perf_counter() - t
 
         t = time.perf_counter()
         emitted = []

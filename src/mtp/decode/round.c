@@ -4,8 +4,10 @@
  * MTP's slots and pending positions). ~35 tensor operations of a few values each before; integers and copies here,
  * so the state is exactly what the tensor form leaves (tests/test_round_kernel.py). */
 
+#define _POSIX_C_SOURCE 199309L /* clock_gettime */
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 typedef struct {
     int64_t B, K, PR, hbytes;     /* rows, drafts per row, pending slots, bytes of one hidden state */
@@ -51,4 +53,74 @@ void accept_greedy(const Round* r) {
             r->pend_n[b] += 1;
         }
     }
+}
+
+/* A whole greedy round as one call (round_kernel.py `greedy_round`), where the model runs its forwards as C programs
+ * (a Qwen3.5 dense backbone and MTP on qmatmul.c layers: model/step.c). The same pieces in the same order as
+ * round.py's `draft` and `verify`, so the same bits: the draft chain (qwen35_draft, K > 0), the verify's ids
+ * [last, d_1..d_K] and positions pos + 0..K with their rotary rows, the verify forward with the head and argmax
+ * (qwen35_verify), `accept_greedy` above, and the DeltaNet layers' keep (deltanet_keep_layers; none where the
+ * forward updated them in place). What the model's programs read (their structs, layers, the buffers ids ...
+ * hidden) is opaque here: round.c fills the buffers, the programs read them.
+ * 0, or a program's status with `stage` saying which (1 the draft, 2 the verify; -5 at stage 2: a position past the
+ * rotary table, nothing run). */
+typedef int (*draft_fn)(const void*, const void*, const void*, int64_t, int);
+typedef int (*verify_fn)(const void*, const void*, const void*, int64_t, const void*, void*, int64_t*, int);
+typedef void (*keep_fn)(int64_t, const void*, const int64_t*, int);
+
+typedef struct {
+    Round acc;                  /* accept_greedy's: target and hidden are the verify's outputs, drafts the chain's */
+    int64_t R, P;               /* rotary dims, rotary table rows */
+    int64_t *ids, *index;       /* [B, K+1]: the verify's tokens and positions (its program reads them) */
+    uint16_t *cos, *sin;        /* [B*(K+1), R]: their rotary rows (likewise) */
+    const uint16_t *table_cos, *table_sin; /* [P, R] */
+    const void* kernels;        /* the programs' kernel table */
+    verify_fn verify;
+    const void *step, *layers;  /* the verify program's forward and layers */
+    int64_t L;
+    const void *head;
+    void* logits;               /* [B*(K+1), V] bf16 scratch */
+    draft_fn draft;
+    const void *draft_args, *draft_layers; /* (writes acc.drafts) */
+    int64_t draft_L;
+    keep_fn keep;
+    const void* keep_layers;
+    int64_t keep_L;             /* 0: nothing to keep (updated in place) */
+    int64_t nth, stage, draft_ns; /* threads; out: the failing stage, nanoseconds in the draft chain */
+} GreedyRound;
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+int greedy_round(GreedyRound* g) {
+    const Round* r = &g->acc;
+    const int64_t B = r->B, K = r->K, T = K + 1, R = g->R;
+    const int nth = (int)g->nth;
+    const int64_t t0 = now_ns();
+    g->stage = 1;
+    if (K > 0) {
+        const int status = g->draft(g->kernels, g->draft_args, g->draft_layers, g->draft_L, nth);
+        if (status) return status;
+    }
+    g->draft_ns = now_ns() - t0;
+    g->stage = 2;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t m = b * T + t, at = r->pos[b] + t;
+            if (at < 0 || at >= g->P) return -5;
+            g->ids[m] = t == 0 ? r->last[b] : r->drafts[b * K + t - 1];
+            g->index[m] = at;
+            memcpy(g->cos + m * R, g->table_cos + at * R, sizeof(uint16_t) * (size_t)R);
+            memcpy(g->sin + m * R, g->table_sin + at * R, sizeof(uint16_t) * (size_t)R);
+        }
+    const int status = g->verify(g->kernels, g->step, g->layers, g->L, g->head, g->logits, (int64_t*)r->target, nth);
+    if (status) return status;
+    g->stage = 3;
+    accept_greedy(r);
+    if (g->keep_L) g->keep(g->keep_L, g->keep_layers, r->keep, nth);
+    g->stage = 0;
+    return 0;
 }

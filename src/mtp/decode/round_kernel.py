@@ -8,6 +8,7 @@ describes; MTP_NATIVE=0 (or no compiler) keeps the tensor form.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,9 +24,20 @@ class _Round(ctypes.Structure):
                                     "pend_next", "pend_n", "pend_h", "keep", "out")])
 
 
+class _Greedy(ctypes.Structure):
+    _fields_ = ([("acc", _Round)] + [(n, i64) for n in ("R", "P")]
+                + [(n, p) for n in ("ids", "index", "cos", "sin", "table_cos", "table_sin", "kernels", "verify", "step",
+                                    "layers")]
+                + [("L", i64)] + [(n, p) for n in ("head", "logits", "draft", "draft_args", "draft_layers")]
+                + [("draft_L", i64)] + [(n, p) for n in ("keep", "keep_layers")]
+                + [(n, i64) for n in ("keep_L", "nth", "stage", "draft_ns")])
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     lib.accept_greedy.argtypes = [ctypes.POINTER(_Round)]
     lib.accept_greedy.restype = None
+    lib.greedy_round.argtypes = [ctypes.POINTER(_Greedy)]
+    lib.greedy_round.restype = ctypes.c_int
 
 
 LIBRARY = NativeLibrary(Path(__file__).with_name("round.c"), None, "the round's accept runs as tensor operations",
@@ -64,3 +76,110 @@ def accept_greedy(st, target: torch.Tensor, drafts: torch.Tensor, limit: torch.T
                                       st.pend_h.data_ptr()) if mtp else (None,) * 4), keep.data_ptr(), out.data_ptr())
     LIBRARY.lib().accept_greedy(ctypes.byref(r))
     return out, keep
+
+
+@dataclass
+class _Plan:
+    """A bound greedy round (`greedy_round`): the model's `RoundProgram`, round.c's struct over it and the state, and
+    the per-round inputs it points at (ctypes arrays: set from the host without tensor operations)."""
+
+    program: object  # model/step.py RoundProgram
+    call: _Greedy
+    limit: ctypes.Array
+    active: ctypes.Array
+    out: ctypes.Array
+    keep: ctypes.Array
+
+
+def _plan(model, st, K: int, commit: bool, vocab, scratch) -> _Plan | None:
+    B = st.pos.shape[0]
+    mtp = st.mtp_cache is not None
+    if K and not mtp:
+        return None
+    prog = model.round_program(K, commit, st.cache, st.mtp_cache, st.pos, st.pend_h, st.pend_next, st.pend_n,
+                               st.mtp_pos, vocab, scratch)
+    if prog is None:
+        return None
+    limit, out, keep = (ctypes.c_int64 * B)(), (ctypes.c_int64 * (B * (K + 2)))(), (ctypes.c_int64 * B)()
+    active = (ctypes.c_uint8 * B)()
+    addr = ctypes.addressof
+    acc = _Round(B, K, st.pend_h.shape[1] if mtp else 0, prog.hidden.shape[-1] * prog.hidden.element_size(),
+                 prog.target.data_ptr(), prog.drafts.data_ptr(), addr(limit), addr(active), prog.hidden.data_ptr(),
+                 st.pos.data_ptr(), st.last.data_ptr(), *((st.mtp_pos.data_ptr(), st.pend_next.data_ptr(),
+                                                          st.pend_n.data_ptr(), st.pend_h.data_ptr()) if mtp else (None,) * 4),
+                 addr(keep), addr(out))
+    table_cos, table_sin = prog.table
+    call = _Greedy(acc, table_cos.shape[-1], table_cos.shape[0], prog.ids.data_ptr(), prog.index.data_ptr(),
+                   prog.cos.data_ptr(), prog.sin.data_ptr(), table_cos.data_ptr(), table_sin.data_ptr(), prog.kernels,
+                   prog.verify, addr(prog.step), addr(prog.layers), len(prog.layers), addr(prog.verify_prog.head),
+                   prog.logits.data_ptr(), prog.draft, None if prog.draft_args is None else addr(prog.draft_args),
+                   None if prog.draft_layers is None else addr(prog.draft_layers),
+                   0 if prog.draft_layers is None else len(prog.draft_layers), prog.keep,
+                   None if prog.keep_layers is None else addr(prog.keep_layers),
+                   0 if prog.keep_layers is None else len(prog.keep_layers), 1, 0, 0)
+    return _Plan(prog, call, limit, active, out, keep)
+
+
+def greedy_round(model, st, K: int, limits: list[int], decoding: int, starts: list[int], width: int,
+                 vocab=None) -> tuple[list[list[int]], float] | None:
+    """round.py's `draft` then `verify` of a greedy round with no shaping (every row greedy, the argmax drafts, nothing
+    riding along, eager, on the CPU) as ONE C call, where the model runs its forwards as C programs
+    (`CausalLM.round_program`) -> (the tokens [B][K+2] `verify` returns, seconds in the draft chain), or None where it
+    cannot (the round then runs its steps, to the same result: tests/test_round_kernel.py). `limits` [B]: the drafts
+    each row may use; rows [0, decoding) decode, the rest keep nothing; `starts` [B]: the rows' positions on the host;
+    `width`: the pending positions the draft's depth 1 reads; `vocab`: a reduced draft vocabulary's (head, ids)."""
+    if st.seen is not None or not LIBRARY.available():
+        return None
+    B = st.pos.shape[0]
+    commit = K == 0 and decoding == B
+    plans = st.__dict__.setdefault("greedy_plans", {})  # (K, commit, draft head) -> _Plan, or None: it cannot
+    key = (K, commit, None if vocab is None else id(vocab[0]))
+    plan = plans.get(key, False)
+    if plan is False or (plan is not None and not plan.program.current(model)):
+        plans.pop(key, None)
+
+        def scratch(n: int) -> torch.Tensor:
+            # the plans of this state share one buffer (one round runs at a time); a larger one drops the plans bound to
+            # the old (they hold it while they live): the state keeps one widest round's worth, the peak a round of
+            # steps reaches anyway
+            arena = st.__dict__.get("greedy_scratch")
+            if arena is None or arena.numel() < n:
+                plans.clear()
+                st.__dict__["greedy_scratch"] = arena = torch.empty(n, dtype=torch.uint8)
+            return arena
+
+        plans[key] = plan = _plan(model, st, K, commit, vocab, scratch)
+    if plan is None:
+        return None
+    prog, call = plan.program, plan.call
+    T = K + 1
+    if max(starts) + T > prog.slots:
+        raise ValueError(f"attend: positions up to {max(starts) + T - 1} past the cache's {prog.slots}")
+    for b in range(B):
+        plan.limit[b], plan.active[b], prog.starts[b] = limits[b], b < decoding, starts[b]
+    if K:
+        if not 1 <= width <= st.pend_h.shape[1]:
+            return None
+        prog.draft_args.W = width
+    call.nth = torch.get_num_threads()
+    status = LIBRARY.lib().greedy_round(ctypes.byref(call))
+    if status:
+        _raise(status, call.stage, prog)
+    out = plan.out[:]
+    return [out[b * (K + 2):(b + 1) * (K + 2)] for b in range(B)], call.draft_ns * 1e-9
+
+
+def _raise(status: int, stage: int, prog) -> None:
+    if stage == 1:
+        if status == -2:
+            raise IndexError(f"a pending token id is outside the vocabulary of {prog.draft_args.V}")
+        if status in (-3, -4):
+            raise ValueError("draft: an MTP position or pending count out of range")
+    elif stage == 2:
+        if status == -2:
+            raise IndexError(f"a token id is outside the vocabulary of {prog.verify_prog.vocab}")
+        if status == -3:
+            raise IndexError(f"a position is outside the cache's {prog.slots} slots")
+        if status == -5:
+            raise IndexError(f"a position is outside the rotary table's {prog.table[0].shape[0]} rows")
+    raise MemoryError(f"greedy_round: out of memory (stage {stage})")

@@ -422,6 +422,16 @@ class CausalLM(nn.Module, ABC):
         vocabulary's head layer and its token ids [N] instead of the full head (decode/draft_vocab.py)."""
         return None
 
+    def round_program(self, K: int, commit: bool, cache: Cache, mtp_caches: list | None, pos: torch.Tensor,
+                      pend_h: torch.Tensor | None, pend_next: torch.Tensor | None, pend_n: torch.Tensor | None,
+                      mtp_pos: torch.Tensor | None, vocab: tuple[nn.Module, torch.Tensor] | None = None, scratch=None):
+        """A whole greedy round of K drafts (the draft chain, the verify forward, its head and argmax, the recurrent
+        states' keep) bound to a round state's caches and tensors for decode/round.c, where the family runs its
+        forwards as C programs (Qwen3.5: model/step.py `RoundProgram`); None: the round runs its steps. `commit`: a
+        plain step every row keeps; `scratch(n)`: n bytes its per-token states may take (shared by the rounds of one
+        state)."""
+        return None
+
     def mtp_step(self, d: int, hidden: torch.Tensor, next_ids: torch.Tensor | None, start: int | list[int] | Positions,
                  caches: list | None = None, router_logits: list | None = None) -> torch.Tensor:
         """MTP depth d at positions start..start+T-1 (or the given decode `Positions`): h^{d-1} [B, T, H] and the

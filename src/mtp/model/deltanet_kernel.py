@@ -126,22 +126,31 @@ def _keep(ssm, conv, states, window, n):
                                 torch.get_num_threads())
 
 
-def keep_layers(kept: list, n: torch.Tensor) -> bool:
-    """`DeltaState.keep_at` of every (DeltaState, DeltaSteps) pair in `kept` as one C call (n [B] long); False (nothing
-    done) where one of them cannot run so."""
-    if torch.is_grad_enabled() or torch.compiler.is_compiling() or not LIBRARY.available() or n.device.type != "cpu":
-        return False
+def keep_program(kept: list, B: int) -> ctypes.Array | None:
+    """`deltanet_keep_layers`' layers for the (DeltaState, DeltaSteps) pairs in `kept` of B rows, or None where one of
+    them cannot run so."""
     layers = (_Keep * len(kept))()
     for L, (state, steps) in zip(layers, kept):
         ssm, conv, states, window = state.ssm, state.conv, steps.states, steps.window
         tensors = (ssm, conv, states, window)
         if (ssm.dtype != torch.float32 or states.dtype != torch.float32 or conv.dtype != window.dtype
-                or conv.dtype not in (torch.bfloat16, torch.float32) or states.dim() != 5 or states.shape[0] != n.shape[0]
+                or conv.dtype not in (torch.bfloat16, torch.float32) or states.dim() != 5 or states.shape[0] != B
                 or not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)):
-            return False
+            return None
         B, Hv, T, Kd, Vd = states.shape
         L.B, L.Hv, L.T, L.KV, L.C, L.kernel, L.esize = B, Hv, T, Kd * Vd, conv.shape[1], conv.shape[2] + 1, conv.element_size()
         L.states, L.ssm, L.window, L.conv = states.data_ptr(), ssm.data_ptr(), window.data_ptr(), conv.data_ptr()
+    return layers
+
+
+def keep_layers(kept: list, n: torch.Tensor) -> bool:
+    """`DeltaState.keep_at` of every (DeltaState, DeltaSteps) pair in `kept` as one C call (n [B] long); False (nothing
+    done) where one of them cannot run so."""
+    if torch.is_grad_enabled() or torch.compiler.is_compiling() or not LIBRARY.available() or n.device.type != "cpu":
+        return False
+    layers = keep_program(kept, n.shape[0])
+    if layers is None:
+        return False
     n = n.to(torch.int64).contiguous()
     LIBRARY.lib().deltanet_keep_layers(len(kept), layers, n.data_ptr(), torch.get_num_threads())
     return True

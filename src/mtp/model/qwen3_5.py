@@ -154,6 +154,16 @@ class Qwen35ForCausalLM(CausalLM):
         """`CausalLM.mtp_draft`, as one C call where the MTP allows it (step.py: the same drafts and caches)."""
         return step.draft(self, K, pend_h, pend_next, pend_n, mtp_pos, caches, width, host, vocab)
 
+    def round_program(self, K: int, commit: bool, cache: Cache, mtp_caches: list | None, pos: torch.Tensor,
+                      pend_h: torch.Tensor | None, pend_next: torch.Tensor | None, pend_n: torch.Tensor | None,
+                      mtp_pos: torch.Tensor | None, vocab: tuple[nn.Module, torch.Tensor] | None = None, scratch=None):
+        """`CausalLM.round_program` (step.py), for this class's own head and decode forward."""
+        cls = type(self)
+        if any(getattr(cls, f) is not getattr(Qwen35ForCausalLM, f) for f in ("head", "decode", "mtp_draft")):
+            return None
+        return step.round_program(self, K, commit, cache, mtp_caches, pos, pend_h, pend_next, pend_n, mtp_pos, vocab,
+                                  scratch)
+
     def prepare_for_inference(self, *args, **kwargs) -> None:
         """`CausalLM.prepare_for_inference`; the one-call decode forward is then built anew (step.py)."""
         super().prepare_for_inference(*args, **kwargs)

@@ -212,6 +212,19 @@ int qwen35_decode(const Kernels* k, const Step* s, const Layer* layers, int64_t 
     return failed ? -1 : 0;
 }
 
+/* A round's verify (decode/round.c `greedy_round`): the decode forward, then the head over every token and each
+ * one's argmax, as round.py's `verify` runs them (model.head, then argmax over [B, T, V]): target [B*T].
+ * qwen35_decode's codes. */
+int qwen35_verify(const Kernels* k, const Step* s, const Layer* layers, int64_t L, const Linear* head, uint16_t* logits,
+                  int64_t* target, int nth) {
+    const int status = qwen35_decode(k, s, layers, L, nth);
+    if (status) return status;
+    const int64_t M = s->B * s->T;
+    if (linear(k, head, s->out, M, logits, nth)) return -1;
+    k->argmax_rows(M, head->N, logits, head->N, 1, target, nth);
+    return 0;
+}
+
 typedef struct {
     int64_t B, W, K, H, V, S, R, P; /* rows, pending positions read, drafts, hidden, vocabulary, MTP cache slots,
                                        rotary dims, rotary table rows */

@@ -121,6 +121,7 @@ class Program:
     modules: list[nn.Module]  # the backbone's (`hooked`)
     kernels: _Kernels = field(default_factory=_kernels)
     draft: _Draft | None = None  # a draft program's static fields (`build_draft`)
+    head: _Linear | None = None  # a verify program's output head (`build_verify`)
 
     def __post_init__(self) -> None:
         # what `fresh` and `hooked` compare, laid out for C-level loops (a step runs them every time)
@@ -316,14 +317,28 @@ def build_draft(model: nn.Module) -> Program:
                    draft=d)
 
 
+def build_verify(model: nn.Module) -> Program:
+    """The backbone's program (`build`) with the output head `lm_head` (int8, int4 or bf16-native), for a greedy
+    round's verify (`qwen35_verify`: the forward, the head over every token, the argmax)."""
+    m = model.model
+    prog = build(list(m.layers), m.norm, m.embed_tokens, [model, m])
+    params, prepared = list(prog.params), list(prog.prepared)
+    head = _linear(model.lm_head, prepared, params)
+    if head.K != prog.hidden or head.N != prog.vocab:
+        raise Ineligible("the output head does not fit the hidden size and the vocabulary")
+    return replace(prog, params=params, prepared=prepared, modules=prog.modules + [model.lm_head], head=head)
+
+
 def _make(owner: nn.Module, part: str | int) -> Program:
-    """The program of `owner`'s `part`: a Qwen35ForCausalLM's "backbone" or "draft" (`build_draft`), or a Qwen35MTP's
-    layer `part` (then its norm)."""
+    """The program of `owner`'s `part`: a Qwen35ForCausalLM's "backbone", "draft" (`build_draft`) or "verify"
+    (`build_verify`), or a Qwen35MTP's layer `part` (then its norm)."""
     if part == "backbone":
         m = owner.model
         return build(list(m.layers), m.norm, m.embed_tokens, [owner, m])
     if part == "draft":
         return build_draft(owner)
+    if part == "verify":
+        return build_verify(owner)
     return build([owner.layers[part]], owner.norm, None, [owner])
 
 
@@ -392,22 +407,21 @@ def mtp_layer(mtp: nn.Module, i: int, x: torch.Tensor, cache: KVCache, pos: Posi
     return None if done is None else done[0]
 
 
-def _run(prog: Program, B: int, T: int, ids: torch.Tensor | None, x: torch.Tensor | None, states: list,
-         pos: Positions) -> tuple[torch.Tensor, list] | None:
-    """One call of `prog` on ids [B, T] (or hidden states x [B, T, H]) over the layers' decode states."""
-    cos, sin, index = pos.cos, pos.sin, pos.index
-    R = cos.shape[-1]
-    if (index.dtype != torch.int64 or index.shape != (B, T) or not index.is_contiguous() or cos.dtype != torch.bfloat16
-            or cos.shape != (B, 1, T, R) or sin.shape != cos.shape or not (cos.is_contiguous() and sin.is_contiguous())
-            or R % 2 or len(pos.starts) != B or len(states) != len(prog.layers)
-            or (x is not None and x.shape != (B, T, prog.hidden))):
-        return None
-    commit = pos.commit and T == 1
+def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+def _bind(prog: Program, B: int, T: int, states: list, commit: bool, R: int, alloc=_empty
+          ) -> tuple[ctypes.Array, list, int, torch.Tensor | None] | None:
+    """A copy of `prog`'s layers for one forward of T tokens in each of B rows over the layers' decode `states` (a
+    DeltaNet layer's window and per-token states in tensors from `alloc(shape, dtype)`; `commit`: updated in place,
+    one conv window scratch for every layer) -> (layers, per layer `DeltaSteps` or None, cache slots S, the scratch
+    window the layers point at), or None where they do not fit (R: the rotary dims)."""
     steps: list = []
     S = None
-    window = None  # a kept step's conv windows: one scratch for every layer
-    # this call's copy of the layers (the caches and outputs are filled in per call: decoders on other threads may
-    # run the same program at once)
+    window = None
+    # a copy per forward: the caches and outputs are filled in per call (decoders on other threads may run the same
+    # program at once)
     layers = (_Layer * len(prog.layers))()
     ctypes.memmove(layers, prog.layers, ctypes.sizeof(layers))
     for L, kind, state in zip(layers, prog.kinds, states):
@@ -420,14 +434,14 @@ def _run(prog: Program, B: int, T: int, ids: torch.Tensor | None, x: torch.Tenso
             L.conv, L.ssm = state.conv.data_ptr(), state.ssm.data_ptr()
             if commit:
                 if window is None:
-                    window = torch.empty(B, C, kw + 1, dtype=torch.bfloat16)
+                    window = alloc((B, C, kw + 1), torch.bfloat16)
                 if window.shape != (B, C, kw + 1):
                     return None
                 L.window, L.states = window.data_ptr(), None
                 steps.append(None)
             else:
-                w = torch.empty(B, C, kw + T, dtype=torch.bfloat16)
-                st = torch.empty(B, L.Hv, T, L.Kd, L.Vd, dtype=torch.float32)
+                w = alloc((B, C, kw + T), torch.bfloat16)
+                st = alloc((B, L.Hv, T, L.Kd, L.Vd), torch.float32)
                 L.window, L.states = w.data_ptr(), st.data_ptr()
                 steps.append(DeltaSteps(w, st))
         else:
@@ -439,6 +453,24 @@ def _run(prog: Program, B: int, T: int, ids: torch.Tensor | None, x: torch.Tenso
             S = state.k.shape[2]
             L.conv, L.values = state.k.data_ptr(), state.v.data_ptr()
             steps.append(None)
+    return layers, steps, S, window
+
+
+def _run(prog: Program, B: int, T: int, ids: torch.Tensor | None, x: torch.Tensor | None, states: list,
+         pos: Positions) -> tuple[torch.Tensor, list] | None:
+    """One call of `prog` on ids [B, T] (or hidden states x [B, T, H]) over the layers' decode states."""
+    cos, sin, index = pos.cos, pos.sin, pos.index
+    R = cos.shape[-1]
+    if (index.dtype != torch.int64 or index.shape != (B, T) or not index.is_contiguous() or cos.dtype != torch.bfloat16
+            or cos.shape != (B, 1, T, R) or sin.shape != cos.shape or not (cos.is_contiguous() and sin.is_contiguous())
+            or R % 2 or len(pos.starts) != B or len(states) != len(prog.layers)
+            or (x is not None and x.shape != (B, T, prog.hidden))):
+        return None
+    commit = pos.commit and T == 1
+    bound = _bind(prog, B, T, states, commit, R)
+    if bound is None:
+        return None
+    layers, steps, S, _window = bound
     if max(pos.starts) + T > S:
         raise ValueError(f"attend: positions up to {max(pos.starts) + T - 1} past the cache's {S}")
     starts = torch.tensor(pos.starts, dtype=torch.int64)
@@ -458,21 +490,12 @@ def _run(prog: Program, B: int, T: int, ids: torch.Tensor | None, x: torch.Tenso
     return out, steps
 
 
-def draft(model, K: int, pend_h: torch.Tensor, pend_next: torch.Tensor, pend_n: torch.Tensor, mtp_pos: torch.Tensor,
-          caches: list, width: int, host: tuple[list[int], list[int]],
-          vocab: tuple[FastLinear, torch.Tensor] | None = None) -> torch.Tensor | None:
-    """round.py's greedy draft chain (no sampling rule) of K >= 1 drafts as one C call -> drafts [B, K] (long), or None
-    where it cannot run so (the round then runs it step by step, to the same drafts and caches). pend_h [B, PR, H],
-    pend_next [B, PR], pend_n and mtp_pos [B]: the round state's; `width`: the pending positions depth 1 reads;
-    `host`: (mtp_pos, pend_n) on the host; `vocab`: a reduced draft vocabulary's head (a "bf16-native" layer [H] -> [N])
-    and its token ids [N] (decode/draft_vocab.py), instead of the full head. A pending count past `width` raises
-    ValueError, a pending token outside the vocabulary IndexError, before anything is written."""
-    if torch.is_grad_enabled() or torch.compiler.is_compiling() or K < 1 or model.rotary is None:
-        return None
-    prog = program(model, "draft")
-    table = model.rotary.table
-    if prog is None or prog.hooked() or table is None or table[0].dtype != torch.bfloat16:
-        return None
+def _bind_draft(prog: Program, table: tuple[torch.Tensor, torch.Tensor], K: int, pend_h: torch.Tensor,
+                pend_next: torch.Tensor, pend_n: torch.Tensor, mtp_pos: torch.Tensor, caches: list,
+                vocab: tuple[FastLinear, torch.Tensor] | None, drafts: torch.Tensor) -> tuple[_Draft, ctypes.Array] | None:
+    """The draft program `prog`'s call for K drafts into drafts [B, K] over the round state's tensors and MTP `caches`
+    (`draft`'s arguments; the rotary `table` (cos, sin)) -> (its `_Draft`, its layers), all but the width `W`; None
+    where they do not fit."""
     head, ids = vocab if vocab is not None else (None, None)
     if head is not None:
         if (head.kernel != "bf16-native" or head.bias is not None or head.in_features != prog.hidden
@@ -482,11 +505,11 @@ def draft(model, K: int, pend_h: torch.Tensor, pend_next: torch.Tensor, pend_n: 
     cos, sin = table
     B, PR = pend_next.shape
     H, R = prog.hidden, cos.shape[-1]
-    tensors = (pend_h, pend_next, pend_n, mtp_pos, cos, sin)
+    tensors = (pend_h, pend_next, pend_n, mtp_pos, cos, sin, drafts)
     if (pend_h.dtype != torch.bfloat16 or pend_h.shape != (B, PR, H) or pend_next.dtype != torch.int64
             or pend_n.dtype != torch.int64 or mtp_pos.dtype != torch.int64 or pend_n.shape != (B,) or mtp_pos.shape != (B,)
-            or not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors) or not 1 <= width <= PR
-            or len(caches) != len(prog.layers)):
+            or drafts.dtype != torch.int64 or drafts.shape != (B, K)
+            or not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors) or len(caches) != len(prog.layers)):
         return None
     layers = (_Layer * len(prog.layers))()  # this call's copy (decoders on other threads may run the program at once)
     ctypes.memmove(layers, prog.layers, ctypes.sizeof(layers))
@@ -498,23 +521,189 @@ def draft(model, K: int, pend_h: torch.Tensor, pend_next: torch.Tensor, pend_n: 
             return None
         S = c.k.shape[2]
         L.conv, L.values = c.k.data_ptr(), c.v.data_ptr()
-    starts, counts = host
-    if max(s + max(width, n - 1 + K) for s, n in zip(starts, counts)) > min(S, cos.shape[0]):
-        raise ValueError(f"draft: MTP positions past the cache's {S} slots or the rotary table's {cos.shape[0]}")
-    drafts = torch.empty(B, K, dtype=torch.int64)
     d = _Draft.from_buffer_copy(prog.draft)
-    d.B, d.W, d.K, d.S, d.R, d.P, d.PR = B, width, K, S, R, cos.shape[0], PR
+    d.B, d.K, d.S, d.R, d.P, d.PR = B, K, S, R, cos.shape[0], PR
     d.cos, d.sin, d.pend_h, d.pend_next = cos.data_ptr(), sin.data_ptr(), pend_h.data_ptr(), pend_next.data_ptr()
     d.pend_n, d.mtp_pos, d.drafts = pend_n.data_ptr(), mtp_pos.data_ptr(), drafts.data_ptr()
     if head is not None:
         d.head = _linear(head, [], [])
         d.vocab_ids = ids.data_ptr()
-    status = LIBRARY.lib().qwen35_draft(ctypes.byref(prog.kernels), ctypes.byref(d), layers, len(layers),
-                                        torch.get_num_threads())
+    return d, layers
+
+
+def _draft_program(model) -> tuple[Program, tuple[torch.Tensor, torch.Tensor]] | None:
+    """`model`'s draft program and the rotary table it reads, or None where the chain cannot run as one call now."""
+    if torch.is_grad_enabled() or torch.compiler.is_compiling() or model.rotary is None:
+        return None
+    prog = program(model, "draft")
+    table = model.rotary.table
+    if prog is None or prog.hooked() or table is None or table[0].dtype != torch.bfloat16:
+        return None
+    return prog, table
+
+
+def draft(model, K: int, pend_h: torch.Tensor, pend_next: torch.Tensor, pend_n: torch.Tensor, mtp_pos: torch.Tensor,
+          caches: list, width: int, host: tuple[list[int], list[int]],
+          vocab: tuple[FastLinear, torch.Tensor] | None = None) -> torch.Tensor | None:
+    """round.py's greedy draft chain (no sampling rule) of K >= 1 drafts as one C call -> drafts [B, K] (long), or None
+    where it cannot run so (the round then runs it step by step, to the same drafts and caches). pend_h [B, PR, H],
+    pend_next [B, PR], pend_n and mtp_pos [B]: the round state's; `width`: the pending positions depth 1 reads;
+    `host`: (mtp_pos, pend_n) on the host; `vocab`: a reduced draft vocabulary's head (a "bf16-native" layer [H] -> [N])
+    and its token ids [N] (decode/draft_vocab.py), instead of the full head. A pending count past `width` raises
+    ValueError, a pending token outside the vocabulary IndexError, before anything is written."""
+    found = _draft_program(model) if K >= 1 else None
+    if found is None:
+        return None
+    prog, table = found
+    B, PR = pend_next.shape
+    drafts = torch.empty(B, K, dtype=torch.int64)
+    bound = _bind_draft(prog, table, K, pend_h, pend_next, pend_n, mtp_pos, caches, vocab, drafts)
+    if bound is None or not 1 <= width <= PR:
+        return None
+    d, layers = bound
+    d.W = width
+    starts, counts = host
+    if max(s + max(width, n - 1 + K) for s, n in zip(starts, counts)) > min(d.S, d.P):
+        raise ValueError(f"draft: MTP positions past the cache's {d.S} slots or the rotary table's {d.P}")
+    _draft_status(LIBRARY.lib().qwen35_draft(ctypes.byref(prog.kernels), ctypes.byref(d), layers, len(layers),
+                                             torch.get_num_threads()), d.V)
+    return drafts
+
+
+def _draft_status(status: int, V: int) -> None:
     if status == -2:
-        raise IndexError(f"a pending token id is outside the vocabulary of {d.V}")
+        raise IndexError(f"a pending token id is outside the vocabulary of {V}")
     if status in (-3, -4):
         raise ValueError("draft: an MTP position or pending count out of range")
     if status != 0:
         raise MemoryError("qwen35_draft: out of memory")
-    return drafts
+
+
+@dataclass
+class RoundProgram:
+    """One decoder's greedy round of K drafts over B rows as decode/round.c's `greedy_round` runs it (`round_program`):
+    the function pointers of the draft chain, the verify forward (with the head and argmax) and the DeltaNet keep, the
+    structs they read (bound to the round state's caches and tensors), and the buffers round.c fills or reads. Valid
+    while `current` (the programs fresh, the rotary table the same); the round state's tensors must not move."""
+
+    verify_prog: Program
+    draft_prog: Program | None
+    table: tuple[torch.Tensor, torch.Tensor]
+    kernels: int  # the address of the programs' kernel table
+    verify: int  # function addresses: qwen35_verify, qwen35_draft (None without drafts), deltanet_keep_layers
+    draft: int | None
+    keep: int
+    step: _Step
+    layers: ctypes.Array
+    draft_args: _Draft | None
+    draft_layers: ctypes.Array | None
+    keep_layers: ctypes.Array | None  # None: a kept step (the states updated in place)
+    ids: torch.Tensor  # [B, K+1] long: the verify's tokens, filled by round.c
+    index: torch.Tensor  # [B, K+1] long: their positions, likewise
+    cos: torch.Tensor  # [B*(K+1), R] bf16: their rotary rows, likewise
+    sin: torch.Tensor
+    starts: ctypes.Array  # [B] int64: each row's first position on the host (`Positions.starts`), set per round
+    hidden: torch.Tensor  # [B, K+1, H]: the verify's hidden states
+    logits: torch.Tensor  # [B*(K+1), V] bf16 scratch
+    target: torch.Tensor  # [B, K+1] long: their argmax
+    drafts: torch.Tensor  # [B, K] long
+    slots: int  # cache slots S
+    held: list  # what the structs point at
+
+    def current(self, model) -> bool:
+        """Are the programs this was bound to still `model`'s (nothing they read changed), hook-free, the rotary table
+        the same?"""
+        table = model.rotary.table
+        return (program(model, "verify") is self.verify_prog and not self.verify_prog.hooked() and table is not None
+                and table[0] is self.table[0] and table[1] is self.table[1]
+                and (self.draft_prog is None or (program(model, "draft") is self.draft_prog
+                                                 and not self.draft_prog.hooked())))
+
+
+_ALIGN = 64  # bytes: each scratch tensor starts on a cache line
+
+
+def _scratch_bytes(prog: Program, B: int, T: int, commit: bool) -> int:
+    """What `_bind` allocates for prog's DeltaNet layers (`_carve` alignment included)."""
+    need = 0
+    for L, kind in zip(prog.layers, prog.kinds):
+        if kind is GatedDeltaNet:
+            C, kw = 2 * L.Hk * L.Kd + L.Hv * L.Vd, L.kernel - 1
+            window, states = B * C * (kw + T) * 2, 0 if commit else B * L.Hv * T * L.Kd * L.Vd * 4
+            need += -(-window // _ALIGN) * _ALIGN + -(-states // _ALIGN) * _ALIGN
+            if commit:
+                break  # (one window for every layer)
+    return need
+
+
+def _carve(buffer: torch.Tensor):
+    """An `alloc` for `_bind` taking aligned tensors from uint8 `buffer` one after another."""
+    used = [0]
+
+    def alloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = -(-(torch.Size(shape).numel() * dtype.itemsize) // _ALIGN) * _ALIGN
+        start, used[0] = used[0], used[0] + n
+        if used[0] > buffer.numel():
+            raise ValueError(f"scratch of {buffer.numel()} bytes: {used[0]} needed")
+        return buffer[start:start + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape)
+    return alloc
+
+
+def round_program(model, K: int, commit: bool, cache: Cache, mtp_caches: list | None, pos: torch.Tensor,
+                  pend_h: torch.Tensor | None, pend_next: torch.Tensor | None, pend_n: torch.Tensor | None,
+                  mtp_pos: torch.Tensor | None, vocab: tuple[FastLinear, torch.Tensor] | None = None,
+                  scratch=None) -> RoundProgram | None:
+    """`model`'s greedy round of K drafts over the B rows of a round state (its backbone `cache`, MTP caches, pos [B]
+    and the MTP's pending tensors; `vocab`: a reduced draft vocabulary's head and token ids) bound for round.c, or None
+    where it cannot run so. `commit`: a plain step every row keeps (K = 0; the states updated in place). `scratch(n)`:
+    n bytes (uint8) that the DeltaNet layers' windows and per-token states may take (one round runs at a time, so the
+    rounds of one state can share them: a verify of 9 tokens at real size keeps ~1 MB per token and layer); None:
+    their own."""
+    if torch.is_grad_enabled() or torch.compiler.is_compiling() or model.rotary is None or (commit and K):
+        return None
+    prog = program(model, "verify")
+    table = model.rotary.table
+    if prog is None or prog.hooked() or table is None or table[0].dtype != torch.bfloat16 or not table[0].is_contiguous():
+        return None
+    B, T, H = pos.shape[0], K + 1, prog.hidden
+    R = table[0].shape[-1]
+    if R % 2 or not table[1].is_contiguous() or table[1].shape != table[0].shape or len(cache.layers) != len(prog.layers):
+        return None
+    alloc = _empty
+    if scratch is not None:
+        alloc = _carve(scratch(_scratch_bytes(prog, B, T, commit)))
+    bound = _bind(prog, B, T, cache.layers, commit, R, alloc)
+    if bound is None:
+        return None
+    layers, steps, S, window = bound
+    kept = [(state, st) for state, st in zip(cache.layers, steps) if st is not None]
+    keep_layers = None
+    if not commit:
+        keep_layers = deltanet_kernel.keep_program(kept, B)
+        if keep_layers is None or len(kept) != prog.kinds.count(GatedDeltaNet):
+            return None
+    drafts = torch.empty(B, K, dtype=torch.int64)
+    draft_prog = draft_args = draft_layers = None
+    if K:
+        found = _draft_program(model)
+        if found is None or found[1][0] is not table[0] or mtp_caches is None:
+            return None
+        draft_prog = found[0]
+        bound_draft = _bind_draft(draft_prog, table, K, pend_h, pend_next, pend_n, mtp_pos, mtp_caches, vocab, drafts)
+        if bound_draft is None:
+            return None
+        draft_args, draft_layers = bound_draft
+    ids, index = torch.empty(B, T, dtype=torch.int64), torch.empty(B, T, dtype=torch.int64)
+    cos, sin = (torch.empty(B * T, R, dtype=torch.bfloat16) for _ in range(2))
+    starts = (ctypes.c_int64 * B)()
+    hidden = torch.empty(B, T, H, dtype=torch.bfloat16)
+    logits = torch.empty(B * T, prog.head.N, dtype=torch.bfloat16)
+    target = torch.empty(B, T, dtype=torch.int64)
+    step = _Step(B, T, H, prog.vocab, S, R, prog.eps, ids.data_ptr(), None, index.data_ptr(), ctypes.addressof(starts),
+                 prog.embed.data_ptr(), cos.data_ptr(), sin.data_ptr(), prog.norm.data_ptr(), hidden.data_ptr())
+    address = lambda lib, name: ctypes.cast(getattr(lib.handle(), name), p).value  # noqa: E731
+    return RoundProgram(prog, draft_prog, table, ctypes.addressof(prog.kernels), address(LIBRARY, "qwen35_verify"),
+                        address(LIBRARY, "qwen35_draft") if K else None,
+                        address(deltanet_kernel.LIBRARY, "deltanet_keep_layers"), step, layers, draft_args,
+                        draft_layers, keep_layers, ids, index, cos, sin, starts, hidden, logits, target, drafts, S,
+                        [steps, window, vocab])
