@@ -124,15 +124,19 @@ def test_the_whole_round_in_one_call_leaves_what_its_steps_leave(kind, B, D, K, 
 
 
 def test_the_whole_round_follows_changed_weights_and_hands_over_what_it_cannot_run():
-    """A weight changed in place rebinds the round (its result is the steps' with the new weight); a hook on the head,
-    a model whose layers the programs cannot run, and a repetition penalty's state take the steps; bad state raises
-    before anything is written."""
+    """A weight changed in place: the next decoder's state binds its rounds anew (its result is the steps' with the new
+    weight); a hook on the head (even after the round was bound), a model whose layers the programs cannot run, and a
+    repetition penalty's state take the steps; bad state raises before anything is written."""
     from test_step import quantized
 
     model = quantized("int8")
     model.prepare_decode(64)
     st = round_state(model, 2, seed=0)
     one_round(model, st, 2, [2, 2], 2, None, True)
+    handle = model.lm_head.register_forward_hook(lambda *args: None)
+    with torch.inference_mode():
+        assert round_kernel.greedy_round(model, st, 2, [2, 2], 2, st.pos.tolist(), 2) is None
+    handle.remove()
     with torch.no_grad():
         model.model.norm.weight.mul_(1.5)
     a, b = round_state(model, 2, seed=1), round_state(model, 2, seed=1)

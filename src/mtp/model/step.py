@@ -584,7 +584,7 @@ class RoundProgram:
     """One decoder's greedy round of K drafts over B rows as decode/round.c's `greedy_round` runs it (`round_program`):
     the function pointers of the draft chain, the verify forward (with the head and argmax) and the DeltaNet keep, the
     structs they read (bound to the round state's caches and tensors), and the buffers round.c fills or reads. Valid
-    while `current` (the programs fresh, the rotary table the same); the round state's tensors must not move."""
+    while `current`; the round state's tensors must not move."""
 
     verify_prog: Program
     draft_prog: Program | None
@@ -611,12 +611,14 @@ class RoundProgram:
     held: list  # what the structs point at
 
     def current(self, model) -> bool:
-        """Are the programs this was bound to still `model`'s (nothing they read changed), hook-free, the rotary table
-        the same?"""
-        table = model.rotary.table
-        return (program(model, "verify") is self.verify_prog and not self.verify_prog.hooked() and table is not None
+        """Are the programs this was bound to still `model`'s, hook-free, the rotary table the same? The programs'
+        own check that nothing they read changed (`Program.fresh`, ~100 us a round in the decode loop) ran when this
+        was bound: a round state is one decoder's, and like compiled rounds (decode/compiled.py) a decoder runs the
+        weights it started with; the next decoder sees weights changed in place."""
+        programs, table = model.__dict__.get("_step", {}), model.rotary.table
+        return (programs.get("verify") is self.verify_prog and not self.verify_prog.hooked() and table is not None
                 and table[0] is self.table[0] and table[1] is self.table[1]
-                and (self.draft_prog is None or (program(model, "draft") is self.draft_prog
+                and (self.draft_prog is None or (programs.get("draft") is self.draft_prog
                                                  and not self.draft_prog.hooked())))
 
 
