@@ -207,3 +207,68 @@ def test_a_row_reading_its_prompt_keeps_its_keys_through_rounds(models):
     while dec.rows or dec.waiting:
         dec.step()
     assert reader.session.new_tokens == mtp.generate(model, prompt, max_new_tokens=20, draft_tokens=2).tokens
+
+
+def test_rows_that_joined_apart_catch_up_together(models, monkeypatch):
+    """After runs of rounds without drafts, the MTP reads the skipped positions of every decoding row in one forward
+    (not only of the row whose buffer is full), so rows that joined at different times share each catch-up instead of
+    calling for one nearly every round; the first drafts after it are still the teacher-forced MTP's, and the outputs
+    the solo outputs."""
+    import mtp.decode.round as rnd
+
+    model = models["fp32"]
+    requests = greedy_requests(8, 6, seed=6)
+    catch_ups, after, first_drafts, decoding = [], [], [], []
+    real_catch_up, real_round, real_head = rnd.catch_up, Decoder._round, type(model).mtp_head
+
+    def catch_up(model_, st, rows_mask, starts=None):
+        catch_ups.append(rows_mask.tolist())
+        return real_catch_up(model_, st, rows_mask, starts)
+
+    def round_(self, D):
+        n = len(catch_ups)
+        decoding[:] = [list(s.session.tokens) for s in self.rows[:D]]
+        try:
+            out = real_round(self, D)
+        finally:
+            decoding.clear()
+        if len(catch_ups) > n:  # every decoding row read what it had pending but one, then this round added one
+            after.append([self.pend_n[b] for b in range(D)])
+        return out
+
+    def head(self, h, d):
+        logits = real_head(self, h, d)
+        if d == 1 and h.dim() == 2:
+            first_drafts.extend((tokens, logits[b].detach().clone()) for b, tokens in enumerate(decoding))
+        return logits
+
+    monkeypatch.setattr(rnd, "catch_up", catch_up)
+    monkeypatch.setattr(Decoder, "_round", round_)
+    monkeypatch.setattr(type(model), "mtp_head", head)
+    it = iter(([0] * 11 + [2]) * 10_000)
+    monkeypatch.setattr(DraftPolicy, "next_k", lambda self, batch: next(it))
+    sessions = run_batched(model, requests, "auto", max_batch=4, arrive_every=3)
+    rounds = sum(s.stats.backbone_forwards for s in sessions)
+    for (prompt, max_new, _, _), s in zip(requests, sessions):
+        assert s.new_tokens == mtp.generate(model, prompt, max_new_tokens=max_new, draft_tokens=None).tokens
+    assert catch_ups and all(max(pend) <= 2 for pend in after)
+    assert len(catch_ups) * 8 <= rounds  # rounds counted per row: one catch-up per ~8 rounds of the batch, not per row
+    assert len(first_drafts) > 5
+    with torch.no_grad():
+        for tokens, logits in first_drafts:
+            want = model.mtp_logits(torch.tensor([tokens]), 1)[0][0, len(tokens) - 2]
+            torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_batch_size_not_measured_yet_starts_with_a_plain_round():
+    """Costs measured at one batch size only cannot say how drafting scales with rows: a batch size not seen yet first
+    runs a plain round (its baseline; the fit over B and B*k then has two sizes) instead of borrowing the seen size's
+    costs scaled by B, which kept their ratio and drafted at every size while a batch filled up."""
+    pol = DraftPolicy.from_arg("auto", 8)
+    flat = lambda b, k: 0.01 * b + 0.001 * b * k  # noqa: E731 - drafting pays at every size
+    for k in (0, 1, 2, 3, 0, 1, 2, 3):
+        pol.update(1, k, [(k, k)], flat(1, k))
+    assert pol.next_k(1) >= 2
+    assert pol.next_k(5) == 0  # 5 rows, never measured: the baseline first
+    pol.update(5, 0, [(0, 0)] * 5, flat(5, 0))
+    assert pol.next_k(5) >= 2  # then the fit says drafting pays there too

@@ -358,11 +358,14 @@ class Decoder:
         dev = model.device
         rs = self._row_sampling(seqs, B)
         eager = not self.runner.compiled
-        if self.use_mtp and K == 0 and max(self.pend_n[:D]) >= PENDING:  # the pending buffer is full: the MTP reads it
-            full = torch.tensor([n >= PENDING for n in self.pend_n[:B]], device=dev)
-            self.runner.catch_up(model, st, full, self.mtp_pos[:B] if eager else None)
+        if self.use_mtp and K == 0 and max(self.pend_n[:D]) >= PENDING:  # a pending buffer is full: the MTP reads it
+            # every decoding row with positions pending reads them in the same forward (it runs over every row anyway):
+            # rows that joined at different times would otherwise fill up one after another and call for a catch-up
+            # nearly every round (measured: 60 in 125 rounds of 8 rows, a quarter of the decoding time)
+            rows = [b < D and self.pend_n[b] >= 2 for b in range(B)]
+            self.runner.catch_up(model, st, torch.tensor(rows, device=dev), self.mtp_pos[:B] if eager else None)
             for b in range(B):
-                if self.pend_n[b] >= PENDING:
+                if rows[b]:
                     self.mtp_pos[b] += self.pend_n[b] - 1
                     self.pend_n[b] = 1
         fused = None

@@ -98,8 +98,9 @@ class DraftPolicy:
     round at that batch size and k (a mean over the last rounds without outliers, `estimate`; unseen k interpolated
     from the ones seen at this B, or scaled from the nearest B). Verifying B(k+1) tokens costs more per token as the
     batch grows, so k falls with B, down to 0 (MTP off) where extra verified tokens stop paying. The second round
-    measures k = 0 (the baseline); every 8th round tries k+1 (from k = 0 too, the wait doubling up to every 256th
-    round while the probes find k = 0 best) and every 8th (offset) k-1, to keep measuring."""
+    measures k = 0 (the baseline), and so does the first round at a batch size not measured at k = 0; every 8th round
+    tries k+1 (from k = 0 too, the wait doubling up to every 256th round while the probes find k = 0 best) and every
+    8th (offset) k-1, to keep measuring."""
 
     k_fixed: int | None  # None: auto; 0: MTP off
     k_max: int = 6
@@ -186,7 +187,11 @@ class DraftPolicy:
             self.quiet = min(self.quiet + 1, 5) if best_k == 0 else 0
         self.probed = False
         self.k_last = best_k
-        if self.n == 2 and (batch, 0) not in self.times:  # measure a plain step early: the baseline drafting must beat
+        if (self.n == 2 or batch > 1) and (batch, 0) not in self.times:
+            # measure a plain step early: the baseline drafting must beat; and at a batch size not seen yet, first: with
+            # it the fit over B and B*k has two batch sizes, where before a new batch size borrowed the nearest one's
+            # costs scaled by B, which keeps their ratio, and drafted at every size while a batch filled up (a round
+            # with drafts costs 2-4x a plain one at 5-8 rows here, docs/decisions.md 2026-12-03 third session)
             return 0
         # probe one draft more every 8th round; from k = 0 too, then every 16th .. 256th while probes keep finding
         # k = 0 best (where drafting does not pay, a probe costs most: the MTP reads every position it skipped)

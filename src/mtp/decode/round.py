@@ -207,8 +207,10 @@ def accept_and_keep(st: RoundState, steps: list, hidden: torch.Tensor, logits: t
 
 
 def catch_up(model, st: RoundState, rows_mask: torch.Tensor, starts: list[int] | None = None) -> None:
-    """The MTP reads all but the last pending position of the rows in rows_mask [B] (their pending buffer is full
-    after a run of rounds that drafted nothing); the last stays pending, to draft from when drafting resumes."""
+    """The MTP reads all but the last pending position of the rows in rows_mask [B] (after a run of rounds that drafted
+    nothing a row's pending buffer is full; the decoder moves every row with positions pending along with it); the last
+    stays pending, to draft from when drafting resumes. Every row runs through the forward: a row's positions past its
+    pending ones are written past its MTP position, overwritten before they are read."""
     width = PENDING - 1
     dev = st.pos.device
     at = model.decode_positions(st.mtp_pos[:, None] + torch.arange(width, device=dev), starts)
