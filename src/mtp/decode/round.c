@@ -63,7 +63,7 @@ void accept_greedy(const Round* r) {
  * forward updated them in place). What the model's programs read (their structs, layers, the buffers ids ...
  * hidden) is opaque here: round.c fills the buffers, the programs read them.
  * 0, or a program's status with `stage` saying which (1 the draft, 2 the verify; -5 at stage 2: a position past the
- * rotary table, nothing run). */
+ * rotary table, the verify not run). */
 typedef int (*draft_fn)(const void*, const void*, const void*, int64_t, int);
 typedef int (*verify_fn)(const void*, const void*, const void*, int64_t, const void*, void*, int64_t*, int);
 typedef void (*keep_fn)(int64_t, const void*, const int64_t*, int);
