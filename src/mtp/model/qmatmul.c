@@ -140,7 +140,9 @@ static inline __m256i bcast4(const int8_t* p) {
             __m256i ia[R][GS], ib[R][GS];                                                                            \
             for (int r = 0; r < R; r++)                                                                              \
                 for (int g = 0; g < GS; g++) ia[r][g] = ib[r][g] = _mm256_setzero_si256();                           \
-            for (int g = 0; g < GS; g++) _mm_prefetch((const char*)(w + ((g0 + g) * KC + b * 8) * 32 + PREFETCH), _MM_HINT_T0); \
+            for (int g = 0; g < GS; g++) /* every line of the block: one in four left the stream waiting on memory */ \
+                for (int l = 0; l < 4; l++)                                                                          \
+                    _mm_prefetch((const char*)(w + ((g0 + g) * KC + b * 8) * 32 + PREFETCH + 64 * l), _MM_HINT_T0);  \
             for (int c = 0; c < 8; c += 2) {                                                                         \
                 __m256i w0[GS], w1[GS];                                                                              \
                 for (int g = 0; g < GS; g++) {                                                                       \
@@ -235,7 +237,8 @@ static void q8_tile(const uint8_t* w, int64_t g, int64_t K, const QRows* q, int6
             for (int64_t b = q * bpg; b < (q + 1) * bpg; b++) {                                                      \
                 __m256i ia[R], ib[R];                                                                                \
                 for (int r = 0; r < R; r++) ia[r] = ib[r] = _mm256_setzero_si256();                                  \
-                _mm_prefetch((const char*)(wg + b * 4 * 32 + PREFETCH), _MM_HINT_T0);                                \
+                _mm_prefetch((const char*)(wg + b * 4 * 32 + PREFETCH), _MM_HINT_T0); /* both lines of the block */  \
+                _mm_prefetch((const char*)(wg + b * 4 * 32 + PREFETCH + 64), _MM_HINT_T0);                           \
                 _Pragma(UNROLL) for (int c = 0; c < 4; c++) {                                                        \
                     const __m256i v = _mm256_loadu_si256((const __m256i*)(wg + (b * 4 + c) * 32));                   \
                     const __m256i w0 = _mm256_and_si256(v, low), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low); \
