@@ -370,3 +370,38 @@ def test_keeping_every_layer_in_one_call_equals_keeping_each():
     for a, b in zip(cache.layers, other.layers):
         for name in ("ssm", "conv") if hasattr(a, "ssm") else ("k", "v"):
             assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+@pytest.mark.parametrize("B,layers", [(1, 1), (3, 2)])
+def test_the_catch_up_in_one_call_equals_it_step_by_step(kind, B, layers, monkeypatch):
+    """round.catch_up through the draft chain with no drafts (`step.draft` with K = 0: depth 1 reads the pending
+    positions) == the MTP step it runs otherwise: the same MTP keys/values and round state, rows with full and
+    partly full pending buffers."""
+    from mtp.decode.round import PENDING, catch_up
+
+    model = quantized(kind, mtp_num_hidden_layers=layers)
+    model.prepare_decode(64)
+    calls = []
+    real = type(model).mtp_draft
+
+    def counted(self, K, *args):
+        done = real(self, K, *args)
+        calls.append((K, done is not None))
+        return done
+
+    monkeypatch.setattr(type(model), "mtp_draft", counted)
+    out = []
+    for one_call in (True, False):
+        st = draft_state(model, B, seed=B + layers)
+        st.pend_n[0] = PENDING  # a full buffer (the others: 1..4 pending)
+        mask = torch.ones(B, dtype=torch.bool)
+        with monkeypatch.context() as m:
+            if not one_call:
+                m.setattr(type(model), "mtp_draft", lambda *a: None)
+            with torch.inference_mode():
+                catch_up(model, st, mask, st.mtp_pos.tolist())
+        out.append(st)
+    assert calls == [(0, True)]
+    a, b = out
+    assert all(torch.equal(x, y) for x, y in zip(a.tensors(), b.tensors()))

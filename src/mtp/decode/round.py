@@ -213,11 +213,17 @@ def catch_up(model, st: RoundState, rows_mask: torch.Tensor, starts: list[int] |
     pending ones are written past its MTP position, overwritten before they are read."""
     width = PENDING - 1
     dev = st.pos.device
-    at = model.decode_positions(st.mtp_pos[:, None] + torch.arange(width, device=dev), starts)
-    depths = range(1, 2) if model.mtp.style == "sequential" else range(1, model.mtp.num_layers + 1)
-    for d in depths:
-        model.mtp_step(d, st.pend_h[:, :width], st.pend_next[:, :width] if model.mtp.style == "sequential" else None,
-                       at, st.mtp_cache)
+    done = None
+    if starts is not None and model.mtp.style == "sequential":  # eagerly, as one call where the family has one: the
+        # draft chain with no drafts, its depth 1 reading the positions (the same caches as the step below)
+        done = model.mtp_draft(0, st.pend_h, st.pend_next, st.pend_n.clamp(max=width), st.mtp_pos, st.mtp_cache, width,
+                               (starts, [width] * len(starts)))
+    if done is None:
+        at = model.decode_positions(st.mtp_pos[:, None] + torch.arange(width, device=dev), starts)
+        depths = range(1, 2) if model.mtp.style == "sequential" else range(1, model.mtp.num_layers + 1)
+        for d in depths:
+            model.mtp_step(d, st.pend_h[:, :width], st.pend_next[:, :width] if model.mtp.style == "sequential" else None,
+                           at, st.mtp_cache)
     # (rows outside the mask wrote past their MTP position only: overwritten before read)
     moved = torch.where(rows_mask, st.pend_n - 1, 0)
     st.mtp_pos.add_(moved)

@@ -419,7 +419,8 @@ class CausalLM(nn.Module, ABC):
         """The round's greedy draft chain (decode/round.py `draft`: no sampling rule, a sequential MTP) as one call ->
         drafts [B, K], where the family has one (None: the round runs it step by step, to the same drafts and caches).
         The arguments are the round state's (`RoundState`) and the host's (mtp_pos, pend_n); `vocab`: a reduced draft
-        vocabulary's head layer and its token ids [N] instead of the full head (decode/draft_vocab.py)."""
+        vocabulary's head layer and its token ids [N] instead of the full head (decode/draft_vocab.py). K = 0: depth 1
+        reads the `width` pending positions and nothing is drafted (decode/round.py `catch_up`) -> [B, 0]."""
         return None
 
     def round_program(self, K: int, commit: bool, cache: Cache, mtp_caches: list | None, pos: torch.Tensor,

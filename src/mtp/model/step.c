@@ -262,7 +262,8 @@ static int mtp_input(const Kernels* k, const Draft* d, const int64_t* ids, const
  * argmax_rows) or an exact copy, so the drafts and the caches written are the eager ones bit for bit.
  * 0; -1 out of memory; -2 a token outside the vocabulary; -3 a position outside the cache or the rotary table;
  * -4 a pending count outside 0..W (nothing written). A row with none pending (0: a row not decoding) drafts from
- * its last pending slot, as the round's index -1 does: its drafts are never used. */
+ * its last pending slot, as the round's index -1 does: its drafts are never used. K = 0 (round.py's `catch_up`): depth 1
+ * reads the W positions into the MTP's cache and nothing is drafted. */
 int qwen35_draft(const Kernels* k, const Draft* d, const Layer* layers, int64_t L, int nth) {
     const int64_t B = d->B, W = d->W, H = d->H, R = d->R, M = B * W;
     for (int64_t b = 0; b < B; b++) {
@@ -294,7 +295,7 @@ int qwen35_draft(const Kernels* k, const Draft* d, const Layer* layers, int64_t 
         }
     }
     int failed = 0;
-    for (int64_t j = 1; j <= d->K && !failed; j++) {
+    for (int64_t j = 1; j <= (d->K ? d->K : 1) && !failed; j++) { /* K = 0: depth 1 reads the positions, no draft */
         const int64_t T = j == 1 ? W : 1, rows = B * T;
         if (j > 1)
             for (int64_t b = 0; b < B; b++) {
@@ -307,7 +308,7 @@ int qwen35_draft(const Kernels* k, const Draft* d, const Layer* layers, int64_t 
         }
         if ((failed = mtp_input(k, d, ids, h, rows, cat, e, x, nth))) break;
         const Step s = {B, T, H, d->V, d->S, R, d->eps, NULL, x, index, starts, NULL, cos, sin, d->norm, out};
-        if ((failed = qwen35_decode(k, &s, layers + (j - 1) % L, 1, nth))) break;
+        if ((failed = qwen35_decode(k, &s, layers + (j - 1) % L, 1, nth)) || !d->K) break;
         for (int64_t b = 0; b < B; b++) /* the output at the last pending position (depth 1), else the one */
             memcpy(h + b * H, out + (b * T + (j == 1 ? (d->pend_n[b] + W - 1) % W : 0)) * H, sizeof(uint16_t) * (size_t)H);
         if ((failed = linear(k, &d->head, h, B, logits, nth))) break;
