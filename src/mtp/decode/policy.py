@@ -81,6 +81,10 @@ class RoundTimes:
 
     samples: dict[tuple[int, int], list[float]] = field(default_factory=dict)
     estimates: dict[tuple[int, int], float] = field(default_factory=dict)
+    # probes from k = 0 in a row that left it at 0 (each doubles the next wait, up to 32x): carried with the times, so
+    # a generation where drafting has not paid before starts at the long wait instead of probing every 8, 16, 32, ...
+    # rounds again (each probe from k = 0 makes the MTP read up to 9 positions; 0.81x MTP off in int4 before)
+    quiet: int = 0
 
     def record(self, key: tuple[int, int], seconds: float) -> None:
         recent = self.samples.setdefault(key, [])
@@ -109,7 +113,6 @@ class DraftPolicy:
     k_last: int = 2
     probe_every: int = 8
     n: int = 0
-    quiet: int = 0  # probes from k = 0 in a row that left it at 0 (each doubles the next wait, up to 32x)
     probed: bool = False  # the last round was a probe from k = 0
 
     @property
@@ -184,7 +187,7 @@ class DraftPolicy:
             if batch * expected / t > best:
                 best_k, best = k, batch * expected / t
         if self.k_last == 0 and self.probed:  # the last probe from 0 left it at 0: wait longer before the next
-            self.quiet = min(self.quiet + 1, 5) if best_k == 0 else 0
+            self.rounds.quiet = min(self.rounds.quiet + 1, 5) if best_k == 0 else 0
         self.probed = False
         self.k_last = best_k
         if (self.n == 2 or batch > 1) and (batch, 0) not in self.times:
@@ -195,7 +198,7 @@ class DraftPolicy:
             return 0
         # probe one draft more every 8th round; from k = 0 too, then every 16th .. 256th while probes keep finding
         # k = 0 best (where drafting does not pay, a probe costs most: the MTP reads every position it skipped)
-        every = self.probe_every * (1 << self.quiet if best_k == 0 else 1)
+        every = self.probe_every * (1 << self.rounds.quiet if best_k == 0 else 1)
         if self.n % every == 0 and best_k < self.k_max:
             self.probed = best_k == 0
             return best_k + 1
