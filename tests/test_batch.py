@@ -15,15 +15,16 @@ from mtp.decode.sampling import SamplingParams
 from mtp.decode.session import Session
 
 
-def run_batched(model, requests, draft_tokens, max_batch=4, arrive_every=3, cancel=()):
-    """requests: (prompt, max_new, SamplingParams, stop). Arrivals are staggered; returns the sessions in order."""
+def run_batched(model, requests, draft_tokens, max_batch=4, arrive_every=3, cancel=(), eos=None):
+    """requests: (prompt, max_new, SamplingParams, stop). Arrivals are staggered; returns the sessions in order. `eos`:
+    the sessions' end tokens (None: the model's)."""
     dec = Decoder(model, max_batch=max_batch, max_len=model.context_length - 16, draft_tokens=draft_tokens)
     seqs, step = [], 0
     todo = list(requests)
     while todo or any(not s.finished for s in seqs) or dec.rows:
         if todo and step % arrive_every == 0:
             prompt, max_new, params, stop = todo.pop(0)
-            seqs.append(dec.add(Session(model, prompt, max_new, params, None, stop, model.tokenizer)))
+            seqs.append(dec.add(Session(model, prompt, max_new, params, eos, stop, model.tokenizer)))
         for i in cancel:
             if i < len(seqs) and len(seqs[i].session.new_tokens) >= 3:
                 seqs[i].cancelled = True
@@ -191,11 +192,11 @@ def test_a_row_reading_its_prompt_keeps_its_keys_through_rounds(models):
     g = torch.Generator().manual_seed(5)
     dec = Decoder(model, max_batch=4, max_len=model.context_length - 16, draft_tokens=2)
     for _ in range(3):
-        dec.add(Session(model, pattern_batch(8, 1, 20, g)[0].tolist(), 60, SamplingParams(), None, None, model.tokenizer))
+        dec.add(Session(model, pattern_batch(8, 1, 20, g)[0].tolist(), 60, SamplingParams(), [], None, model.tokenizer))
     for _ in range(3):
         dec.step()
     prompt = pattern_batch(8, 1, 300, g)[0].tolist()
-    reader = dec.add(Session(model, prompt, 20, SamplingParams(), None, None, model.tokenizer))
+    reader = dec.add(Session(model, prompt, 20, SamplingParams(), [], None, model.tokenizer))
     dec.step()  # its first chunk
     assert dec.decoding == 3 and not reader.decoding
     attn = [layer for layer in dec.state.cache.layers if hasattr(layer, "k")]
@@ -206,7 +207,8 @@ def test_a_row_reading_its_prompt_keeps_its_keys_through_rounds(models):
                for (k, v), layer in zip(before, attn))
     while dec.rows or dec.waiting:
         dec.step()
-    assert reader.session.new_tokens == mtp.generate(model, prompt, max_new_tokens=20, draft_tokens=2).tokens
+    assert reader.session.new_tokens == mtp.generate(model, prompt, max_new_tokens=20, draft_tokens=2,
+                                                     eos_token_ids=[]).tokens
 
 
 def test_rows_that_joined_apart_catch_up_together(models, monkeypatch):
@@ -247,10 +249,10 @@ def test_rows_that_joined_apart_catch_up_together(models, monkeypatch):
     monkeypatch.setattr(type(model), "mtp_head", head)
     it = iter(([0] * 11 + [2]) * 10_000)
     monkeypatch.setattr(DraftPolicy, "next_k", lambda self, batch: next(it))
-    sessions = run_batched(model, requests, "auto", max_batch=4, arrive_every=3)
+    sessions = run_batched(model, requests, "auto", max_batch=4, arrive_every=3, eos=[])  # (every row runs its length)
     rounds = sum(s.stats.backbone_forwards for s in sessions)
     for (prompt, max_new, _, _), s in zip(requests, sessions):
-        assert s.new_tokens == mtp.generate(model, prompt, max_new_tokens=max_new, draft_tokens=None).tokens
+        assert s.new_tokens == mtp.generate(model, prompt, max_new_tokens=max_new, eos_token_ids=[]).tokens
     assert catch_ups and all(max(pend) <= 2 for pend in after)
     assert len(catch_ups) * 8 <= rounds  # rounds counted per row: one catch-up per ~8 rounds of the batch, not per row
     assert len(first_drafts) > 5

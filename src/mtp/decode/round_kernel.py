@@ -62,7 +62,6 @@ def accept_greedy(st, target: torch.Tensor, drafts: torch.Tensor, limit: torch.T
     active [B] (bool) and hidden states [B, K+1, H], accept, emit and update the state as round.py's `accept_and_keep`
     does -> (tokens [B, K+2]: the emitted tokens then n, keep [B]: the positions each row keeps, for `Cache.keep_at`)."""
     B, K = drafts.shape
-    mtp = st.mtp_cache is not None
     target, limit, active = (t.to(dt).contiguous() for t, dt in ((target, torch.int64), (limit, torch.int64),
                                                                    (active, torch.bool)))
     if target.shape != (B, K + 1) or limit.shape != (B,) or active.shape != (B,):
@@ -70,12 +69,21 @@ def accept_greedy(st, target: torch.Tensor, drafts: torch.Tensor, limit: torch.T
                          f"{list(active.shape)} for {B} rows of {K} drafts")
     out = torch.empty(B, K + 2, dtype=torch.int64)
     keep = torch.empty(B, dtype=torch.int64)
-    r = _Round(B, K, st.pend_h.shape[1] if mtp else 0, hidden.shape[-1] * hidden.element_size(), target.data_ptr(),
-               drafts.data_ptr(), limit.data_ptr(), active.data_ptr(), hidden.data_ptr(), st.pos.data_ptr(),
-               st.last.data_ptr(), *((st.mtp_pos.data_ptr(), st.pend_next.data_ptr(), st.pend_n.data_ptr(),
-                                      st.pend_h.data_ptr()) if mtp else (None,) * 4), keep.data_ptr(), out.data_ptr())
+    r = _round(st, K, hidden, target.data_ptr(), drafts.data_ptr(), limit.data_ptr(), active.data_ptr(), keep.data_ptr(),
+               out.data_ptr())
     LIBRARY.lib().accept_greedy(ctypes.byref(r))
     return out, keep
+
+
+def _round(st, K: int, hidden: torch.Tensor, target: int, drafts: int, limit: int, active: int, keep: int,
+           out: int) -> _Round:
+    """`accept_greedy`'s arguments over round state `st` and the verify's hidden states [B, K+1, H] (the other
+    buffers by address)."""
+    mtp = st.mtp_cache is not None
+    return _Round(st.pos.shape[0], K, st.pend_h.shape[1] if mtp else 0, hidden.shape[-1] * hidden.element_size(),
+                  target, drafts, limit, active, hidden.data_ptr(), st.pos.data_ptr(), st.last.data_ptr(),
+                  *((st.mtp_pos.data_ptr(), st.pend_next.data_ptr(), st.pend_n.data_ptr(), st.pend_h.data_ptr())
+                    if mtp else (None,) * 4), keep, out)
 
 
 @dataclass
@@ -98,15 +106,12 @@ def _plan(model, st, K: int, commit: bool, vocab, scratch) -> _Plan | None:
         return None
     prog = model.round_program(K, commit, st.cache, st.mtp_cache, st.pos, st.pend_h, st.pend_next, st.pend_n,
                                st.mtp_pos, vocab, scratch)
-    if prog is None:
+    if prog is None or not usable(st, prog.drafts, prog.hidden):  # (the state as accept_greedy needs it)
         return None
     limit, out, keep = (ctypes.c_int64 * B)(), (ctypes.c_int64 * (B * (K + 2)))(), (ctypes.c_int64 * B)()
     active = (ctypes.c_uint8 * B)()
     addr = ctypes.addressof
-    acc = _Round(B, K, st.pend_h.shape[1] if mtp else 0, prog.hidden.shape[-1] * prog.hidden.element_size(),
-                 prog.target.data_ptr(), prog.drafts.data_ptr(), addr(limit), addr(active), prog.hidden.data_ptr(),
-                 st.pos.data_ptr(), st.last.data_ptr(), *((st.mtp_pos.data_ptr(), st.pend_next.data_ptr(),
-                                                          st.pend_n.data_ptr(), st.pend_h.data_ptr()) if mtp else (None,) * 4),
+    acc = _round(st, K, prog.hidden, prog.target.data_ptr(), prog.drafts.data_ptr(), addr(limit), addr(active),
                  addr(keep), addr(out))
     table_cos, table_sin = prog.table
     call = _Greedy(acc, table_cos.shape[-1], table_cos.shape[0], prog.ids.data_ptr(), prog.index.data_ptr(),
