@@ -29,8 +29,13 @@ def state(model, B: int, seed: int) -> RoundState:
 
 
 @pytest.mark.parametrize("K", [0, 1, 3, 8])
-@pytest.mark.parametrize("with_mtp", [True, False])
-def test_the_c_accept_leaves_the_state_the_tensor_form_leaves(K, with_mtp, monkeypatch):
+@pytest.mark.parametrize("with_mtp,rule", [(True, None), (False, None), (True, "seeded"), (True, "unseeded"),
+                                           (False, "unseeded")])
+def test_the_c_accept_leaves_the_state_the_tensor_form_leaves(K, with_mtp, rule, monkeypatch):
+    """... and so does a sampling rule's round (greedy, seeded and unseeded rows mixed): the rule decides n and the next
+    token, the C call emits and keeps them."""
+    from mtp.decode.sampling import RowSampling, SamplingParams, gumbel
+
     model = tiny_model(0).to(torch.bfloat16)
     B, V = 6, model.config.vocab_size
     g = torch.Generator().manual_seed(K)
@@ -42,6 +47,14 @@ def test_the_c_accept_leaves_the_state_the_tensor_form_leaves(K, with_mtp, monke
     active = torch.tensor([True, True, True, False, True, True])
     logits = torch.nn.functional.one_hot(target, V).to(torch.bfloat16)  # its argmax is the target
     hidden = torch.randn(B, K + 1, model.config.hidden_size, generator=g).to(torch.bfloat16)
+    rs = draft_logits = noise = u = None
+    if rule is not None:  # peaked distributions: sampled rows mostly accept what matches the target
+        logits = (8 * logits.float() + torch.randn(B, K + 1, V, generator=g)).to(torch.bfloat16)
+        sampled = SamplingParams(0.7, seed=5 if rule == "seeded" else None)
+        rs = RowSampling.build([sampled if b % 3 else SamplingParams() for b in range(B)], V, "cpu")
+        draft_logits = 8 * torch.nn.functional.one_hot(drafts, V).float() + torch.randn(B, K, V, generator=g)
+        noise = gumbel(torch.rand(B, K + 1, V, generator=g))
+        u = torch.rand(B, K, generator=g)
     results = []
     for c in (True, False):
         st = state(model, B, seed=K + 10)
@@ -52,7 +65,7 @@ def test_the_c_accept_leaves_the_state_the_tensor_form_leaves(K, with_mtp, monke
                 m.setattr(round_mod.round_kernel, "usable", lambda *a: False)
             else:
                 assert round_kernel.usable(st, drafts, hidden)
-            tokens = accept_and_keep(st, [], hidden, logits, drafts, limit, active, None, None, None, None)
+            tokens = accept_and_keep(st, [], hidden, logits, drafts, limit, active, rs, draft_logits, noise, u)
         results.append((tokens, st))
     (ta, sa), (tb, sb) = results
     assert torch.equal(ta, tb)

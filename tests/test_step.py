@@ -283,15 +283,20 @@ def draft_state(model, B: int, seed: int):
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4", "bf16"])
-@pytest.mark.parametrize("B,K,layers,reduced", [(1, 1, 1, False), (1, 3, 1, False), (3, 4, 1, False), (2, 3, 2, False),
-                                                (1, 3, 1, True), (3, 4, 2, True)])
-def test_the_draft_chain_in_one_call_equals_the_round_step_by_step(kind, B, K, layers, reduced, monkeypatch):
-    """round.draft's greedy chain as one C call (`step.draft`) == the same chain step by step in Python: the same
-    drafts and the same MTP keys/values, for rows at different MTP positions with different pending counts, with two
-    MTP layers taken in turn, and over a reduced draft vocabulary (its head rows a bf16 layer, drafts mapped back to
-    the full vocabulary)."""
+@pytest.mark.parametrize("B,K,layers,reduced,rule", [
+    (1, 1, 1, False, None), (1, 3, 1, False, None), (3, 4, 1, False, None), (2, 3, 2, False, None),
+    (1, 3, 1, True, None), (3, 4, 2, True, None), (1, 3, 1, False, "seeded"), (3, 4, 2, False, "seeded"),
+    (3, 3, 1, False, "unseeded"), (3, 4, 2, True, "unseeded"), (2, 3, 1, False, "top_k")])
+def test_the_draft_chain_in_one_call_equals_the_round_step_by_step(kind, B, K, layers, reduced, rule, monkeypatch):
+    """round.draft's chain as one C call (`step.draft`) == the same chain step by step in Python: the same drafts and
+    the same MTP keys/values, for rows at different MTP positions with different pending counts, with two MTP layers
+    taken in turn, and over a reduced draft vocabulary (its head rows a bf16 layer, drafts mapped back to the full
+    vocabulary). With a sampling rule (rows sampled at temperature 0.7 beside greedy ones): the same drafts from the
+    same noise, and for the unseeded rule the same draft logits q; a shaping beyond temperature (top-k) runs step by
+    step."""
     from mtp.decode.draft_vocab import DraftVocab
     from mtp.decode.round import draft
+    from mtp.decode.sampling import RowSampling, SamplingParams, gumbel
 
     model = quantized(kind, mtp_num_hidden_layers=layers)
     model.prepare_decode(64)
@@ -306,6 +311,11 @@ def test_the_draft_chain_in_one_call_equals_the_round_step_by_step(kind, B, K, l
         return done
 
     monkeypatch.setattr(type(model), "mtp_draft", counted)
+    rs = noise = None
+    if rule is not None:
+        sampled = SamplingParams(0.7, top_k=5 if rule == "top_k" else None, seed=None if rule == "unseeded" else 3)
+        rs = RowSampling.build([sampled if b != 1 else SamplingParams() for b in range(B)], V, "cpu")
+        noise = gumbel(torch.rand(B, K, V, generator=torch.Generator().manual_seed(7)))
     out = []
     for one_call in (True, False):
         st = draft_state(model, B, seed=B + K)
@@ -314,19 +324,20 @@ def test_the_draft_chain_in_one_call_equals_the_round_step_by_step(kind, B, K, l
             if not one_call:
                 m.setattr(type(model), "mtp_draft", lambda *a: None)
             with torch.inference_mode():
-                drafts, shaped = draft(model, st, K, None, None, vocab, width=max(host[1]), host=host)
-        assert shaped is None
-        out.append((drafts, st.mtp_cache))
-    assert isinstance(model.__dict__["_step"]["draft"], step.Program) and calls == [True]
-    (da, ca), (db, cb) = out
+                drafts, shaped = draft(model, st, K, rs, noise, vocab, width=max(host[1]), host=host)
+        assert (shaped is None) == (rule != "unseeded")
+        out.append((drafts, shaped, st.mtp_cache))
+    assert calls == [] if rule == "top_k" else isinstance(model.__dict__["_step"]["draft"], step.Program) and calls == [True]
+    (da, qa, ca), (db, qb, cb) = out
     assert da.shape == (B, K) and torch.equal(da, db)
+    assert qa is None or torch.equal(qa, qb)
     if reduced:
         assert torch.isin(da, vocab.ids).all()
     assert all(torch.equal(x.k, y.k) and torch.equal(x.v, y.v) for x, y in zip(ca, cb))
 
 
 def test_the_draft_chain_hands_over_what_it_cannot_run_and_refuses_bad_state(monkeypatch):
-    """A hook on the MTP, a bf16 model on oneDNN (or torch's product) and a sampling rule take the step-by-step chain; a pending
+    """A hook on the MTP and a bf16 model on oneDNN (or torch's product) take the step-by-step chain; a pending
     count outside 1..width or a pending token outside the vocabulary raises before anything is written."""
     model = quantized("int8")
     model.prepare_decode(64)

@@ -302,17 +302,25 @@ class Decoder:
         return rs
 
     def _noise(self, seqs: list[Sequence], rs: RowSampling, B: int, K: int) -> tuple:
-        """Per-round noise of the sampled rows: (draft noise [B, K, V], target noise [B, K+1, V], uniforms [B, K])."""
+        """Per-round noise of the sampled rows: (draft noise [B, K, V], target noise [B, K+1, V], uniforms [B, K]).
+        A seeded row's is its seed's noise at each position (a draft and the target share it); an unseeded row's is
+        fresh for each draft and one more for its next token, which the acceptance rule reads at one position only
+        (accept.py: the residual or bonus sample), so every position gets the same; a greedy row's is never read."""
         if not rs.any_sampled:
             return None, None, None
         V, dev = self.model.config.vocab_size, self.model.device
-        target = gumbel(torch.rand(B, K + 1, V, device=dev))
-        drafts = gumbel(torch.rand(B, K, V, device=dev)) if rs.any_unseeded else target[:, :K].clone()
+        target = torch.zeros(B, K + 1, V, device=dev)
+        drafts = torch.zeros(B, K, V, device=dev)
         for b, s in enumerate(seqs):
-            if s.session.seeded:  # the seed's noise at each position: a draft and the target share it
+            if s.session.params.greedy:
+                continue
+            if s.session.seeded:
                 at = len(s.session.tokens)
                 g = torch.stack([s.session.gumbel(at + j, V) for j in range(K + 1)])
                 target[b], drafts[b] = g, g[:K]
+            else:
+                g = gumbel(torch.rand(K + 1, V, device=dev))
+                drafts[b], target[b] = g[:K], g[K]
         u = torch.rand(B, K, device=dev) if rs.any_unseeded else None
         return drafts, target, u
 

@@ -7,8 +7,9 @@ one sequence: the backbone consumed `pos[b]` tokens, `last[b]` (emitted, not yet
                 after each: exactly the teacher-forced depth-1 computation of training), which yields draft 1; drafts
                 2..K follow the causal chain (parallel heads: all at once).
   2. verify   - `verify()`: ONE backbone forward over [last, d_1..d_K] for every row.
-  3. accept   - `accept.py`, on the device: each row's accepted count n and its next token (`accept_and_keep`; greedy
-                rows on the CPU: `round_kernel.py`, one C call for steps 3-4 with the same result).
+  3. accept   - `accept.py`, on the device: each row's accepted count n and its next token (`accept_and_keep`; on the
+                CPU `round_kernel.py` emits and keeps them in one C call with the same result: greedy rows' whole
+                steps 3-4, a sampling rule's tokens once the rule has chosen them).
   4. keep     - `cache.keep_at(steps, n + 1)`: attention entries are addressed by position (nothing to undo),
                 Gated DeltaNet states are selected at the kept position, never recomputed; positions advance by n+1;
                 the kept positions become the MTP's `pending` for the next round.
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model.argmax_kernel import argmax
+from ..model.base import DraftSampling
 from ..model.cache import Cache
 from . import accept, round_kernel
 from .sampling import RowSampling, shape_logits
@@ -94,13 +96,18 @@ def draft(model, st: RoundState, K: int, rs: RowSampling | None, noise: torch.Te
     mtp = model.mtp
     B = st.pos.shape[0]
     dev = st.pos.device
-    if rs is None and host is not None and mtp.style == "sequential" and K > 0:
+    temperature_only = rs is None or not (rs.use_penalty or rs.use_top_k or rs.use_top_p)
+    if temperature_only and host is not None and mtp.style == "sequential" and K > 0:
         reduced = None if vocab is None else vocab.head(model, 1)  # (its layer: the chain's depths share one head)
         if vocab is None or reduced is not None:
+            sampling = q = None
+            if rs is not None:  # every row's pick as below: argmax(x / T + noise), a greedy row's argmax(x)
+                q = torch.empty(B, K, model.config.vocab_size) if rs.any_unseeded else None
+                sampling = DraftSampling(rs.temperature, rs.greedy, noise, q)
             done = model.mtp_draft(K, st.pend_h, st.pend_next, st.pend_n, st.mtp_pos, st.mtp_cache, width, host,
-                                   None if vocab is None else (reduced, vocab.ids))
+                                   None if vocab is None else (reduced, vocab.ids), sampling)
             if done is not None:  # the whole chain below in one call (CPU, where the family has one)
-                return done, None
+                return done, q
     rows = torch.arange(B, device=dev)
     at = model.decode_positions(st.mtp_pos[:, None] + torch.arange(width, device=dev), starts)
     hid, nxt = st.pend_h[:, :width], st.pend_next[:, :width]
@@ -169,20 +176,27 @@ def accept_and_keep(st: RoundState, steps: list, hidden: torch.Tensor, logits: t
     """Steps 3-4 after the verify forward (its `steps`, hidden [B, K+1, H] and logits [B, K+1, V]): `verify`'s
     arguments and result."""
     B, K = drafts.shape
-    if rs is None and round_kernel.usable(st, drafts, hidden):  # greedy on the CPU: the same, as one C call
+    fast = round_kernel.usable(st, drafts, hidden)
+    if rs is None and fast:  # greedy on the CPU: the same, as one C call
         tokens, keep = round_kernel.accept_greedy(st, argmax(logits), drafts, limit, active, hidden)
         st.cache.keep_at(steps, keep)
         return tokens
     dev = drafts.device
     rows = torch.arange(B, device=dev)
+    slot = torch.arange(K + 1, device=dev)
     if rs is None:
         n, nxt = accept.accept_argmax(drafts, limit, logits)
     else:
         target = shape_logits(logits, rs, seen_before(st.seen, drafts))
         n, nxt = accept.accept_rows(drafts, limit, target, draft_logits, rs, noise, u)
+        if fast:  # the rule decided n and next: the greedy accept over those tokens with n the limit emits and keeps
+            # them (the same, as one C call)
+            chosen = torch.where(slot < n[:, None], torch.cat([drafts, nxt[:, None]], 1), nxt[:, None])
+            tokens, keep = round_kernel.accept_greedy(st, chosen, drafts, n, active, hidden)
+            st.cache.keep_at(steps, keep)
+            return tokens
     n = torch.where(active, n, 0)
     keep = torch.where(active, n + 1, 0)
-    slot = torch.arange(K + 1, device=dev)
     tokens = torch.where(slot == n[:, None], nxt[:, None], torch.cat([drafts, nxt[:, None]], 1))  # [d_1..d_n, next, ..]
 
     st.cache.keep_at(steps, keep)

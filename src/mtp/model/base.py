@@ -27,7 +27,7 @@ import re
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -43,6 +43,16 @@ from .rope import RotaryTable
 QUANTIZE = ("int8", "int4")
 # Our name of MTP layer i's parameters, in every family: `mtp.layers.{i}.<rest>`.
 MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+
+
+class DraftSampling(NamedTuple):
+    """A round's sampling rule for the one-call draft chain (`CausalLM.mtp_draft`; decode/round.py `draft` with
+    temperature the only shaping): each row drafts argmax(logits / temperature + noise), a greedy row its argmax."""
+
+    temperature: torch.Tensor  # [B] fp32, 1 for a greedy row
+    greedy: torch.Tensor  # [B] bool
+    noise: torch.Tensor  # [B, K, V] fp32: each draft's Gumbel noise
+    q: torch.Tensor | None  # [B, K, V] fp32 to fill with every row's draft logits / temperature, or None
 
 
 class NonFiniteLogitsWarning(UserWarning):
@@ -415,12 +425,13 @@ class CausalLM(nn.Module, ABC):
 
     def mtp_draft(self, K: int, pend_h: torch.Tensor, pend_next: torch.Tensor, pend_n: torch.Tensor,
                   mtp_pos: torch.Tensor, caches: list, width: int, host: tuple[list[int], list[int]],
-                  vocab: tuple[nn.Module, torch.Tensor] | None = None) -> torch.Tensor | None:
-        """The round's greedy draft chain (decode/round.py `draft`: no sampling rule, a sequential MTP) as one call ->
-        drafts [B, K], where the family has one (None: the round runs it step by step, to the same drafts and caches).
-        The arguments are the round state's (`RoundState`) and the host's (mtp_pos, pend_n); `vocab`: a reduced draft
-        vocabulary's head layer and its token ids [N] instead of the full head (decode/draft_vocab.py). K = 0: depth 1
-        reads the `width` pending positions and nothing is drafted (decode/round.py `catch_up`) -> [B, 0]."""
+                  vocab: tuple[nn.Module, torch.Tensor] | None = None,
+                  sampling: DraftSampling | None = None) -> torch.Tensor | None:
+        """The round's draft chain (decode/round.py `draft`: a sequential MTP, greedy or `sampling`'s rule) as one call
+        -> drafts [B, K], where the family has one (None: the round runs it step by step, to the same drafts, caches
+        and q). The arguments are the round state's (`RoundState`) and the host's (mtp_pos, pend_n); `vocab`: a reduced
+        draft vocabulary's head layer and its token ids [N] instead of the full head (decode/draft_vocab.py). K = 0:
+        depth 1 reads the `width` pending positions and nothing is drafted (decode/round.py `catch_up`) -> [B, 0]."""
         return None
 
     def round_program(self, K: int, commit: bool, cache: Cache, mtp_caches: list | None, pos: torch.Tensor,

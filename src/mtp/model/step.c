@@ -10,6 +10,7 @@
  * decoding through it is the eager decoding, and row invariance carries over from the kernels. Built with
  * -ffp-contract=off. */
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -240,7 +241,31 @@ typedef struct {
     int64_t PR;                     /* pending slots per row */
     const int64_t *pend_n, *mtp_pos; /* [B]: pending positions per row (1..W), the MTP slots filled */
     int64_t* drafts;                /* out [B, K] */
+    /* The sampling rule (round.py's `draft` with one: temperature only), or temp NULL: every row's argmax */
+    const float* temp;              /* [B] each row's temperature (1 for a greedy row) */
+    const uint8_t* greedy;          /* [B] bool: the row drafts its argmax */
+    const float* noise;             /* [B, K, V] the Gumbel noise of each sampled row's drafts */
+    float* q;                       /* out [B, K, V] or NULL: every row's draft logits / temperature (-inf outside a
+                                       reduced vocabulary), the unseeded acceptance rule's draft distribution */
 } Draft;
+
+/* A sampled row's draft from its head logits l [N] (token ids[i], or i): argmax over tokens of l / T + g (g [V]: the
+ * row's noise), lowest token id first among equals, as round.py's torch.argmax over the full vocabulary; writes l / T
+ * at each token of q [V] (NULL: none). The same fp32 division and addition as round.py's, so the same token. */
+static int64_t pick(const uint16_t* l, int64_t N, const int64_t* ids, float T, const float* g, float* q) {
+    int64_t best_id = -1;
+    float best = 0.0f;
+    for (int64_t i = 0; i < N; i++) {
+        const int64_t t = ids ? ids[i] : i;
+        const float x = bf16_to_f(l[i]) / T, v = x + g[t];
+        if (q) q[t] = x;
+        if (best_id < 0 || v > best || (v == best && t < best_id)) {
+            best = v;
+            best_id = t;
+        }
+    }
+    return best_id;
+}
 
 /* fc(cat(norm_e(embed[ids]), norm_h(hid))) for M rows: hid [M, H] -> x [M, H]; cat [M, 2H] and e [M, H] scratch */
 static int mtp_input(const Kernels* k, const Draft* d, const int64_t* ids, const uint16_t* hid, int64_t M, uint16_t* cat,
@@ -313,7 +338,17 @@ int qwen35_draft(const Kernels* k, const Draft* d, const Layer* layers, int64_t 
             memcpy(h + b * H, out + (b * T + (j == 1 ? (d->pend_n[b] + W - 1) % W : 0)) * H, sizeof(uint16_t) * (size_t)H);
         if ((failed = linear(k, &d->head, h, B, logits, nth))) break;
         k->argmax_rows(B, d->head.N, logits, d->head.N, 1, tok, nth);
-        for (int64_t b = 0; b < B; b++) d->drafts[b * d->K + j - 1] = d->vocab_ids ? d->vocab_ids[tok[b]] : tok[b];
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t at = b * d->K + j - 1, N = d->head.N;
+            d->drafts[at] = d->vocab_ids ? d->vocab_ids[tok[b]] : tok[b];
+            float* q = d->q ? d->q + at * d->V : NULL;
+            if (q && d->vocab_ids)
+                for (int64_t t = 0; t < d->V; t++) q[t] = -INFINITY;
+            if (d->temp && !d->greedy[b])
+                d->drafts[at] = pick(logits + b * N, N, d->vocab_ids, d->temp[b], d->noise + at * d->V, q);
+            else if (q) /* a greedy row: its logits as they are (temperature 1), for a q nobody reads but defined */
+                for (int64_t i = 0; i < N; i++) q[d->vocab_ids ? d->vocab_ids[i] : i] = bf16_to_f(logits[b * N + i]);
+        }
     }
     free(buf);
     free(ints);

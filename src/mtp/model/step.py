@@ -15,11 +15,13 @@ eager path fuses, no bias, no act-order permutation; no hooks, no autograd, not 
 rows' first positions are on the host (`Positions.starts`). Anything else (bf16 weights on oneDNN, MoE, LoRA, a
 compiled graph) takes the per-layer path. MTP_STEP=0 (or MTP_NATIVE=0) turns it off.
 
-The greedy draft chain of the MTP (decode/round.py `draft`, no sampling rule and the full head) is one call too
-(`draft`, `build_draft`): each depth's embedding row, pre-fc norms, "bf16-native" input projection, MTP layer and
-norm, the head (int8, int4 or bf16-native; or a reduced draft vocabulary's bf16-native head, its argmax mapped to
-the token ids) and the argmax, K depths back to back: ~25 tensor operations and 2
-program calls per depth before, the same drafts and MTP keys/values bit for bit (tests/test_step.py).
+The draft chain of the MTP (decode/round.py `draft`, greedy or sampled at a temperature) is one call too (`draft`,
+`build_draft`): each depth's embedding row, pre-fc norms, "bf16-native" input projection, MTP layer and norm, the
+head (int8, int4 or bf16-native; or a reduced draft vocabulary's bf16-native head, its argmax mapped to the token ids)
+and the pick (the argmax, or a sampled row's argmax of logits / T + its noise, writing the draft logits / T the
+unseeded rule reads), K depths back to back: ~25 tensor operations and 2 program calls per depth before, the same
+drafts, q and MTP keys/values bit for bit (tests/test_step.py). Top-k, top-p and the repetition penalty shape the
+draft logits in torch: those rounds run the chain step by step.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from torch.nn.modules import module as module_hooks
 
 from . import act, argmax_kernel, attention_kernel, deltanet_kernel, norm_kernel, qmatmul
 from .attention import GatedAttention
+from .base import DraftSampling
 from .cache import Cache, DeltaState, DeltaSteps, KVCache, Positions
 from .deltanet import GatedDeltaNet
 from .layer import MLP, DecoderLayer
@@ -71,7 +74,7 @@ class _Draft(ctypes.Structure):
     _fields_ = ([(n, i64) for n in ("B", "W", "K", "H", "V", "S", "R", "P")] + [("eps", f32)]
                 + [(n, p) for n in ("embed", "norm_e", "norm_h", "fc", "norm")] + [("head", _Linear), ("vocab_ids", p)]
                 + [(n, p) for n in ("cos", "sin", "pend_h", "pend_next")] + [("PR", i64)]
-                + [(n, p) for n in ("pend_n", "mtp_pos", "drafts")])
+                + [(n, p) for n in ("pend_n", "mtp_pos", "drafts", "temp", "greedy", "noise", "q")])
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -544,9 +547,11 @@ def _draft_program(model) -> tuple[Program, tuple[torch.Tensor, torch.Tensor]] |
 
 def draft(model, K: int, pend_h: torch.Tensor, pend_next: torch.Tensor, pend_n: torch.Tensor, mtp_pos: torch.Tensor,
           caches: list, width: int, host: tuple[list[int], list[int]],
-          vocab: tuple[FastLinear, torch.Tensor] | None = None) -> torch.Tensor | None:
-    """round.py's greedy draft chain (no sampling rule) of K >= 1 drafts as one C call -> drafts [B, K] (long), or None
-    where it cannot run so (the round then runs it step by step, to the same drafts and caches). pend_h [B, PR, H],
+          vocab: tuple[FastLinear, torch.Tensor] | None = None, sampling: DraftSampling | None = None) -> torch.Tensor | None:
+    """round.py's draft chain of K >= 1 drafts as one C call -> drafts [B, K] (long), or None where it cannot run so
+    (the round then runs it step by step, to the same drafts, caches and q). `sampling`: the rows' temperatures and
+    noise (each sampled row drafts argmax(logits / T + noise), and q gets every row's logits / T), or None: argmaxes.
+    pend_h [B, PR, H],
     pend_next [B, PR], pend_n and mtp_pos [B]: the round state's; `width`: the pending positions depth 1 reads;
     `host`: (mtp_pos, pend_n) on the host; `vocab`: a reduced draft vocabulary's head (a "bf16-native" layer [H] -> [N])
     and its token ids [N] (decode/draft_vocab.py), instead of the full head. A pending count past `width` raises
@@ -563,6 +568,16 @@ def draft(model, K: int, pend_h: torch.Tensor, pend_next: torch.Tensor, pend_n: 
         return None
     d, layers = bound
     d.W = width
+    if sampling is not None:
+        t, greedy, noise, q = sampling
+        given = (t, greedy, noise) + (() if q is None else (q,))
+        if (t.dtype != torch.float32 or t.shape != (B,) or greedy.dtype != torch.bool or greedy.shape != (B,)
+                or noise.dtype != torch.float32 or noise.shape != (B, K, d.V)
+                or (q is not None and (q.dtype != torch.float32 or q.shape != (B, K, d.V)))
+                or not all(x.is_contiguous() and x.device.type == "cpu" for x in given)):
+            return None
+        d.temp, d.greedy, d.noise = t.data_ptr(), greedy.data_ptr(), noise.data_ptr()
+        d.q = None if q is None else q.data_ptr()
     starts, counts = host
     if max(s + max(width, n - 1 + K) for s, n in zip(starts, counts)) > min(d.S, d.P):
         raise ValueError(f"draft: MTP positions past the cache's {d.S} slots or the rotary table's {d.P}")
