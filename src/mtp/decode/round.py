@@ -87,17 +87,20 @@ def seen_before(seen: torch.Tensor | None, drafts: torch.Tensor) -> torch.Tensor
 
 def draft(model, st: RoundState, K: int, rs: RowSampling | None, noise: torch.Tensor | None, vocab=None,
           width: int = PENDING, host: tuple[list[int], list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Step 1: K drafts per row [B, K] (long) and, for the unseeded sampling rule, their shaped draft logits
-    [B, K, V]. `rs` None: every row greedy with no shaping (argmax drafts). `noise` [B, K, V]: Gumbel noise of the
-    sampled rows' drafts. `width` (<= PENDING): how many pending positions to read (static in a graph; eagerly the
-    most any row has). `host`: the rows' MTP positions and pending counts on the host (eager attention reads exactly
-    each row's keys) or None."""
+    """Step 1: K drafts per row [B, K] (long) and, for the unseeded sampling rule, their draft logits [B, K, V]
+    (divided by the row's temperature: the drafts' rule, `RowSampling.for_drafts`). `rs` None: every row greedy with
+    no shaping (argmax drafts). `noise` [B, K, V]: Gumbel noise of the sampled rows' drafts. `width` (<= PENDING):
+    how many pending positions to read (static in a graph; eagerly the most any row has). `host`: the rows' MTP
+    positions and pending counts on the host (eager attention reads exactly each row's keys) or None."""
     starts = None if host is None else host[0]
     mtp = model.mtp
     B = st.pos.shape[0]
     dev = st.pos.device
-    temperature_only = rs is None or not (rs.use_penalty or rs.use_top_k or rs.use_top_p)
-    if temperature_only and host is not None and mtp.style == "sequential" and K > 0:
+    # The drafts' rule is temperature alone: top-k, top-p and the repetition penalty shape the target only. Any draft
+    # distribution q keeps the output exact (accept.py reads this q); this one costs no sort per depth and is what
+    # the C chain computes.
+    rs = None if rs is None else rs.for_drafts()
+    if host is not None and mtp.style == "sequential" and K > 0:
         reduced = None if vocab is None else vocab.head(model, 1)  # (its layer: the chain's depths share one head)
         if vocab is None or reduced is not None:
             sampling = q = None
@@ -129,8 +132,7 @@ def draft(model, st: RoundState, K: int, rs: RowSampling | None, noise: torch.Te
             drafts.append(argmax(model.mtp_head(h, j)) if vocab is None else vocab.argmax(model, h, j))
             continue
         logits = model.mtp_head(h, j) if vocab is None else vocab.full_logits(model, h, j)  # [B, V]
-        seen = seen_before(st.seen, torch.stack(drafts, 1) if drafts else rows[:, None][:, :0])
-        x = shape_logits(logits[:, None], rs, None if seen is None else seen[:, -1:])[:, 0]  # [B, V]
+        x = shape_logits(logits[:, None], rs, None)[:, 0]  # [B, V]
         picked = x if noise is None else torch.where(rs.greedy[:, None], x, x + noise[:, j - 1])
         drafts.append(argmax(picked))
         shaped.append(x)

@@ -1,5 +1,6 @@
-"""Turning logits into a distribution: repetition penalty, temperature, top-k, top-p (one place, so that
-the target p and the draft q of speculative sampling are shaped exactly alike).
+"""Turning logits into a distribution: repetition penalty, temperature, top-k, top-p (one place). The target p of
+speculative sampling takes all of them; the MTP's draft q the temperature alone (`RowSampling.for_drafts`: any q keeps
+the output exact, and this one needs no sort per draft).
 
 `SamplingParams` are one request's; `RowSampling` holds a batch's as tensors for the decode round, which shapes
 logits on the device (`shape_logits`) for every row at once, greedy and sampled rows mixed. `probs_from_logits`
@@ -7,7 +8,7 @@ is the same rule for one distribution, the reference the tests hold the round to
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -97,6 +98,10 @@ class RowSampling:
                    t(top_p, torch.float32), t(penalty, torch.float32), use_penalty=any(r != 1.0 for r in penalty),
                    use_top_k=any(k < vocab for k in top_k), use_top_p=any(p < 1.0 for p in top_p),
                    any_sampled=not all(greedy), any_unseeded=any(not g and not s for g, s in zip(greedy, seeded)))
+
+    def for_drafts(self) -> RowSampling:
+        """The rule the MTP drafts by (decode/round.py `draft`): the rows' temperatures, no top-k, top-p or penalty."""
+        return replace(self, use_penalty=False, use_top_k=False, use_top_p=False)
 
     @property
     def key(self) -> tuple[bool, ...]:
