@@ -88,7 +88,7 @@ def seen_before(seen: torch.Tensor | None, drafts: torch.Tensor) -> torch.Tensor
 def draft(model, st: RoundState, K: int, rs: RowSampling | None, noise: torch.Tensor | None, vocab=None,
           width: int = PENDING, host: tuple[list[int], list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Step 1: K drafts per row [B, K] (long) and, for the unseeded sampling rule, their draft logits [B, K, V]
-    (divided by the row's temperature: the drafts' rule, `RowSampling.for_drafts`). `rs` None: every row greedy with
+    (the drafts' rule, `RowSampling.for_drafts`: temperature and top-k). `rs` None: every row greedy with
     no shaping (argmax drafts). `noise` [B, K, V]: Gumbel noise of the sampled rows' drafts. `width` (<= PENDING):
     how many pending positions to read (static in a graph; eagerly the most any row has). `host`: the rows' MTP
     positions and pending counts on the host (eager attention reads exactly each row's keys) or None."""
@@ -96,17 +96,17 @@ def draft(model, st: RoundState, K: int, rs: RowSampling | None, noise: torch.Te
     mtp = model.mtp
     B = st.pos.shape[0]
     dev = st.pos.device
-    # The drafts' rule is temperature alone: top-k, top-p and the repetition penalty shape the target only. Any draft
-    # distribution q keeps the output exact (accept.py reads this q); this one costs no sort per depth and is what
-    # the C chain computes.
+    # The drafts' rule is temperature and top-k: top-p and the repetition penalty shape the target only. Any draft
+    # distribution q keeps the output exact (accept.py reads this q); this one needs no cumulative sum over a sorted
+    # vocabulary and is what the C chain computes.
     rs = None if rs is None else rs.for_drafts()
     if host is not None and mtp.style == "sequential" and K > 0:
         reduced = None if vocab is None else vocab.head(model, 1)  # (its layer: the chain's depths share one head)
         if vocab is None or reduced is not None:
             sampling = q = None
-            if rs is not None:  # every row's pick as below: argmax(x / T + noise), a greedy row's argmax(x)
+            if rs is not None:  # every row's pick as below: argmax(x + noise) (x shaped), a greedy row's argmax(x)
                 q = torch.empty(B, K, model.config.vocab_size) if rs.any_unseeded else None
-                sampling = DraftSampling(rs.temperature, rs.greedy, noise, q)
+                sampling = DraftSampling(rs.temperature, rs.greedy, rs.top_k, noise, q)
             done = model.mtp_draft(K, st.pend_h, st.pend_next, st.pend_n, st.mtp_pos, st.mtp_cache, width, host,
                                    None if vocab is None else (reduced, vocab.ids), sampling)
             if done is not None:  # the whole chain below in one call (CPU, where the family has one)

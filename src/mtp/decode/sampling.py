@@ -1,6 +1,6 @@
 """Turning logits into a distribution: repetition penalty, temperature, top-k, top-p (one place). The target p of
-speculative sampling takes all of them; the MTP's draft q the temperature alone (`RowSampling.for_drafts`: any q keeps
-the output exact, and this one needs no sort per draft).
+speculative sampling takes all of them; the MTP's draft q temperature and top-k (`RowSampling.for_drafts`: any q
+keeps the output exact, and this one the C draft chain computes with comparisons alone).
 
 `SamplingParams` are one request's; `RowSampling` holds a batch's as tensors for the decode round, which shapes
 logits on the device (`shape_logits`) for every row at once, greedy and sampled rows mixed. `probs_from_logits`
@@ -100,8 +100,8 @@ class RowSampling:
                    any_sampled=not all(greedy), any_unseeded=any(not g and not s for g, s in zip(greedy, seeded)))
 
     def for_drafts(self) -> RowSampling:
-        """The rule the MTP drafts by (decode/round.py `draft`): the rows' temperatures, no top-k, top-p or penalty."""
-        return replace(self, use_penalty=False, use_top_k=False, use_top_p=False)
+        """The rule the MTP drafts by (decode/round.py `draft`): the rows' temperatures and top-k, no top-p or penalty."""
+        return replace(self, use_penalty=False, use_top_p=False)
 
     @property
     def key(self) -> tuple[bool, ...]:

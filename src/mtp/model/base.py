@@ -46,11 +46,13 @@ MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 
 
 class DraftSampling(NamedTuple):
-    """A round's sampling rule for the one-call draft chain (`CausalLM.mtp_draft`; decode/round.py `draft` with
-    temperature the only shaping): each row drafts argmax(logits / temperature + noise), a greedy row its argmax."""
+    """The drafts' sampling rule for the one-call draft chain (`CausalLM.mtp_draft`; decode/round.py `draft`): each
+    sampled row drafts argmax(x + noise), x = logits / temperature, -inf outside its top_k largest; a greedy row its
+    argmax."""
 
     temperature: torch.Tensor  # [B] fp32, 1 for a greedy row
     greedy: torch.Tensor  # [B] bool
+    top_k: torch.Tensor  # [B] long, the vocabulary size where a row has none
     noise: torch.Tensor  # [B, K, V] fp32: each draft's Gumbel noise
     q: torch.Tensor | None  # [B, K, V] fp32 to fill with every row's draft logits / temperature, or None
 

@@ -241,24 +241,58 @@ typedef struct {
     int64_t PR;                     /* pending slots per row */
     const int64_t *pend_n, *mtp_pos; /* [B]: pending positions per row (1..W), the MTP slots filled */
     int64_t* drafts;                /* out [B, K] */
-    /* The sampling rule (round.py's `draft` with one: temperature only), or temp NULL: every row's argmax */
+    /* The drafts' sampling rule (round.py's `draft`: temperature and top-k), or temp NULL: every row's argmax */
     const float* temp;              /* [B] each row's temperature (1 for a greedy row) */
     const uint8_t* greedy;          /* [B] bool: the row drafts its argmax */
+    const int64_t* top_k;           /* [B] each row's top-k (V: none) */
     const float* noise;             /* [B, K, V] the Gumbel noise of each sampled row's drafts */
     float* q;                       /* out [B, K, V] or NULL: every row's draft logits / temperature (-inf outside a
                                        reduced vocabulary), the unseeded acceptance rule's draft distribution */
 } Draft;
 
-/* A sampled row's draft from its head logits l [N] (token ids[i], or i): argmax over tokens of l / T + g (g [V]: the
- * row's noise), lowest token id first among equals, as round.py's torch.argmax over the full vocabulary; writes l / T
- * at each token of q [V] (NULL: none). The same fp32 division and addition as round.py's, so the same token. */
-static int64_t pick(const uint16_t* l, int64_t N, const int64_t* ids, float T, const float* g, float* q) {
+/* The k-th largest of x [n] (k <= n), counting equal values apart: as the k-th of x sorted in descending order. A
+ * min-heap of the k largest so far. */
+static float kth_largest(const float* x, int64_t n, int64_t k, float* heap) {
+    for (int64_t i = 0; i < n; i++) {
+        float v = x[i];
+        int64_t c = i < k ? i : 0; /* the slot to fill: the next one while filling, else the root (if v beats it) */
+        if (i < k) { /* sift up */
+            while (c > 0 && heap[(c - 1) / 2] > v) {
+                heap[c] = heap[(c - 1) / 2];
+                c = (c - 1) / 2;
+            }
+            heap[c] = v;
+            continue;
+        }
+        if (!(v > heap[0])) continue;
+        for (;;) { /* sift down from the root */
+            int64_t m = 2 * c + 1;
+            if (m >= k) break;
+            if (m + 1 < k && heap[m + 1] < heap[m]) m++;
+            if (!(heap[m] < v)) break;
+            heap[c] = heap[m];
+            c = m;
+        }
+        heap[c] = v;
+    }
+    return heap[0];
+}
+
+/* A sampled row's draft from its head logits l [N] (token ids[i], or i): with x = l / T, kept where x >= the top_k-th
+ * largest of the row's V logits (a reduced vocabulary's others are -inf; top_k >= V keeps all), argmax over tokens of
+ * x + g (g [V]: the row's noise), lowest token id first among equals, as round.py's torch.argmax over the full
+ * vocabulary after `shape_logits`; writes x, or -inf where dropped, at each token of q [V] (NULL: none). The same fp32
+ * division, comparisons and addition as round.py's, so the same token. x, heap: scratch [N], [min(top_k, N)]. */
+static int64_t pick(const uint16_t* l, int64_t N, int64_t V, const int64_t* ids, float T, int64_t top_k, const float* g,
+                    float* q, float* x, float* heap) {
+    for (int64_t i = 0; i < N; i++) x[i] = bf16_to_f(l[i]) / T;
+    const float kth = top_k < V && top_k <= N ? kth_largest(x, N, top_k, heap) : -INFINITY;
     int64_t best_id = -1;
     float best = 0.0f;
     for (int64_t i = 0; i < N; i++) {
         const int64_t t = ids ? ids[i] : i;
-        const float x = bf16_to_f(l[i]) / T, v = x + g[t];
-        if (q) q[t] = x;
+        const float xi = x[i] < kth ? -INFINITY : x[i], v = xi + g[t];
+        if (q) q[t] = xi;
         if (best_id < 0 || v > best || (v == best && t < best_id)) {
             best = v;
             best_id = t;
@@ -302,9 +336,11 @@ int qwen35_draft(const Kernels* k, const Draft* d, const Layer* layers, int64_t 
     if (d->head.N > d->V) return -4;
     uint16_t* buf = malloc(sizeof(uint16_t) * (size_t)(M * (6 * H + 2 * R) + B * d->V));
     int64_t* ints = malloc(sizeof(int64_t) * (size_t)(3 * M + B));
-    if (!buf || !ints) {
+    float* xs = d->temp ? malloc(sizeof(float) * (size_t)(2 * d->head.N)) : NULL; /* pick's scratch */
+    if (!buf || !ints || (d->temp && !xs)) {
         free(buf);
         free(ints);
+        free(xs);
         return -1;
     }
     uint16_t *hid = buf, *cat = hid + M * H, *e = cat + 2 * M * H, *x = e + M * H, *out = x + M * H;
@@ -345,12 +381,14 @@ int qwen35_draft(const Kernels* k, const Draft* d, const Layer* layers, int64_t 
             if (q && d->vocab_ids)
                 for (int64_t t = 0; t < d->V; t++) q[t] = -INFINITY;
             if (d->temp && !d->greedy[b])
-                d->drafts[at] = pick(logits + b * N, N, d->vocab_ids, d->temp[b], d->noise + at * d->V, q);
+                d->drafts[at] = pick(logits + b * N, N, d->V, d->vocab_ids, d->temp[b], d->top_k[b], d->noise + at * d->V, q,
+                                     xs, xs + N);
             else if (q) /* a greedy row: its logits as they are (temperature 1), for a q nobody reads but defined */
                 for (int64_t i = 0; i < N; i++) q[d->vocab_ids ? d->vocab_ids[i] : i] = bf16_to_f(logits[b * N + i]);
         }
     }
     free(buf);
     free(ints);
+    free(xs);
     return failed ? -1 : 0;
 }

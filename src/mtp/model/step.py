@@ -15,13 +15,12 @@ eager path fuses, no bias, no act-order permutation; no hooks, no autograd, not 
 rows' first positions are on the host (`Positions.starts`). Anything else (bf16 weights on oneDNN, MoE, LoRA, a
 compiled graph) takes the per-layer path. MTP_STEP=0 (or MTP_NATIVE=0) turns it off.
 
-The draft chain of the MTP (decode/round.py `draft`, greedy or sampled at a temperature) is one call too (`draft`,
-`build_draft`): each depth's embedding row, pre-fc norms, "bf16-native" input projection, MTP layer and norm, the
-head (int8, int4 or bf16-native; or a reduced draft vocabulary's bf16-native head, its argmax mapped to the token ids)
-and the pick (the argmax, or a sampled row's argmax of logits / T + its noise, writing the draft logits / T the
-unseeded rule reads), K depths back to back: ~25 tensor operations and 2 program calls per depth before, the same
-drafts, q and MTP keys/values bit for bit (tests/test_step.py). Top-k, top-p and the repetition penalty shape the
-draft logits in torch: those rounds run the chain step by step.
+The draft chain of the MTP (decode/round.py `draft`, greedy or sampled by the drafts' rule: temperature and top-k)
+is one call too (`draft`, `build_draft`): each depth's embedding row, pre-fc norms, "bf16-native" input projection,
+MTP layer and norm, the head (int8, int4 or bf16-native; or a reduced draft vocabulary's bf16-native head, its argmax
+mapped to the token ids) and the pick (the argmax, or a sampled row's argmax of x + its noise, x = logits / T cut to
+its top-k, writing the x the unseeded rule reads as q), K depths back to back: ~25 tensor operations and 2 program
+calls per depth before, the same drafts, q and MTP keys/values bit for bit (tests/test_step.py).
 """
 
 from __future__ import annotations
@@ -74,7 +73,7 @@ class _Draft(ctypes.Structure):
     _fields_ = ([(n, i64) for n in ("B", "W", "K", "H", "V", "S", "R", "P")] + [("eps", f32)]
                 + [(n, p) for n in ("embed", "norm_e", "norm_h", "fc", "norm")] + [("head", _Linear), ("vocab_ids", p)]
                 + [(n, p) for n in ("cos", "sin", "pend_h", "pend_next")] + [("PR", i64)]
-                + [(n, p) for n in ("pend_n", "mtp_pos", "drafts", "temp", "greedy", "noise", "q")])
+                + [(n, p) for n in ("pend_n", "mtp_pos", "drafts", "temp", "greedy", "top_k", "noise", "q")])
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -549,8 +548,9 @@ def draft(model, K: int, pend_h: torch.Tensor, pend_next: torch.Tensor, pend_n: 
           caches: list, width: int, host: tuple[list[int], list[int]],
           vocab: tuple[FastLinear, torch.Tensor] | None = None, sampling: DraftSampling | None = None) -> torch.Tensor | None:
     """round.py's draft chain of K >= 1 drafts as one C call -> drafts [B, K] (long), or None where it cannot run so
-    (the round then runs it step by step, to the same drafts, caches and q). `sampling`: the rows' temperatures and
-    noise (each sampled row drafts argmax(logits / T + noise), and q gets every row's logits / T), or None: argmaxes.
+    (the round then runs it step by step, to the same drafts, caches and q). `sampling`: the rows' temperatures, top-k
+    and noise (each sampled row drafts argmax(x + noise), x = logits / T outside its top-k -inf, and q gets every
+    row's x), or None: argmaxes.
     pend_h [B, PR, H],
     pend_next [B, PR], pend_n and mtp_pos [B]: the round state's; `width`: the pending positions depth 1 reads;
     `host`: (mtp_pos, pend_n) on the host; `vocab`: a reduced draft vocabulary's head (a "bf16-native" layer [H] -> [N])
@@ -569,14 +569,15 @@ def draft(model, K: int, pend_h: torch.Tensor, pend_next: torch.Tensor, pend_n: 
     d, layers = bound
     d.W = width
     if sampling is not None:
-        t, greedy, noise, q = sampling
-        given = (t, greedy, noise) + (() if q is None else (q,))
+        t, greedy, top_k, noise, q = sampling
+        given = (t, greedy, top_k, noise) + (() if q is None else (q,))
         if (t.dtype != torch.float32 or t.shape != (B,) or greedy.dtype != torch.bool or greedy.shape != (B,)
+                or top_k.dtype != torch.int64 or top_k.shape != (B,) or bool((top_k < 1).any())
                 or noise.dtype != torch.float32 or noise.shape != (B, K, d.V)
                 or (q is not None and (q.dtype != torch.float32 or q.shape != (B, K, d.V)))
                 or not all(x.is_contiguous() and x.device.type == "cpu" for x in given)):
             return None
-        d.temp, d.greedy, d.noise = t.data_ptr(), greedy.data_ptr(), noise.data_ptr()
+        d.temp, d.greedy, d.top_k, d.noise = t.data_ptr(), greedy.data_ptr(), top_k.data_ptr(), noise.data_ptr()
         d.q = None if q is None else q.data_ptr()
     starts, counts = host
     if max(s + max(width, n - 1 + K) for s, n in zip(starts, counts)) > min(d.S, d.P):
