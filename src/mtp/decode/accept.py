@@ -60,7 +60,9 @@ def accept_rows(drafts: torch.Tensor, limit: torch.Tensor, target: torch.Tensor,
     p_n = p[rows, n]  # [B, V]
     residual = (p[rows, n.clamp(max=K - 1)] - q[rows, n.clamp(max=K - 1)]).clamp_min(0.0) if K else p_n
     rejected = n < limit
-    weight = torch.where(rejected[:, None], residual, p_n)
-    weight = torch.where(weight.sum(-1, keepdim=True) > 0, weight, p_n)  # p == q up to rounding: p itself is the law
-    sampled = (weight.log() + noise[rows, n]).argmax(dim=-1)
+    weight = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_n)  # p == q up to rounding: p itself is the law
+    g = noise[rows, n]
+    # after all were accepted (or with no drafts) the sample from p is the Gumbel-max one over the shaped logits, as a
+    # seeded row's token is (so a plain step's sampled rows take one rule: round_kernel.greedy_round runs it in C)
+    sampled = torch.where(rejected, (weight.log() + g).argmax(dim=-1), argmax(target[rows, n] + g))
     return n, torch.where(unseeded, sampled, token.gather(1, n[:, None])[:, 0])

@@ -377,12 +377,16 @@ class Decoder:
                     self.mtp_pos[b] += self.pend_n[b] - 1
                     self.pend_n[b] = 1
         fused = None
-        if eager and rs is None and self.masks is None:  # greedy, no shaping: the whole round as one C call, where it can
+        # greedy rows, and sampled ones whose rule is a greedy one over picked tokens (seeded, or a plain step; no top-p
+        # or penalty): the whole round as one C call, where it can
+        greedy_rule = rs is None or (rs.any_sampled and not (rs.use_penalty or rs.use_top_p or (K and rs.any_unseeded)))
+        if eager and greedy_rule and self.masks is None:
             head = None if K == 0 or self.vocab is None else self.vocab.head(model, 1)
             if K == 0 or self.vocab is None or head is not None:
+                sampling = None if rs is None else (rs, *self._noise(seqs, rs, B, K)[:2])
                 fused = round_kernel.greedy_round(model, st, K, ks, D, self.state.cache.rows[:B],
                                                   max(self.pend_n[:B]) if K else 0,
-                                                  None if head is None else (head, self.vocab.ids))
+                                                  None if head is None else (head, self.vocab.ids), sampling)
         if fused is not None:
             out, t_draft = fused
             t_verify = time.perf_counter() - t0 - t_draft

@@ -59,13 +59,14 @@ void accept_greedy(const Round* r) {
  * (a Qwen3.5 dense backbone and MTP on qmatmul.c layers: model/step.c). The same pieces in the same order as
  * round.py's `draft` and `verify`, so the same bits: the draft chain (qwen35_draft, K > 0), the verify's ids
  * [last, d_1..d_K] and positions pos + 0..K with their rotary rows, the verify forward with the head and argmax
- * (qwen35_verify), `accept_greedy` above, and the DeltaNet layers' keep (deltanet_keep_layers; none where the
- * forward updated them in place). What the model's programs read (their structs, layers, the buffers ids ...
+ * (qwen35_verify; with `pick`, sampled rows take the token their noise picks: a rule that is greedy over picked
+ * tokens, as seeded rows' and a plain step's are), `accept_greedy` above, and the DeltaNet layers' keep
+ * (deltanet_keep_layers; none where the forward updated them in place). What the model's programs read (their structs, layers, the buffers ids ...
  * hidden) is opaque here: round.c fills the buffers, the programs read them.
  * 0, or a program's status with `stage` saying which (1 the draft, 2 the verify; -5 at stage 2: a position past the
  * rotary table, the verify not run). */
 typedef int (*draft_fn)(const void*, const void*, const void*, int64_t, int);
-typedef int (*verify_fn)(const void*, const void*, const void*, int64_t, const void*, void*, int64_t*, int);
+typedef int (*verify_fn)(const void*, const void*, const void*, int64_t, const void*, void*, int64_t*, const void*, int);
 typedef void (*keep_fn)(int64_t, const void*, const int64_t*, int);
 
 typedef struct {
@@ -87,6 +88,7 @@ typedef struct {
     const void* keep_layers;
     int64_t keep_L;             /* 0: nothing to keep (updated in place) */
     int64_t nth, stage, draft_ns; /* threads; out: the failing stage, nanoseconds in the draft chain */
+    const void* pick;           /* the verify's sampling rule (the rows' temperatures, top-k, noise), or NULL: argmax */
 } GreedyRound;
 
 static int64_t now_ns(void) {
@@ -116,7 +118,8 @@ int greedy_round(GreedyRound* g) {
             memcpy(g->cos + m * R, g->table_cos + at * R, sizeof(uint16_t) * (size_t)R);
             memcpy(g->sin + m * R, g->table_sin + at * R, sizeof(uint16_t) * (size_t)R);
         }
-    const int status = g->verify(g->kernels, g->step, g->layers, g->L, g->head, g->logits, (int64_t*)r->target, nth);
+    const int status = g->verify(g->kernels, g->step, g->layers, g->L, g->head, g->logits, (int64_t*)r->target, g->pick,
+                                 nth);
     if (status) return status;
     g->stage = 3;
     accept_greedy(r);

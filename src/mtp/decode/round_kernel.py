@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ..model.base import DraftSampling
 from ..model.native import NativeLibrary
 
 p, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -30,7 +31,7 @@ class _Greedy(ctypes.Structure):
                                     "layers")]
                 + [("L", i64)] + [(n, p) for n in ("head", "logits", "draft", "draft_args", "draft_layers")]
                 + [("draft_L", i64)] + [(n, p) for n in ("keep", "keep_layers")]
-                + [(n, i64) for n in ("keep_L", "nth", "stage", "draft_ns")])
+                + [(n, i64) for n in ("keep_L", "nth", "stage", "draft_ns")] + [("pick", p)])
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -126,13 +127,17 @@ def _plan(model, st, K: int, commit: bool, vocab, scratch) -> _Plan | None:
 
 
 def greedy_round(model, st, K: int, limits: list[int], decoding: int, starts: list[int], width: int,
-                 vocab=None) -> tuple[list[list[int]], float] | None:
+                 vocab=None, sampling=None) -> tuple[list[list[int]], float] | None:
     """round.py's `draft` then `verify` of a greedy round with no shaping (every row greedy, the argmax drafts, nothing
     riding along, eager, on the CPU) as ONE C call, where the model runs its forwards as C programs
     (`CausalLM.round_program`) -> (the tokens [B][K+2] `verify` returns, seconds in the draft chain), or None where it
     cannot (the round then runs its steps, to the same result: tests/test_round_kernel.py). `limits` [B]: the drafts
     each row may use; rows [0, decoding) decode, the rest keep nothing; `starts` [B]: the rows' positions on the host;
-    `width`: the pending positions the draft's depth 1 reads; `vocab`: a reduced draft vocabulary's (head, ids)."""
+    `width`: the pending positions the draft's depth 1 reads; `vocab`: a reduced draft vocabulary's (head, ids).
+    `sampling`: (RowSampling, draft noise [B, K, V], target noise [B, K+1, V]) of a round whose rule is a greedy one over
+    picked tokens - every sampled row seeded, or K = 0 (accept.py: each position's token is argmax(x + noise), x the
+    logits over the temperature cut to the top-k; the drafts' rule is the same, `RowSampling.for_drafts`) with no
+    top-p or penalty; None: greedy rows only."""
     if st.seen is not None or not LIBRARY.available():
         return None
     B = st.pos.shape[0]
@@ -166,6 +171,16 @@ def greedy_round(model, st, K: int, limits: list[int], decoding: int, starts: li
         if not 1 <= width <= st.pend_h.shape[1]:
             return None
         prog.draft_args.W = width
+    drafts = target = None
+    if sampling is not None:
+        rs, d_noise, t_noise = sampling
+        if rs.use_top_p or rs.use_penalty or (K and rs.any_unseeded):
+            return None
+        drafts = DraftSampling(rs.temperature, rs.greedy, rs.top_k, d_noise, None)
+        target = DraftSampling(rs.temperature, rs.greedy, rs.top_k, t_noise, None)
+    if not prog.sample(drafts, target):
+        return None
+    call.pick = None if target is None else ctypes.addressof(prog.pick)
     call.nth = torch.get_num_threads()
     status = LIBRARY.lib().greedy_round(ctypes.byref(call))
     if status:

@@ -56,6 +56,7 @@ class Session:
         # Unseeded sampling draws from torch's global generator with the Leviathan acceptance rule. A seeded request
         # samples by the Gumbel-max trick with noise fixed per (seed, position) instead: the token at each position
         # is then a function of the seed alone, identical for plain decoding, any k and any batch (see `gumbel`).
+        self._noise: dict[int, torch.Tensor] = {}  # position -> its noise, for the positions not yet emitted
 
     @property
     def new_tokens(self) -> list[int]:
@@ -79,10 +80,16 @@ class Session:
 
     def gumbel(self, position: int, size: int) -> torch.Tensor:
         """The Gumbel noise [V] of one sequence position, fixed by (seed, position): argmax(log p + noise) is an exact
-        sample from p, and a draft argmax(log q + noise) equals it often when q is close to p."""
-        g = torch.Generator().manual_seed((self.params.seed * 1_000_003 + position) % 2**63)
-        u = torch.rand(size, generator=g, dtype=torch.float64).clamp_(1e-300, 1.0)
-        return (-(-u.log()).log()).float().to(self.model.device)
+        sample from p, and a draft argmax(log q + noise) equals it often when q is close to p. Kept until the position
+        is emitted: a round verifies positions the next one verifies again (~120 us each at V = 8k)."""
+        noise = self._noise.get(position)
+        if noise is None or noise.shape[0] != size:
+            for p in [p for p in self._noise if p < len(self.tokens)]:
+                del self._noise[p]
+            g = torch.Generator().manual_seed((self.params.seed * 1_000_003 + position) % 2**63)
+            u = torch.rand(size, generator=g, dtype=torch.float64).clamp_(1e-300, 1.0)
+            noise = self._noise[position] = (-(-u.log()).log()).float().to(self.model.device)
+        return noise
 
     def emit(self, toks: list[int], kinds: list[str] | None = None) -> list[int]:
         """Append tokens, honouring EOS, stop strings and the length limit; returns those emitted. `kinds`: one

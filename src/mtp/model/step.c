@@ -213,43 +213,6 @@ int qwen35_decode(const Kernels* k, const Step* s, const Layer* layers, int64_t 
     return failed ? -1 : 0;
 }
 
-/* A round's verify (decode/round.c `greedy_round`): the decode forward, then the head over every token and each
- * one's argmax, as round.py's `verify` runs them (model.head, then argmax over [B, T, V]): target [B*T].
- * qwen35_decode's codes. */
-int qwen35_verify(const Kernels* k, const Step* s, const Layer* layers, int64_t L, const Linear* head, uint16_t* logits,
-                  int64_t* target, int nth) {
-    const int status = qwen35_decode(k, s, layers, L, nth);
-    if (status) return status;
-    const int64_t M = s->B * s->T;
-    if (linear(k, head, s->out, M, logits, nth)) return -1;
-    k->argmax_rows(M, head->N, logits, head->N, 1, target, nth);
-    return 0;
-}
-
-typedef struct {
-    int64_t B, W, K, H, V, S, R, P; /* rows, pending positions read, drafts, hidden, vocabulary, MTP cache slots,
-                                       rotary dims, rotary table rows */
-    float eps;                      /* the pre-fc norms' */
-    const uint16_t *embed, *norm_e, *norm_h; /* the embedding the MTP reads [V, H]; pre_fc_norm_embedding, _hidden [H] */
-    const uint16_t* fc;             /* the input projection [2H] -> [H], bf16 in qmatmul's pack_bf16 layout */
-    const uint16_t* norm;           /* the MTP's final norm [H] */
-    Linear head;                    /* the output head the drafts take: [H] -> [N] (N = V, or a reduced vocabulary) */
-    const int64_t* vocab_ids;       /* [N] the token of each head output (a reduced vocabulary), or NULL: N = V */
-    const uint16_t *cos, *sin;      /* rotary tables [P, R] */
-    const uint16_t* pend_h;         /* [B, PR, H]: the kept positions the MTP reads first */
-    const int64_t* pend_next;       /* [B, PR]: the token after each */
-    int64_t PR;                     /* pending slots per row */
-    const int64_t *pend_n, *mtp_pos; /* [B]: pending positions per row (1..W), the MTP slots filled */
-    int64_t* drafts;                /* out [B, K] */
-    /* The drafts' sampling rule (round.py's `draft`: temperature and top-k), or temp NULL: every row's argmax */
-    const float* temp;              /* [B] each row's temperature (1 for a greedy row) */
-    const uint8_t* greedy;          /* [B] bool: the row drafts its argmax */
-    const int64_t* top_k;           /* [B] each row's top-k (V: none) */
-    const float* noise;             /* [B, K, V] the Gumbel noise of each sampled row's drafts */
-    float* q;                       /* out [B, K, V] or NULL: every row's draft logits / temperature (-inf outside a
-                                       reduced vocabulary), the unseeded acceptance rule's draft distribution */
-} Draft;
-
 /* The k-th largest of x [n] (k <= n), counting equal values apart: as the k-th of x sorted in descending order. A
  * min-heap of the k largest so far. */
 static float kth_largest(const float* x, int64_t n, int64_t k, float* heap) {
@@ -300,6 +263,62 @@ static int64_t pick(const uint16_t* l, int64_t N, int64_t V, const int64_t* ids,
     }
     return best_id;
 }
+
+/* The target's pick in a round of sampled rows whose rule is the one `pick` computes (round.py's seeded rows, and a
+ * plain step's sampled rows: accept.py takes argmax(x + noise) there): per row b a temperature, top-k and greedy flag,
+ * and noise [B, T, V] for each of its T tokens. */
+typedef struct {
+    const float* temp;
+    const uint8_t* greedy;
+    const int64_t* top_k;
+    const float* noise;
+} Pick;
+
+/* A round's verify (decode/round.c `greedy_round`): the decode forward, then the head over every token and each
+ * one's argmax (a sampled row's: `pick`'s, where `p` is given), as round.py's `verify` runs them (model.head, then
+ * argmax over [B, T, V], or accept.py's over the shaped logits plus the noise): target [B*T]. qwen35_decode's codes. */
+int qwen35_verify(const Kernels* k, const Step* s, const Layer* layers, int64_t L, const Linear* head, uint16_t* logits,
+                  int64_t* target, const Pick* p, int nth) {
+    const int status = qwen35_decode(k, s, layers, L, nth);
+    if (status) return status;
+    const int64_t M = s->B * s->T, N = head->N;
+    if (linear(k, head, s->out, M, logits, nth)) return -1;
+    k->argmax_rows(M, N, logits, N, 1, target, nth);
+    if (!p) return 0;
+    float* xs = malloc(sizeof(float) * (size_t)(2 * N));
+    if (!xs) return -1;
+    for (int64_t m = 0; m < M; m++) {
+        const int64_t b = m / s->T;
+        if (!p->greedy[b]) target[m] = pick(logits + m * N, N, N, NULL, p->temp[b], p->top_k[b], p->noise + m * N, NULL, xs, xs + N);
+    }
+    free(xs);
+    return 0;
+}
+
+typedef struct {
+    int64_t B, W, K, H, V, S, R, P; /* rows, pending positions read, drafts, hidden, vocabulary, MTP cache slots,
+                                       rotary dims, rotary table rows */
+    float eps;                      /* the pre-fc norms' */
+    const uint16_t *embed, *norm_e, *norm_h; /* the embedding the MTP reads [V, H]; pre_fc_norm_embedding, _hidden [H] */
+    const uint16_t* fc;             /* the input projection [2H] -> [H], bf16 in qmatmul's pack_bf16 layout */
+    const uint16_t* norm;           /* the MTP's final norm [H] */
+    Linear head;                    /* the output head the drafts take: [H] -> [N] (N = V, or a reduced vocabulary) */
+    const int64_t* vocab_ids;       /* [N] the token of each head output (a reduced vocabulary), or NULL: N = V */
+    const uint16_t *cos, *sin;      /* rotary tables [P, R] */
+    const uint16_t* pend_h;         /* [B, PR, H]: the kept positions the MTP reads first */
+    const int64_t* pend_next;       /* [B, PR]: the token after each */
+    int64_t PR;                     /* pending slots per row */
+    const int64_t *pend_n, *mtp_pos; /* [B]: pending positions per row (1..W), the MTP slots filled */
+    int64_t* drafts;                /* out [B, K] */
+    /* The drafts' sampling rule (round.py's `draft`: temperature and top-k), or temp NULL: every row's argmax */
+    const float* temp;              /* [B] each row's temperature (1 for a greedy row) */
+    const uint8_t* greedy;          /* [B] bool: the row drafts its argmax */
+    const int64_t* top_k;           /* [B] each row's top-k (V: none) */
+    const float* noise;             /* [B, K, V] the Gumbel noise of each sampled row's drafts */
+    float* q;                       /* out [B, K, V] or NULL: every row's draft logits / temperature (-inf outside a
+                                       reduced vocabulary), the unseeded acceptance rule's draft distribution */
+} Draft;
+
 
 /* fc(cat(norm_e(embed[ids]), norm_h(hid))) for M rows: hid [M, H] -> x [M, H]; cat [M, 2H] and e [M, H] scratch */
 static int mtp_input(const Kernels* k, const Draft* d, const int64_t* ids, const uint16_t* hid, int64_t M, uint16_t* cat,

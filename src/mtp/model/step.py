@@ -76,6 +76,21 @@ class _Draft(ctypes.Structure):
                 + [(n, p) for n in ("pend_n", "mtp_pos", "drafts", "temp", "greedy", "top_k", "noise", "q")])
 
 
+class _Pick(ctypes.Structure):
+    _fields_ = [(n, p) for n in ("temp", "greedy", "top_k", "noise")]
+
+
+def _fits(sampling: DraftSampling, B: int, T: int, V: int) -> bool:
+    """Are `sampling`'s tensors what the C picks read for B rows of T tokens over V: temperature fp32 [B], greedy
+    bool [B], top_k long [B] (>= 1), noise and q (if given) fp32 [B, T, V], contiguous, on the CPU?"""
+    t, greedy, top_k, noise, q = sampling
+    given = (t, greedy, top_k, noise) + (() if q is None else (q,))
+    return (t.dtype == torch.float32 and t.shape == (B,) and greedy.dtype == torch.bool and greedy.shape == (B,)
+            and top_k.dtype == torch.int64 and top_k.shape == (B,) and noise.dtype == torch.float32
+            and noise.shape == (B, T, V) and (q is None or (q.dtype == torch.float32 and q.shape == (B, T, V)))
+            and all(x.is_contiguous() and x.device.type == "cpu" for x in given) and not bool((top_k < 1).any()))
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     for name, struct in (("qwen35_decode", _Step), ("qwen35_draft", _Draft)):
         fn = getattr(lib, name)
@@ -569,22 +584,22 @@ def draft(model, K: int, pend_h: torch.Tensor, pend_next: torch.Tensor, pend_n: 
     d, layers = bound
     d.W = width
     if sampling is not None:
-        t, greedy, top_k, noise, q = sampling
-        given = (t, greedy, top_k, noise) + (() if q is None else (q,))
-        if (t.dtype != torch.float32 or t.shape != (B,) or greedy.dtype != torch.bool or greedy.shape != (B,)
-                or top_k.dtype != torch.int64 or top_k.shape != (B,) or bool((top_k < 1).any())
-                or noise.dtype != torch.float32 or noise.shape != (B, K, d.V)
-                or (q is not None and (q.dtype != torch.float32 or q.shape != (B, K, d.V)))
-                or not all(x.is_contiguous() and x.device.type == "cpu" for x in given)):
+        if not _fits(sampling, B, K, d.V):
             return None
-        d.temp, d.greedy, d.top_k, d.noise = t.data_ptr(), greedy.data_ptr(), top_k.data_ptr(), noise.data_ptr()
-        d.q = None if q is None else q.data_ptr()
+        _set_draft_rule(d, sampling)
     starts, counts = host
     if max(s + max(width, n - 1 + K) for s, n in zip(starts, counts)) > min(d.S, d.P):
         raise ValueError(f"draft: MTP positions past the cache's {d.S} slots or the rotary table's {d.P}")
     _draft_status(LIBRARY.lib().qwen35_draft(ctypes.byref(prog.kernels), ctypes.byref(d), layers, len(layers),
                                              torch.get_num_threads()), d.V)
     return drafts
+
+
+def _set_draft_rule(d: _Draft, sampling: DraftSampling | None) -> None:
+    """Point the chain `d` at `sampling`'s tensors (`_fits`), or back at the argmax (None)."""
+    t, greedy, top_k, noise, q = sampling if sampling is not None else (None,) * 5
+    ptr = lambda x: None if x is None else x.data_ptr()  # noqa: E731
+    d.temp, d.greedy, d.top_k, d.noise, d.q = ptr(t), ptr(greedy), ptr(top_k), ptr(noise), ptr(q)
 
 
 def _draft_status(status: int, V: int) -> None:
@@ -626,6 +641,24 @@ class RoundProgram:
     drafts: torch.Tensor  # [B, K] long
     slots: int  # cache slots S
     held: list  # what the structs point at
+    pick: _Pick = field(default_factory=_Pick)  # the verify's sampling rule, set per round (`sample`)
+
+    def sample(self, drafts: DraftSampling | None, target: DraftSampling | None) -> bool:
+        """Set this round's sampling rule: the draft chain's (`drafts`, noise [B, K, V], no q) and the verify's
+        (`target`, noise [B, K+1, V]: each sampled row's token at each position is argmax(x + noise), x the logits
+        over its temperature cut to its top-k - round.py's seeded rule, and a plain step's), or the argmax (None) ->
+        False where the tensors do not fit (nothing set). The tensors must live until the round has run."""
+        B, T = self.target.shape
+        V = self.logits.shape[-1]
+        if target is not None and (not _fits(target, B, T, V) or target.q is not None
+                                   or (T > 1 and (drafts is None or drafts.q is not None or not _fits(drafts, B, T - 1, V)))):
+            return False
+        if self.draft_args is not None:
+            _set_draft_rule(self.draft_args, drafts if target is not None else None)
+        t, greedy, top_k, noise, _ = target if target is not None else (None,) * 5
+        ptr = lambda x: None if x is None else x.data_ptr()  # noqa: E731
+        self.pick.temp, self.pick.greedy, self.pick.top_k, self.pick.noise = ptr(t), ptr(greedy), ptr(top_k), ptr(noise)
+        return True
 
     def current(self, model) -> bool:
         """Are the programs this was bound to still `model`'s, hook-free, the rotary table the same? The programs'
