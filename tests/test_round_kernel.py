@@ -98,7 +98,7 @@ def one_round(model, st: RoundState, K: int, limits: list[int], D: int, vocab, w
     B = st.pos.shape[0]
     starts, width = st.pos.tolist(), max(st.pend_n.tolist())
     head = None if vocab is None else vocab.head(model, 1)
-    rs, d_noise, t_noise = sampling if sampling is not None else (None,) * 3
+    rs, d_noise, t_noise, u = sampling if sampling is not None else (None,) * 4
     with torch.inference_mode():
         if whole:
             done = round_kernel.greedy_round(model, st, K, limits, D, starts, width, None if head is None else (head, vocab.ids),
@@ -109,7 +109,6 @@ def one_round(model, st: RoundState, K: int, limits: list[int], D: int, vocab, w
         if K:
             drafts, q = round_mod.draft(model, st, K, rs, d_noise, vocab, width, (st.mtp_pos.tolist(), st.pend_n.tolist()))
         active = torch.tensor([b < D for b in range(B)])
-        u = torch.rand(B, K) if rs is not None and rs.any_unseeded else None
         return round_mod.verify(model, st, drafts, torch.tensor(limits), active, rs, q, t_noise, u, starts).tolist()
 
 
@@ -117,14 +116,15 @@ def one_round(model, st: RoundState, K: int, limits: list[int], D: int, vocab, w
 @pytest.mark.parametrize("B,D,K,reduced,rule", [
     (1, 1, 0, False, None), (1, 1, 3, False, None), (4, 3, 0, False, None), (4, 3, 2, False, None),
     (2, 2, 1, False, None), (3, 3, 4, True, None), (3, 3, 3, False, "seeded"), (4, 3, 2, True, "seeded top_k"),
-    (1, 1, 0, False, "seeded"), (4, 3, 0, False, "unseeded top_k"), (2, 2, 0, False, "unseeded")])
+    (1, 1, 0, False, "seeded"), (4, 3, 0, False, "unseeded top_k"), (2, 2, 0, False, "unseeded"),
+    (3, 3, 3, False, "unseeded"), (4, 3, 2, True, "unseeded top_k"), (2, 2, 4, False, "unseeded")])
 def test_the_whole_round_in_one_call_leaves_what_its_steps_leave(kind, B, D, K, reduced, rule):
     """`greedy_round` (draft chain, verify forward, head, argmax, accept and keep in one C call) == round.py's draft and
     verify step by step: the same tokens and, bit for bit, every tensor of the round state (caches, MTP caches, positions,
     pending positions), for a plain step every row keeps (states in place), a plain step with a row that keeps nothing,
     rounds with drafts and rows at their limit, and over a reduced draft vocabulary. Sampled rows (at temperature 0.7,
-    some with a top-k, beside greedy ones) whose rule is a greedy one over picked tokens, seeded at any K or unseeded in
-    a plain step: the same tokens from the same noise."""
+    some with a top-k, beside greedy ones), seeded or unseeded: the same tokens from the same noise and uniforms (the
+    unseeded rule's softmax rounds apart from torch's; these inputs sit nowhere near a tie)."""
     from mtp.decode.draft_vocab import DraftVocab
     from mtp.decode.sampling import RowSampling, SamplingParams, gumbel
     from test_step import quantized
@@ -138,8 +138,10 @@ def test_the_whole_round_in_one_call_leaves_what_its_steps_leave(kind, B, D, K, 
     if rule is not None:
         sampled = SamplingParams(0.7, top_k=5 if "top_k" in rule else None, seed=None if "unseeded" in rule else 1)
         rs = RowSampling.build([SamplingParams() if b == 1 else sampled for b in range(B)], V, "cpu")
-        t_noise = gumbel(torch.rand(B, K + 1, V, generator=torch.Generator().manual_seed(3)))
-        sampling = (rs, t_noise[:, :K].contiguous(), t_noise)
+        g = torch.Generator().manual_seed(3)
+        t_noise = gumbel(torch.rand(B, K + 1, V, generator=g))
+        d_noise = gumbel(torch.rand(B, K, V, generator=g)) if "unseeded" in rule else t_noise[:, :K].contiguous()
+        sampling = (rs, d_noise, t_noise, torch.rand(B, K, generator=g))
     results = []
     for whole in (True, False, True):  # (the second whole round reuses the first one's bound program)
         st = round_state(model, B, seed=B + K)
@@ -154,8 +156,7 @@ def test_the_whole_round_in_one_call_leaves_what_its_steps_leave(kind, B, D, K, 
 def test_the_whole_round_follows_changed_weights_and_hands_over_what_it_cannot_run():
     """A weight changed in place: the next decoder's state binds its rounds anew (its result is the steps' with the new
     weight); a hook on the head (even after the round was bound), a model whose layers the programs cannot run, a
-    repetition penalty's state, and sampling rules that are not a greedy one over picked tokens (unseeded rows with
-    drafts, top-p) take the steps; bad state raises before anything is written."""
+    repetition penalty's state and top-p take the steps; bad state raises before anything is written."""
     from mtp.decode.sampling import RowSampling, SamplingParams
     from test_step import quantized
 
@@ -183,11 +184,11 @@ def test_the_whole_round_follows_changed_weights_and_hands_over_what_it_cannot_r
     with torch.inference_mode():
         assert round_kernel.greedy_round(fp32, round_state(fp32, 1, 0), 2, [2], 1, [0], 2) is None
     V = model.config.vocab_size
-    for params, K in ((SamplingParams(0.7), 2), (SamplingParams(0.7, top_p=0.9, seed=1), 2), (SamplingParams(0.7, top_p=0.9), 0)):
+    for params, K in ((SamplingParams(0.7, top_p=0.9, seed=1), 2), (SamplingParams(0.7, top_p=0.9), 0)):
         rs = RowSampling.build([params], V, "cpu")
         with torch.inference_mode():
             assert round_kernel.greedy_round(model, round_state(model, 1, 3), K, [K], 1, [0], 2, None,
-                                             (rs, torch.zeros(1, K, V), torch.zeros(1, K + 1, V))) is None
+                                             (rs, torch.zeros(1, K, V), torch.zeros(1, K + 1, V), torch.rand(1, K))) is None
     st = round_state(model, 1, 3)
     st.seen = torch.zeros(1, model.config.vocab_size, dtype=torch.bool)
     with torch.inference_mode():

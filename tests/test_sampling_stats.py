@@ -125,3 +125,25 @@ def test_the_test_detects_a_wrong_acceptance_rule(model, monkeypatch):
 
     monkeypatch.setattr(accept, "accept_rows", without_residual)
     assert chi2_pvalue(model, SamplingParams(temperature=1.0), 2, seeded=False) < 1e-3
+
+
+# (top-k 2: at top-k 3 this model has a near tie after (1, 1) that its forward and its decode programs round apart)
+@pytest.mark.parametrize("params, k", [(SamplingParams(temperature=1.0), 2), (SamplingParams(temperature=0.7, top_k=2), 3)])
+def test_the_one_call_round_keeps_the_target_distribution(params, k, monkeypatch):
+    """On an int8 model whose rounds run as one C call (round_kernel.greedy_round: the drafts' rule and Leviathan et
+    al.'s acceptance in C, step.c `unseeded_row`), unseeded speculative sampling still draws the target's joint law."""
+    from mtp.decode import round_kernel
+    from test_step import quantized
+
+    model = quantized("int8", seed=11, vocab_size=4, std=0.15)
+    real, calls = round_kernel.greedy_round, []
+
+    def counted(*args, **kw):
+        done = real(*args, **kw)
+        calls.append(done is not None and args[2] > 0)
+        return done
+
+    monkeypatch.setattr(round_kernel, "greedy_round", counted)
+    counts = sample_first_three(model, params, k, seeded=False)
+    assert sum(calls) > 0.9 * len(calls)  # (the rounds with drafts ran as one call)
+    assert chi2_of_counts(model, params, counts) > 1e-3

@@ -377,13 +377,12 @@ class Decoder:
                     self.mtp_pos[b] += self.pend_n[b] - 1
                     self.pend_n[b] = 1
         fused = None
-        # greedy rows, and sampled ones whose rule is a greedy one over picked tokens (seeded, or a plain step; no top-p
-        # or penalty): the whole round as one C call, where it can
-        greedy_rule = rs is None or (rs.any_sampled and not (rs.use_penalty or rs.use_top_p or (K and rs.any_unseeded)))
-        if eager and greedy_rule and self.masks is None:
+        # greedy rows, and sampled ones shaped by temperature and top-k only: the whole round as one C call, where it can
+        one_call = rs is None or (rs.any_sampled and not (rs.use_penalty or rs.use_top_p))
+        if eager and one_call and self.masks is None:
             head = None if K == 0 or self.vocab is None else self.vocab.head(model, 1)
             if K == 0 or self.vocab is None or head is not None:
-                sampling = None if rs is None else (rs, *self._noise(seqs, rs, B, K)[:2])
+                sampling = None if rs is None else (rs, *self._noise(seqs, rs, B, K))
                 fused = round_kernel.greedy_round(model, st, K, ks, D, self.state.cache.rows[:B],
                                                   max(self.pend_n[:B]) if K else 0,
                                                   None if head is None else (head, self.vocab.ids), sampling)

@@ -61,8 +61,8 @@ void accept_greedy(const Round* r) {
  * [last, d_1..d_K] and positions pos + 0..K with their rotary rows, the verify forward with the head and argmax
  * (qwen35_verify; with `pick`, sampled rows take the token their noise picks: a rule that is greedy over picked
  * tokens, as seeded rows' and a plain step's are), `accept_greedy` above, and the DeltaNet layers' keep
- * (deltanet_keep_layers; none where the forward updated them in place). What the model's programs read (their structs, layers, the buffers ids ...
- * hidden) is opaque here: round.c fills the buffers, the programs read them.
+ * (deltanet_keep_layers; none where the forward updated them in place). What the model's programs read (their
+ * structs, layers, the buffers ids ... hidden) is opaque here: round.c fills the buffers, the programs read them.
  * 0, or a program's status with `stage` saying which (1 the draft, 2 the verify; -5 at stage 2: a position past the
  * rotary table, the verify not run). */
 typedef int (*draft_fn)(const void*, const void*, const void*, int64_t, int);

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model.argmax_kernel import argmax
-from ..model.base import DraftSampling
+from ..model.base import PickRule
 from ..model.cache import Cache
 from . import accept, round_kernel
 from .sampling import RowSampling, shape_logits
@@ -99,14 +99,14 @@ def draft(model, st: RoundState, K: int, rs: RowSampling | None, noise: torch.Te
     # The drafts' rule is temperature and top-k: top-p and the repetition penalty shape the target only. Any draft
     # distribution q keeps the output exact (accept.py reads this q); this one needs no cumulative sum over a sorted
     # vocabulary and is what the C chain computes.
-    rs = None if rs is None else rs.for_drafts()
+    rs = rs.for_drafts() if rs is not None and rs.any_sampled else None  # (greedy rows with a penalty: argmax drafts)
     if host is not None and mtp.style == "sequential" and K > 0:
         reduced = None if vocab is None else vocab.head(model, 1)  # (its layer: the chain's depths share one head)
         if vocab is None or reduced is not None:
             sampling = q = None
             if rs is not None:  # every row's pick as below: argmax(x + noise) (x shaped), a greedy row's argmax(x)
                 q = torch.empty(B, K, model.config.vocab_size) if rs.any_unseeded else None
-                sampling = DraftSampling(rs.temperature, rs.greedy, rs.top_k, noise, q)
+                sampling = PickRule(rs.temperature, rs.greedy, rs.top_k, noise, q)
             done = model.mtp_draft(K, st.pend_h, st.pend_next, st.pend_n, st.mtp_pos, st.mtp_cache, width, host,
                                    None if vocab is None else (reduced, vocab.ids), sampling)
             if done is not None:  # the whole chain below in one call (CPU, where the family has one)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..model.base import DraftSampling
+from ..model.base import PickRule
 from ..model.native import NativeLibrary
 
 p, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -134,10 +134,9 @@ def greedy_round(model, st, K: int, limits: list[int], decoding: int, starts: li
     cannot (the round then runs its steps, to the same result: tests/test_round_kernel.py). `limits` [B]: the drafts
     each row may use; rows [0, decoding) decode, the rest keep nothing; `starts` [B]: the rows' positions on the host;
     `width`: the pending positions the draft's depth 1 reads; `vocab`: a reduced draft vocabulary's (head, ids).
-    `sampling`: (RowSampling, draft noise [B, K, V], target noise [B, K+1, V]) of a round whose rule is a greedy one over
-    picked tokens - every sampled row seeded, or K = 0 (accept.py: each position's token is argmax(x + noise), x the
-    logits over the temperature cut to the top-k; the drafts' rule is the same, `RowSampling.for_drafts`) with no
-    top-p or penalty; None: greedy rows only."""
+    `sampling`: (RowSampling, draft noise [B, K, V], target noise [B, K+1, V], uniforms [B, K] or None) of a round of
+    sampled rows with temperature and top-k only (no top-p or penalty): the drafts' rule and accept.py's, in C (step.c
+    `pick`, `unseeded_row`); None: greedy rows only."""
     if st.seen is not None or not LIBRARY.available():
         return None
     B = st.pos.shape[0]
@@ -171,14 +170,18 @@ def greedy_round(model, st, K: int, limits: list[int], decoding: int, starts: li
         if not 1 <= width <= st.pend_h.shape[1]:
             return None
         prog.draft_args.W = width
-    drafts = target = None
+    drafts = target = unseeded = None
     if sampling is not None:
-        rs, d_noise, t_noise = sampling
-        if rs.use_top_p or rs.use_penalty or (K and rs.any_unseeded):
+        rs, d_noise, t_noise, u = sampling
+        if rs.use_top_p or rs.use_penalty:
             return None
-        drafts = DraftSampling(rs.temperature, rs.greedy, rs.top_k, d_noise, None)
-        target = DraftSampling(rs.temperature, rs.greedy, rs.top_k, t_noise, None)
-    if not prog.sample(drafts, target):
+        q = None
+        if K and rs.any_unseeded:  # the unseeded rule reads the drafts' q
+            q = torch.empty(B, K, t_noise.shape[-1])
+            unseeded = (~rs.greedy & ~rs.seeded, u)
+        drafts = PickRule(rs.temperature, rs.greedy, rs.top_k, d_noise, q)
+        target = PickRule(rs.temperature, rs.greedy, rs.top_k, t_noise, None)
+    if not prog.sample(drafts, target, unseeded, ctypes.addressof(plan.limit)):
         return None
     call.pick = None if target is None else ctypes.addressof(prog.pick)
     call.nth = torch.get_num_threads()

@@ -45,16 +45,16 @@ QUANTIZE = ("int8", "int4")
 MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 
 
-class DraftSampling(NamedTuple):
-    """The drafts' sampling rule for the one-call draft chain (`CausalLM.mtp_draft`; decode/round.py `draft`): each
-    sampled row drafts argmax(x + noise), x = logits / temperature, -inf outside its top_k largest; a greedy row its
-    argmax."""
+class PickRule(NamedTuple):
+    """How the C programs pick sampled rows' tokens (the one-call draft chain, `CausalLM.mtp_draft`, and the one-call
+    round's verify, model/step.py `RoundProgram.sample`): each sampled row takes argmax(x + noise) at each of its T
+    positions, x = logits / temperature, -inf below its top_k-th largest; a greedy row its argmax."""
 
     temperature: torch.Tensor  # [B] fp32, 1 for a greedy row
     greedy: torch.Tensor  # [B] bool
     top_k: torch.Tensor  # [B] long, the vocabulary size where a row has none
-    noise: torch.Tensor  # [B, K, V] fp32: each draft's Gumbel noise
-    q: torch.Tensor | None  # [B, K, V] fp32 to fill with every row's draft logits / temperature, or None
+    noise: torch.Tensor  # [B, T, V] fp32: each position's Gumbel noise
+    q: torch.Tensor | None  # [B, T, V] fp32 to fill with every row's x (the unseeded rule's draft logits), or None
 
 
 class NonFiniteLogitsWarning(UserWarning):
@@ -428,7 +428,7 @@ class CausalLM(nn.Module, ABC):
     def mtp_draft(self, K: int, pend_h: torch.Tensor, pend_next: torch.Tensor, pend_n: torch.Tensor,
                   mtp_pos: torch.Tensor, caches: list, width: int, host: tuple[list[int], list[int]],
                   vocab: tuple[nn.Module, torch.Tensor] | None = None,
-                  sampling: DraftSampling | None = None) -> torch.Tensor | None:
+                  sampling: PickRule | None = None) -> torch.Tensor | None:
         """The round's draft chain (decode/round.py `draft`: a sequential MTP, greedy or `sampling`'s rule) as one call
         -> drafts [B, K], where the family has one (None: the round runs it step by step, to the same drafts, caches
         and q). The arguments are the round state's (`RoundState`) and the host's (mtp_pos, pend_n); `vocab`: a reduced

@@ -24,7 +24,7 @@ from torch import nn
 from ..config import Qwen35Config, Qwen35MoeConfig
 from . import step
 from .attention import GatedAttention
-from .base import CausalLM, DraftSampling, MTPModule
+from .base import CausalLM, MTPModule, PickRule
 from .cache import Cache, KVCache, Positions
 from .deltanet import GatedDeltaNet
 from .layer import MLP, DecoderLayer
@@ -151,7 +151,7 @@ class Qwen35ForCausalLM(CausalLM):
     def mtp_draft(self, K: int, pend_h: torch.Tensor, pend_next: torch.Tensor, pend_n: torch.Tensor,
                   mtp_pos: torch.Tensor, caches: list, width: int, host: tuple[list[int], list[int]],
                   vocab: tuple[nn.Module, torch.Tensor] | None = None,
-                  sampling: DraftSampling | None = None) -> torch.Tensor | None:
+                  sampling: PickRule | None = None) -> torch.Tensor | None:
         """`CausalLM.mtp_draft`, as one C call where the MTP allows it (step.py: the same drafts and caches)."""
         return step.draft(self, K, pend_h, pend_next, pend_n, mtp_pos, caches, width, host, vocab, sampling)
 

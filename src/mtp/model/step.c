@@ -241,20 +241,28 @@ static float kth_largest(const float* x, int64_t n, int64_t k, float* heap) {
     return heap[0];
 }
 
-/* A sampled row's draft from its head logits l [N] (token ids[i], or i): with x = l / T, kept where x >= the top_k-th
- * largest of the row's V logits (a reduced vocabulary's others are -inf; top_k >= V keeps all), argmax over tokens of
- * x + g (g [V]: the row's noise), lowest token id first among equals, as round.py's torch.argmax over the full
- * vocabulary after `shape_logits`; writes x, or -inf where dropped, at each token of q [V] (NULL: none). The same fp32
- * division, comparisons and addition as round.py's, so the same token. x, heap: scratch [N], [min(top_k, N)]. */
-static int64_t pick(const uint16_t* l, int64_t N, int64_t V, const int64_t* ids, float T, int64_t top_k, const float* g,
-                    float* q, float* x, float* heap) {
+/* A sampled row's shaped logits (sampling.py `shape_logits` with temperature and top-k): head logits l [N] of a
+ * vocabulary of V (N < V: a reduced one, the others -inf) -> x [N] = l / T, -inf below the top_k-th largest (top_k
+ * >= V keeps all). The same fp32 division and comparisons as torch's. heap: scratch [min(top_k, N)]. */
+static void shaped(const uint16_t* l, int64_t N, int64_t V, float T, int64_t top_k, float* x, float* heap) {
     for (int64_t i = 0; i < N; i++) x[i] = bf16_to_f(l[i]) / T;
     const float kth = top_k < V && top_k <= N ? kth_largest(x, N, top_k, heap) : -INFINITY;
+    for (int64_t i = 0; i < N; i++)
+        if (x[i] < kth) x[i] = -INFINITY;
+}
+
+/* A sampled row's token from its head logits l [N] (token ids[i], or i): argmax over tokens of x + g (`shaped`'s x,
+ * g [V]: the row's noise), lowest token id first among equals, as torch.argmax over the full vocabulary; writes x at
+ * each token of q [V] (NULL: none). The same fp32 addition as round.py's and accept.py's, so the same token. x, heap:
+ * scratch [N], [min(top_k, N)]. */
+static int64_t pick(const uint16_t* l, int64_t N, int64_t V, const int64_t* ids, float T, int64_t top_k, const float* g,
+                    float* q, float* x, float* heap) {
+    shaped(l, N, V, T, top_k, x, heap);
     int64_t best_id = -1;
     float best = 0.0f;
     for (int64_t i = 0; i < N; i++) {
         const int64_t t = ids ? ids[i] : i;
-        const float xi = x[i] < kth ? -INFINITY : x[i], v = xi + g[t];
+        const float xi = x[i], v = xi + g[t];
         if (q) q[t] = xi;
         if (best_id < 0 || v > best || (v == best && t < best_id)) {
             best = v;
@@ -264,15 +272,82 @@ static int64_t pick(const uint16_t* l, int64_t N, int64_t V, const int64_t* ids,
     return best_id;
 }
 
-/* The target's pick in a round of sampled rows whose rule is the one `pick` computes (round.py's seeded rows, and a
- * plain step's sampled rows: accept.py takes argmax(x + noise) there): per row b a temperature, top-k and greedy flag,
- * and noise [B, T, V] for each of its T tokens. */
+/* The target's pick in a round of sampled rows (round.py's `verify` with accept.py's `accept_rows`, temperature and
+ * top-k the only shaping): per row b a temperature, top-k and greedy flag, and noise [B, T, V] for each of its T
+ * tokens. A seeded row, and any sampled row in a plain step (T = 1), takes argmax(x + noise) at each position;
+ * a row with `unseeded` set and drafts takes Leviathan et al.'s rule (`unseeded_row`). */
 typedef struct {
     const float* temp;
     const uint8_t* greedy;
     const int64_t* top_k;
     const float* noise;
+    const uint8_t* unseeded; /* [B] or NULL */
+    const float* q;          /* [B, T-1, V]: the drafts' x (their rule's logits, the draft chain's q) */
+    const float* u;          /* [B, T-1]: uniforms for the ratio tests */
+    const int64_t* drafts;   /* [B, T-1] */
+    int64_t* limit;          /* [B]: the drafts each row may use; an unseeded row's becomes the count it accepted */
 } Pick;
+
+/* log sum exp of x [n] (-inf entries count 0; all -inf: -inf) */
+static float logsumexp(const float* x, int64_t n) {
+    float m = -INFINITY;
+    for (int64_t i = 0; i < n; i++) m = x[i] > m ? x[i] : m;
+    if (m == -INFINITY) return m;
+    double s = 0.0;
+    for (int64_t i = 0; i < n; i++) s += x[i] == -INFINITY ? 0.0 : (double)expf(x[i] - m);
+    return m + (float)log(s);
+}
+
+/* An unseeded row with drafts (accept.py `accept_rows`): with p_j = softmax(x_j) of the verify's shaped logits at
+ * position j and q_j = softmax of the drafts' x, accept draft d_j while u_j q_j(d_j) < p_j(d_j) (within the row's
+ * limit); at the first rejection n the next token is a sample from norm(max(0, p_n - q_n)) (p_n where that is all
+ * zero), after all were accepted one from p_n (argmax(x_n + noise)): an exact sample from the target whatever was
+ * drafted. Writes the row's T target tokens as the greedy accept reads them (the accepted drafts, then the next
+ * token) and its limit as the accepted count. The same rule as accept.py's; torch's softmax rounds differently, so
+ * the two agree in law, and in tokens except where a ratio or a residual's argmax sits within rounding of a tie.
+ * x, heap: scratch [N], [N]. */
+static void unseeded_row(const Pick* p, int64_t b, int64_t T, const uint16_t* logits, int64_t N, int64_t* target,
+                         float* x, float* heap) {
+    const int64_t K = T - 1, lim = p->limit[b] < K ? p->limit[b] : K;
+    const float* q = p->q + b * K * N;
+    const int64_t* d = p->drafts + b * K;
+    int64_t n = 0;
+    for (; n < lim; n++) {
+        shaped(logits + (b * T + n) * N, N, N, p->temp[b], p->top_k[b], x, heap);
+        const float* qn = q + n * N;
+        const float pd = expf(x[d[n]] - logsumexp(x, N)), qd = qn[d[n]] == -INFINITY ? 0.0f : expf(qn[d[n]] - logsumexp(qn, N));
+        if (!(qd > 0.0f && p->u[b * K + n] * qd < pd)) break;
+    }
+    shaped(logits + (b * T + n) * N, N, N, p->temp[b], p->top_k[b], x, heap);
+    const float* g = p->noise + (b * T + n) * N;
+    int64_t next = -1;
+    float best = 0.0f;
+    if (n < lim) { /* the residual max(0, p_n - q_n), sampled by argmax(log r + g) over where it is positive */
+        const float* qn = q + n * N;
+        const float lp = logsumexp(x, N), lq = logsumexp(qn, N);
+        for (int64_t t = 0; t < N; t++) {
+            const float pt = x[t] == -INFINITY ? 0.0f : expf(x[t] - lp), qt = qn[t] == -INFINITY ? 0.0f : expf(qn[t] - lq);
+            const float r = pt - qt;
+            if (!(r > 0.0f)) continue;
+            const float v = logf(r) + g[t];
+            if (next < 0 || v > best) {
+                best = v;
+                next = t;
+            }
+        }
+    }
+    if (next < 0) /* after all were accepted (or p_n - q_n nowhere positive): a sample from p_n */
+        for (int64_t t = 0; t < N; t++) {
+            const float v = x[t] + g[t];
+            if (next < 0 || v > best) {
+                best = v;
+                next = t;
+            }
+        }
+    for (int64_t j = 0; j < n; j++) target[b * T + j] = d[j];
+    target[b * T + n] = next;
+    p->limit[b] = n;
+}
 
 /* A round's verify (decode/round.c `greedy_round`): the decode forward, then the head over every token and each
  * one's argmax (a sampled row's: `pick`'s, where `p` is given), as round.py's `verify` runs them (model.head, then
@@ -287,9 +362,14 @@ int qwen35_verify(const Kernels* k, const Step* s, const Layer* layers, int64_t 
     if (!p) return 0;
     float* xs = malloc(sizeof(float) * (size_t)(2 * N));
     if (!xs) return -1;
-    for (int64_t m = 0; m < M; m++) {
-        const int64_t b = m / s->T;
-        if (!p->greedy[b]) target[m] = pick(logits + m * N, N, N, NULL, p->temp[b], p->top_k[b], p->noise + m * N, NULL, xs, xs + N);
+    for (int64_t b = 0; b < s->B; b++) {
+        if (p->greedy[b]) continue;
+        if (p->unseeded && p->unseeded[b] && s->T > 1) {
+            unseeded_row(p, b, s->T, logits, N, target, xs, xs + N);
+            continue;
+        }
+        for (int64_t m = b * s->T; m < (b + 1) * s->T; m++)
+            target[m] = pick(logits + m * N, N, N, NULL, p->temp[b], p->top_k[b], p->noise + m * N, NULL, xs, xs + N);
     }
     free(xs);
     return 0;

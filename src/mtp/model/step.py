@@ -36,7 +36,7 @@ from torch.nn.modules import module as module_hooks
 
 from . import act, argmax_kernel, attention_kernel, deltanet_kernel, norm_kernel, qmatmul
 from .attention import GatedAttention
-from .base import DraftSampling
+from .base import PickRule
 from .cache import Cache, DeltaState, DeltaSteps, KVCache, Positions
 from .deltanet import GatedDeltaNet
 from .layer import MLP, DecoderLayer
@@ -77,10 +77,10 @@ class _Draft(ctypes.Structure):
 
 
 class _Pick(ctypes.Structure):
-    _fields_ = [(n, p) for n in ("temp", "greedy", "top_k", "noise")]
+    _fields_ = [(n, p) for n in ("temp", "greedy", "top_k", "noise", "unseeded", "q", "u", "drafts", "limit")]
 
 
-def _fits(sampling: DraftSampling, B: int, T: int, V: int) -> bool:
+def _fits(sampling: PickRule, B: int, T: int, V: int) -> bool:
     """Are `sampling`'s tensors what the C picks read for B rows of T tokens over V: temperature fp32 [B], greedy
     bool [B], top_k long [B] (>= 1), noise and q (if given) fp32 [B, T, V], contiguous, on the CPU?"""
     t, greedy, top_k, noise, q = sampling
@@ -561,7 +561,7 @@ def _draft_program(model) -> tuple[Program, tuple[torch.Tensor, torch.Tensor]] |
 
 def draft(model, K: int, pend_h: torch.Tensor, pend_next: torch.Tensor, pend_n: torch.Tensor, mtp_pos: torch.Tensor,
           caches: list, width: int, host: tuple[list[int], list[int]],
-          vocab: tuple[FastLinear, torch.Tensor] | None = None, sampling: DraftSampling | None = None) -> torch.Tensor | None:
+          vocab: tuple[FastLinear, torch.Tensor] | None = None, sampling: PickRule | None = None) -> torch.Tensor | None:
     """round.py's draft chain of K >= 1 drafts as one C call -> drafts [B, K] (long), or None where it cannot run so
     (the round then runs it step by step, to the same drafts, caches and q). `sampling`: the rows' temperatures, top-k
     and noise (each sampled row drafts argmax(x + noise), x = logits / T outside its top-k -inf, and q gets every
@@ -595,7 +595,7 @@ def draft(model, K: int, pend_h: torch.Tensor, pend_next: torch.Tensor, pend_n: 
     return drafts
 
 
-def _set_draft_rule(d: _Draft, sampling: DraftSampling | None) -> None:
+def _set_draft_rule(d: _Draft, sampling: PickRule | None) -> None:
     """Point the chain `d` at `sampling`'s tensors (`_fits`), or back at the argmax (None)."""
     t, greedy, top_k, noise, q = sampling if sampling is not None else (None,) * 5
     ptr = lambda x: None if x is None else x.data_ptr()  # noqa: E731
@@ -643,21 +643,37 @@ class RoundProgram:
     held: list  # what the structs point at
     pick: _Pick = field(default_factory=_Pick)  # the verify's sampling rule, set per round (`sample`)
 
-    def sample(self, drafts: DraftSampling | None, target: DraftSampling | None) -> bool:
-        """Set this round's sampling rule: the draft chain's (`drafts`, noise [B, K, V], no q) and the verify's
-        (`target`, noise [B, K+1, V]: each sampled row's token at each position is argmax(x + noise), x the logits
-        over its temperature cut to its top-k - round.py's seeded rule, and a plain step's), or the argmax (None) ->
-        False where the tensors do not fit (nothing set). The tensors must live until the round has run."""
+    def sample(self, drafts: PickRule | None, target: PickRule | None,
+               unseeded: tuple[torch.Tensor, torch.Tensor] | None = None, limit: int | None = None) -> bool:
+        """Set this round's sampling rule: the draft chain's (`drafts`, noise [B, K, V]; q [B, K, V] where rows are
+        unseeded) and the verify's (`target`, noise [B, K+1, V], no q: each sampled row's token at each position is
+        argmax(x + noise), x the logits over its temperature cut to its top-k - round.py's seeded rule, and a plain
+        step's), or the argmax (None). `unseeded`: (mask [B] bool, uniforms [B, K]) of rows that take Leviathan et
+        al.'s rule instead (with drafts; step.c `unseeded_row`), whose accepted counts are written over the round's
+        limits at address `limit` ([B] int64). -> False where the tensors do not fit (nothing set). The tensors must
+        live until the round has run."""
         B, T = self.target.shape
         V = self.logits.shape[-1]
-        if target is not None and (not _fits(target, B, T, V) or target.q is not None
-                                   or (T > 1 and (drafts is None or drafts.q is not None or not _fits(drafts, B, T - 1, V)))):
-            return False
+        if target is not None:
+            if (not _fits(target, B, T, V) or target.q is not None
+                    or (T > 1 and (drafts is None or not _fits(drafts, B, T - 1, V)))):
+                return False
+            if unseeded is not None:
+                mask, u = unseeded
+                if (T == 1 or drafts.q is None or limit is None or mask.dtype != torch.bool or mask.shape != (B,)
+                        or u.dtype != torch.float32 or u.shape != (B, T - 1)
+                        or not all(x.is_contiguous() and x.device.type == "cpu" for x in (mask, u))):
+                    return False
         if self.draft_args is not None:
             _set_draft_rule(self.draft_args, drafts if target is not None else None)
         t, greedy, top_k, noise, _ = target if target is not None else (None,) * 5
+        mask, u = unseeded if target is not None and unseeded is not None else (None, None)
         ptr = lambda x: None if x is None else x.data_ptr()  # noqa: E731
-        self.pick.temp, self.pick.greedy, self.pick.top_k, self.pick.noise = ptr(t), ptr(greedy), ptr(top_k), ptr(noise)
+        pk = self.pick
+        pk.temp, pk.greedy, pk.top_k, pk.noise = ptr(t), ptr(greedy), ptr(top_k), ptr(noise)
+        pk.unseeded, pk.u = ptr(mask), ptr(u)
+        pk.q = None if mask is None else drafts.q.data_ptr()
+        pk.drafts, pk.limit = (None, None) if mask is None else (self.drafts.data_ptr(), limit)
         return True
 
     def current(self, model) -> bool:
