@@ -288,14 +288,23 @@ typedef struct {
     int64_t* limit;          /* [B]: the drafts each row may use; an unseeded row's becomes the count it accepted */
 } Pick;
 
-/* log sum exp of x [n] (-inf entries count 0; all -inf: -inf) */
+/* log sum exp of x [n] (-inf entries count 0; all -inf: -inf), 8 lanes at a time (native.h's exp8) */
 static float logsumexp(const float* x, int64_t n) {
     float m = -INFINITY;
     for (int64_t i = 0; i < n; i++) m = x[i] > m ? x[i] : m;
     if (m == -INFINITY) return m;
-    double s = 0.0;
-    for (int64_t i = 0; i < n; i++) s += x[i] == -INFINITY ? 0.0 : (double)expf(x[i] - m);
-    return m + (float)log(s);
+    const __m256 vm = _mm256_set1_ps(m), ninf = _mm256_set1_ps(-INFINITY);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        acc = _mm256_add_ps(acc, _mm256_andnot_ps(_mm256_cmp_ps(v, ninf, _CMP_EQ_OQ), exp8(_mm256_sub_ps(v, vm))));
+    }
+    float lanes[8], s = 0.0f;
+    _mm256_storeu_ps(lanes, acc);
+    for (int j = 0; j < 8; j++) s += lanes[j];
+    for (; i < n; i++) s += x[i] == -INFINITY ? 0.0f : expf(x[i] - m);
+    return m + logf(s);
 }
 
 /* An unseeded row with drafts (accept.py `accept_rows`): with p_j = softmax(x_j) of the verify's shaped logits at
