@@ -404,10 +404,9 @@ typedef struct {
     const uint8_t* greedy;          /* [B] bool: the row drafts its argmax */
     const int64_t* top_k;           /* [B] each row's top-k (V: none) */
     const float* noise;             /* [B, K, V] the Gumbel noise of each sampled row's drafts */
-    float* q;                       /* out [B, K, V] or NULL: every row's draft logits / temperature (-inf outside a
-                                       reduced vocabulary), the unseeded acceptance rule's draft distribution */
+    float* q;                       /* out [B, K, V] or NULL: every row's x (`shaped`; a greedy row's logits; -inf
+                                       outside a reduced vocabulary), the unseeded rule's draft distribution */
 } Draft;
-
 
 /* fc(cat(norm_e(embed[ids]), norm_h(hid))) for M rows: hid [M, H] -> x [M, H]; cat [M, 2H] and e [M, H] scratch */
 static int mtp_input(const Kernels* k, const Draft* d, const int64_t* ids, const uint16_t* hid, int64_t M, uint16_t* cat,
