@@ -183,20 +183,20 @@ class Server:
         self._log.close()
 
 
-def completion(client: openai.OpenAI, model: str, prompt: str, max_tokens: int) -> int:
-    """One greedy completion; returns its completion tokens."""
-    return client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+def completion(client: openai.OpenAI, model: str, prompt: str, max_tokens: int, temperature: float = 0.0) -> int:
+    """One completion, greedy or sampled at `temperature` (no seed, no penalty); returns its completion tokens."""
+    return client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
                                      extra_body=PURE_GREEDY).usage.completion_tokens
 
 
 def level(base_url: str, api_key: str, model: str, prompts: list[str], clients: int, per_client: int, max_tokens: int,
-          sequential: bool = False) -> dict:
+          sequential: bool = False, temperature: float = 0.0) -> dict:
     """`clients` clients x `per_client` requests (request i = r * clients + c sends prompt i mod len(prompts)), all at
     once, or with `sequential` one after another in request order. Returns the row of figures."""
     tally = Tally()
 
     def send(client: openai.OpenAI, i: int) -> None:
-        tally.send(lambda: completion(client, model, prompts[i % len(prompts)], max_tokens))
+        tally.send(lambda: completion(client, model, prompts[i % len(prompts)], max_tokens, temperature))
 
     def client_loop(c: int) -> None:
         client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
@@ -221,20 +221,20 @@ def level(base_url: str, api_key: str, model: str, prompts: list[str], clients: 
 
 
 def sweep(base_url: str, api_key: str, mode: str, prompts: list[str], levels: list[int], per_client: int,
-          max_tokens: int) -> tuple[list[dict], dict | None]:
-    """One server: a warm-up request, each concurrency level, then the sequential baseline. Returns (rows, baseline);
-    a failed warm-up is the only row (and no baseline)."""
+          max_tokens: int, temperature: float = 0.0) -> tuple[list[dict], dict | None]:
+    """One server: a warm-up request, each concurrency level, then the sequential baseline (requests greedy, or
+    sampled at `temperature`). Returns (rows, baseline); a failed warm-up is the only row (and no baseline)."""
     model = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600).models.list().data[0].id
-    warm = level(base_url, api_key, model, prompts, 1, 1, max_tokens, sequential=True)  # first-call costs are not measured
+    warm = level(base_url, api_key, model, prompts, 1, 1, max_tokens, True, temperature)  # first-call costs are not measured
     if warm["failed"]:
         return [{"mode": f"{mode} (warm-up)", **warm}], None
     rows = []
     for c in levels:
-        row = {"mode": mode, **level(base_url, api_key, model, prompts, c, per_client, max_tokens)}
+        row = {"mode": mode, **level(base_url, api_key, model, prompts, c, per_client, max_tokens, False, temperature)}
         print(f"  {mode}: {c} clients: {row['ok']}/{row['requests']} ok, {row['tokens_per_s']} tok/s", file=sys.stderr, flush=True)
         rows.append(row)
     compare = COMPARE_AT if COMPARE_AT in levels else max(levels)
-    baseline = {"mode": mode, **level(base_url, api_key, model, prompts, compare, 1, max_tokens, sequential=True)}
+    baseline = {"mode": mode, **level(base_url, api_key, model, prompts, compare, 1, max_tokens, True, temperature)}
     return rows, baseline
 
 
@@ -290,7 +290,7 @@ def table_main(args) -> int:
                     print(f"mode {m}: {e}", file=sys.stderr)
                     return 1
                 try:
-                    r, b = sweep(server.url, "none", m, prompts, levels, per_client, args.max_tokens)
+                    r, b = sweep(server.url, "none", m, prompts, levels, per_client, args.max_tokens, args.temperature)
                 finally:
                     server.stop()
                 rows += r
@@ -300,10 +300,11 @@ def table_main(args) -> int:
     else:
         health = httpx.get(args.base_url.removesuffix("/v1") + "/health", timeout=10).json()
         mode = f"draft_tokens={health.get('draft_tokens')}"
-        rows, b = sweep(args.base_url, args.api_key, mode, prompts, levels, per_client, args.max_tokens)
+        rows, b = sweep(args.base_url, args.api_key, mode, prompts, levels, per_client, args.max_tokens, args.temperature)
         baselines.append(b)
 
-    print(f"max_tokens {args.max_tokens}, {per_client} request(s) per client, greedy, {len(prompts)} code prompts\n")
+    how = "greedy" if args.temperature == 0 else f"sampled at temperature {args.temperature} (no seed)"
+    print(f"max_tokens {args.max_tokens}, {per_client} request(s) per client, {how}, {len(prompts)} code prompts\n")
     print(markdown_table(rows))
     print()
     baselines = [b for b in baselines if b is not None]
@@ -313,7 +314,8 @@ def table_main(args) -> int:
     for f in failed[:10]:
         print("  failure:", f)
     if args.json and args.json != "-":
-        Path(args.json).write_text(json.dumps({"max_tokens": args.max_tokens, "requests_per_client": per_client,
+        Path(args.json).write_text(json.dumps({"max_tokens": args.max_tokens, "temperature": args.temperature,
+                                               "requests_per_client": per_client,
                                                "rows": rows, "sequential": baselines}, indent=1))
     elif args.json:
         print(json.dumps({"rows": rows, "sequential": baselines}))
@@ -338,6 +340,8 @@ def main() -> int:
     table.add_argument("--modes", default="off,on,auto", help="off (plain), on (3 drafts), auto, or a number of drafts")
     table.add_argument("--prompts", default=None, help="bench prompt JSONL (default: the shipped set); its code prompts are sent")
     table.add_argument("--threads", type=int, default=None, help="the servers' --threads")
+    table.add_argument("--temperature", type=float, default=0.0,
+                       help="sample the table's requests at this temperature (no seed; default 0: greedy)")
     table.add_argument("--dtype", default="auto", help="the servers' --dtype")
     table.add_argument("--device", default="auto", help="the servers' --device")
     table.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for a server to load its model")
