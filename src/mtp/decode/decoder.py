@@ -325,14 +325,14 @@ class Decoder:
         return drafts, target, u
 
     def _round_steps(self, st: RoundState, K: int, ks: list[int], D: int, B: int, rs: RowSampling | None,
-                     t0: float) -> tuple[list[list[int]], float, float]:
-        """The round's draft and verify step by step (`runner`: eager or compiled) -> (tokens [B][K+2], seconds
-        drafting, seconds verifying)."""
+                     noise: tuple, t0: float) -> tuple[list[list[int]], float, float]:
+        """The round's draft and verify step by step (`runner`: eager or compiled; `noise`: `_noise`'s) -> (tokens
+        [B][K+2], seconds drafting, seconds verifying)."""
         model, dev = self.model, self.model.device
         eager = not self.runner.compiled
         limit = torch.tensor(ks, device=dev)
         active = torch.tensor([True] * D + [False] * (B - D), device=dev)
-        d_noise, t_noise, u = self._noise(self.rows[:D], rs, B, K) if rs is not None else (None, None, None)
+        d_noise, t_noise, u = noise
         if K > 0 and self.masks is not None:
             drafts, draft_logits = self.masks.draft(model, st, K, rs, d_noise)
         elif K > 0:
@@ -377,12 +377,13 @@ class Decoder:
                     self.mtp_pos[b] += self.pend_n[b] - 1
                     self.pend_n[b] = 1
         fused = None
+        noise = (None,) * 3 if rs is None else self._noise(seqs, rs, B, K)  # (one draw a round, whichever path runs)
         # greedy rows, and sampled ones shaped by temperature and top-k only: the whole round as one C call, where it can
         one_call = rs is None or (rs.any_sampled and not (rs.use_penalty or rs.use_top_p))
         if eager and one_call and self.masks is None:
             head = None if K == 0 or self.vocab is None else self.vocab.head(model, 1)
             if K == 0 or self.vocab is None or head is not None:
-                sampling = None if rs is None else (rs, *self._noise(seqs, rs, B, K))
+                sampling = None if rs is None else (rs, *noise)
                 fused = round_kernel.greedy_round(model, st, K, ks, D, self.state.cache.rows[:B],
                                                   max(self.pend_n[:B]) if K else 0,
                                                   None if head is None else (head, self.vocab.ids), sampling)
@@ -390,7 +391,7 @@ class Decoder:
             out, t_draft = fused
             t_verify = time.perf_counter() - t0 - t_draft
         else:
-            out, t_draft, t_verify = self._round_steps(st, K, ks, D, B, rs, t0)
+            out, t_draft, t_verify = self._round_steps(st, K, ks, D, B, rs, noise, t0)
         if self.masks is not None:
             self.masks.commit(ks, [out[b][K + 1] for b in range(B)], D)
 
