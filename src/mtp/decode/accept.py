@@ -49,7 +49,7 @@ def accept_rows(drafts: torch.Tensor, limit: torch.Tensor, target: torch.Tensor,
     if not rs.any_unseeded:
         n = accepted_count(match, limit)
         return n, token.gather(1, n[:, None])[:, 0]
-    unseeded = ~rs.greedy & ~rs.seeded
+    unseeded = rs.unseeded
     p = target.softmax(-1)  # [B, K+1, V]
     q = p[:, :0] if draft is None else draft.softmax(-1)  # [B, K, V] (K = 0: no drafts)
     pd = p[:, :K].gather(-1, drafts[..., None])[..., 0]

@@ -312,16 +312,16 @@ class Decoder:
         target = torch.zeros(B, K + 1, V, device=dev)
         drafts = torch.zeros(B, K, V, device=dev)
         for b, s in enumerate(seqs):
-            if s.session.params.greedy:
-                continue
             if s.session.seeded:
                 at = len(s.session.tokens)
                 g = torch.stack([s.session.gumbel(at + j, V) for j in range(K + 1)])
                 target[b], drafts[b] = g, g[:K]
-            else:
-                g = gumbel(torch.rand(K + 1, V, device=dev))
-                drafts[b], target[b] = g[:K], g[K]
-        u = torch.rand(B, K, device=dev) if rs.any_unseeded else None
+        u = None
+        if rs.any_unseeded:  # one draw for every unseeded row
+            rows = rs.unseeded.nonzero()[:, 0]
+            g = gumbel(torch.rand(rows.numel(), K + 1, V, device=dev))
+            drafts[rows], target[rows] = g[:, :K], g[:, K:]
+            u = torch.rand(B, K, device=dev)
         return drafts, target, u
 
     def _round_steps(self, st: RoundState, K: int, ks: list[int], D: int, B: int, rs: RowSampling | None,

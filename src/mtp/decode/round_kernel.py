@@ -170,20 +170,24 @@ def greedy_round(model, st, K: int, limits: list[int], decoding: int, starts: li
         if not 1 <= width <= st.pend_h.shape[1]:
             return None
         prog.draft_args.W = width
-    drafts = target = unseeded = None
     if sampling is not None:
         rs, d_noise, t_noise, u = sampling
         if rs.use_top_p or rs.use_penalty:
             return None
-        q = None
-        if K and rs.any_unseeded:  # the unseeded rule reads the drafts' q
-            q = torch.empty(B, K, t_noise.shape[-1])
-            unseeded = (~rs.greedy & ~rs.seeded, u)
+        q = unseeded = None
+        if K and rs.any_unseeded:  # the unseeded rule reads the drafts' q (a buffer the state keeps, [B, K, V])
+            q = st.__dict__.get("sample_q")
+            if q is None or q.shape != (B, K, t_noise.shape[-1]):
+                q = st.__dict__["sample_q"] = torch.empty(B, K, t_noise.shape[-1])
+            unseeded = (rs.unseeded, u)
         drafts = PickRule(rs.temperature, rs.greedy, rs.top_k, d_noise, q)
         target = PickRule(rs.temperature, rs.greedy, rs.top_k, t_noise, None)
-    if not prog.sample(drafts, target, unseeded, ctypes.addressof(plan.limit)):
-        return None
-    call.pick = None if target is None else ctypes.addressof(prog.pick)
+        if not prog.sample(drafts, target, unseeded, ctypes.addressof(plan.limit)):
+            return None
+        call.pick = ctypes.addressof(prog.pick)
+    elif call.pick is not None:  # (a greedy round after sampled ones: the programs back on the argmax)
+        prog.sample(None, None)
+        call.pick = None
     call.nth = torch.get_num_threads()
     status = LIBRARY.lib().greedy_round(ctypes.byref(call))
     if status:

@@ -76,6 +76,7 @@ class RowSampling:
     top_k: torch.Tensor  # long, V where a row has none
     top_p: torch.Tensor  # fp32, 1 where a row has none
     penalty: torch.Tensor  # fp32, 1 where a row has none
+    unseeded: torch.Tensor  # bool: a sampled row without a seed (Leviathan et al.'s acceptance rule)
     use_penalty: bool = False
     use_top_k: bool = False
     use_top_p: bool = False
@@ -86,6 +87,7 @@ class RowSampling:
     def build(cls, params: list[SamplingParams], vocab: int, device: torch.device | str) -> RowSampling:
         greedy = [p.greedy for p in params]
         seeded = [not p.greedy and p.seed is not None for p in params]
+        unseeded = [not g and not s for g, s in zip(greedy, seeded)]
         top_k = [vocab if p.greedy or p.top_k is None else min(p.top_k, vocab) for p in params]
         top_p = [1.0 if p.greedy or p.top_p is None else p.top_p for p in params]
         penalty = [p.repetition_penalty for p in params]
@@ -95,9 +97,9 @@ class RowSampling:
 
         return cls(t(greedy, torch.bool), t(seeded, torch.bool),
                    t([1.0 if p.greedy else p.temperature for p in params], torch.float32), t(top_k, torch.long),
-                   t(top_p, torch.float32), t(penalty, torch.float32), use_penalty=any(r != 1.0 for r in penalty),
-                   use_top_k=any(k < vocab for k in top_k), use_top_p=any(p < 1.0 for p in top_p),
-                   any_sampled=not all(greedy), any_unseeded=any(not g and not s for g, s in zip(greedy, seeded)))
+                   t(top_p, torch.float32), t(penalty, torch.float32), t(unseeded, torch.bool),
+                   use_penalty=any(r != 1.0 for r in penalty), use_top_k=any(k < vocab for k in top_k),
+                   use_top_p=any(p < 1.0 for p in top_p), any_sampled=not all(greedy), any_unseeded=any(unseeded))
 
     def for_drafts(self) -> RowSampling:
         """The rule the MTP drafts by (decode/round.py `draft`): the rows' temperatures and top-k, no top-p or penalty."""

@@ -243,10 +243,10 @@ static float kth_largest(const float* x, int64_t n, int64_t k, float* heap) {
 
 /* A sampled row's shaped logits (sampling.py `shape_logits` with temperature and top-k): head logits l [N] of a
  * vocabulary of V (N < V: a reduced one, the others -inf) -> x [N] = l / T, -inf below the top_k-th largest (top_k
- * >= V keeps all). The same fp32 division and comparisons as torch's. heap: scratch [min(top_k, N)]. */
+ * >= V, or < 1, keeps all). The same fp32 division and comparisons as torch's. heap: scratch [min(top_k, N)]. */
 static void shaped(const uint16_t* l, int64_t N, int64_t V, float T, int64_t top_k, float* x, float* heap) {
     for (int64_t i = 0; i < N; i++) x[i] = bf16_to_f(l[i]) / T;
-    const float kth = top_k < V && top_k <= N ? kth_largest(x, N, top_k, heap) : -INFINITY;
+    const float kth = top_k >= 1 && top_k < V && top_k <= N ? kth_largest(x, N, top_k, heap) : -INFINITY;
     for (int64_t i = 0; i < N; i++)
         if (x[i] < kth) x[i] = -INFINITY;
 }
@@ -321,19 +321,22 @@ static void unseeded_row(const Pick* p, int64_t b, int64_t T, const uint16_t* lo
     const float* q = p->q + b * K * N;
     const int64_t* d = p->drafts + b * K;
     int64_t n = 0;
+    float lp = 0.0f, lq = 0.0f; /* log-normalisers of x and q at the rejected position (where one was rejected) */
     for (; n < lim; n++) {
         shaped(logits + (b * T + n) * N, N, N, p->temp[b], p->top_k[b], x, heap);
         const float* qn = q + n * N;
-        const float pd = expf(x[d[n]] - logsumexp(x, N)), qd = qn[d[n]] == -INFINITY ? 0.0f : expf(qn[d[n]] - logsumexp(qn, N));
+        lp = logsumexp(x, N);
+        lq = logsumexp(qn, N);
+        const float pd = expf(x[d[n]] - lp), qd = qn[d[n]] == -INFINITY ? 0.0f : expf(qn[d[n]] - lq);
         if (!(qd > 0.0f && p->u[b * K + n] * qd < pd)) break;
     }
-    shaped(logits + (b * T + n) * N, N, N, p->temp[b], p->top_k[b], x, heap);
+    const int rejected = n < lim; /* x is then position n's already */
+    if (!rejected) shaped(logits + (b * T + n) * N, N, N, p->temp[b], p->top_k[b], x, heap);
     const float* g = p->noise + (b * T + n) * N;
     int64_t next = -1;
     float best = 0.0f;
-    if (n < lim) { /* the residual max(0, p_n - q_n), sampled by argmax(log r + g) over where it is positive */
+    if (rejected) { /* the residual max(0, p_n - q_n), sampled by argmax(log r + g) over where it is positive */
         const float* qn = q + n * N;
-        const float lp = logsumexp(x, N), lq = logsumexp(qn, N);
         for (int64_t t = 0; t < N; t++) {
             const float pt = x[t] == -INFINITY ? 0.0f : expf(x[t] - lp), qt = qn[t] == -INFINITY ? 0.0f : expf(qn[t] - lq);
             const float r = pt - qt;

@@ -82,13 +82,18 @@ class _Pick(ctypes.Structure):
 
 def _fits(sampling: PickRule, B: int, T: int, V: int) -> bool:
     """Are `sampling`'s tensors what the C picks read for B rows of T tokens over V: temperature fp32 [B], greedy
-    bool [B], top_k long [B] (>= 1), noise and q (if given) fp32 [B, T, V], contiguous, on the CPU?"""
+    bool [B], top_k long [B] (step.c keeps every token where it is < 1 or >= V), noise and q (if given) fp32
+    [B, T, V], contiguous, on the CPU?"""
     t, greedy, top_k, noise, q = sampling
     given = (t, greedy, top_k, noise) + (() if q is None else (q,))
     return (t.dtype == torch.float32 and t.shape == (B,) and greedy.dtype == torch.bool and greedy.shape == (B,)
             and top_k.dtype == torch.int64 and top_k.shape == (B,) and noise.dtype == torch.float32
             and noise.shape == (B, T, V) and (q is None or (q.dtype == torch.float32 and q.shape == (B, T, V)))
-            and all(x.is_contiguous() and x.device.type == "cpu" for x in given) and not bool((top_k < 1).any()))
+            and all(x.is_contiguous() and x.device.type == "cpu" for x in given))
+
+
+def _address(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -565,13 +570,12 @@ def draft(model, K: int, pend_h: torch.Tensor, pend_next: torch.Tensor, pend_n: 
     """round.py's draft chain of K >= 1 drafts as one C call -> drafts [B, K] (long), or None where it cannot run so
     (the round then runs it step by step, to the same drafts, caches and q). `sampling`: the rows' temperatures, top-k
     and noise (each sampled row drafts argmax(x + noise), x = logits / T outside its top-k -inf, and q gets every
-    row's x), or None: argmaxes.
-    pend_h [B, PR, H],
-    pend_next [B, PR], pend_n and mtp_pos [B]: the round state's; `width`: the pending positions depth 1 reads;
-    `host`: (mtp_pos, pend_n) on the host; `vocab`: a reduced draft vocabulary's head (a "bf16-native" layer [H] -> [N])
-    and its token ids [N] (decode/draft_vocab.py), instead of the full head. A pending count past `width` raises
-    ValueError, a pending token outside the vocabulary IndexError, before anything is written. K = 0 (round.py's
-    `catch_up`): depth 1 reads the `width` pending positions into the MTP's caches, nothing drafted -> [B, 0]."""
+    row's x), or None: argmaxes. pend_h [B, PR, H], pend_next [B, PR], pend_n and mtp_pos [B]: the round state's;
+    `width`: the pending positions depth 1 reads; `host`: (mtp_pos, pend_n) on the host; `vocab`: a reduced draft
+    vocabulary's head (a "bf16-native" layer [H] -> [N]) and its token ids [N] (decode/draft_vocab.py), instead of the
+    full head. A pending count past `width` raises ValueError, a pending token outside the vocabulary IndexError,
+    before anything is written. K = 0 (round.py's `catch_up`): depth 1 reads the `width` pending positions into the
+    MTP's caches, nothing drafted -> [B, 0]."""
     found = _draft_program(model) if K >= 0 else None
     if found is None:
         return None
@@ -597,9 +601,7 @@ def draft(model, K: int, pend_h: torch.Tensor, pend_next: torch.Tensor, pend_n: 
 
 def _set_draft_rule(d: _Draft, sampling: PickRule | None) -> None:
     """Point the chain `d` at `sampling`'s tensors (`_fits`), or back at the argmax (None)."""
-    t, greedy, top_k, noise, q = sampling if sampling is not None else (None,) * 5
-    ptr = lambda x: None if x is None else x.data_ptr()  # noqa: E731
-    d.temp, d.greedy, d.top_k, d.noise, d.q = ptr(t), ptr(greedy), ptr(top_k), ptr(noise), ptr(q)
+    d.temp, d.greedy, d.top_k, d.noise, d.q = map(_address, sampling if sampling is not None else (None,) * 5)
 
 
 def _draft_status(status: int, V: int) -> None:
@@ -668,10 +670,8 @@ class RoundProgram:
             _set_draft_rule(self.draft_args, drafts if target is not None else None)
         t, greedy, top_k, noise, _ = target if target is not None else (None,) * 5
         mask, u = unseeded if target is not None and unseeded is not None else (None, None)
-        ptr = lambda x: None if x is None else x.data_ptr()  # noqa: E731
         pk = self.pick
-        pk.temp, pk.greedy, pk.top_k, pk.noise = ptr(t), ptr(greedy), ptr(top_k), ptr(noise)
-        pk.unseeded, pk.u = ptr(mask), ptr(u)
+        pk.temp, pk.greedy, pk.top_k, pk.noise, pk.unseeded, pk.u = map(_address, (t, greedy, top_k, noise, mask, u))
         pk.q = None if mask is None else drafts.q.data_ptr()
         pk.drafts, pk.limit = (None, None) if mask is None else (self.drafts.data_ptr(), limit)
         return True
