@@ -30,10 +30,10 @@ def state(model, B: int, seed: int) -> RoundState:
 
 @pytest.mark.parametrize("K", [0, 1, 3, 8])
 @pytest.mark.parametrize("with_mtp,rule", [(True, None), (False, None), (True, "seeded"), (True, "unseeded"),
-                                           (False, "unseeded")])
+                                           (False, "unseeded"), (True, "penalty"), (True, "seeded penalty")])
 def test_the_c_accept_leaves_the_state_the_tensor_form_leaves(K, with_mtp, rule, monkeypatch):
     """... and so does a sampling rule's round (greedy, seeded and unseeded rows mixed): the rule decides n and the next
-    token, the C call emits and keeps them."""
+    token, the C call emits and keeps them; with a repetition penalty it also marks the emitted tokens seen."""
     from mtp.decode.sampling import RowSampling, SamplingParams, gumbel
 
     model = tiny_model(0).to(torch.bfloat16)
@@ -47,17 +47,22 @@ def test_the_c_accept_leaves_the_state_the_tensor_form_leaves(K, with_mtp, rule,
     active = torch.tensor([True, True, True, False, True, True])
     logits = torch.nn.functional.one_hot(target, V).to(torch.bfloat16)  # its argmax is the target
     hidden = torch.randn(B, K + 1, model.config.hidden_size, generator=g).to(torch.bfloat16)
-    rs = draft_logits = noise = u = None
+    rs = draft_logits = noise = u = seen = None
     if rule is not None:  # peaked distributions: sampled rows mostly accept what matches the target
         logits = (8 * logits.float() + torch.randn(B, K + 1, V, generator=g)).to(torch.bfloat16)
-        sampled = SamplingParams(0.7, seed=5 if rule == "seeded" else None)
+        r = 1.3 if "penalty" in rule else 1.0
+        sampled = SamplingParams(0.7 if rule != "penalty" else 0.0, seed=5 if "seeded" in rule else None,
+                                 repetition_penalty=r)
         rs = RowSampling.build([sampled if b % 3 else SamplingParams() for b in range(B)], V, "cpu")
+        if r != 1.0:
+            seen = torch.rand(B, V, generator=g) < 0.3
         draft_logits = 8 * torch.nn.functional.one_hot(drafts, V).float() + torch.randn(B, K, V, generator=g)
         noise = gumbel(torch.rand(B, K + 1, V, generator=g))
         u = torch.rand(B, K, generator=g)
     results = []
     for c in (True, False):
         st = state(model, B, seed=K + 10)
+        st.seen = None if seen is None else seen.clone()
         if not with_mtp:
             st.mtp_cache = st.mtp_pos = st.pend_h = st.pend_next = st.pend_n = None
         with monkeypatch.context() as m:
@@ -69,7 +74,7 @@ def test_the_c_accept_leaves_the_state_the_tensor_form_leaves(K, with_mtp, rule,
         results.append((tokens, st))
     (ta, sa), (tb, sb) = results
     assert torch.equal(ta, tb)
-    for name in ("pos", "last", "mtp_pos", "pend_h", "pend_next", "pend_n"):
+    for name in ("pos", "last", "mtp_pos", "pend_h", "pend_next", "pend_n", "seen"):
         a, b = getattr(sa, name), getattr(sb, name)
         assert (a is None and b is None) or torch.equal(a, b), name
     assert ta[:, K + 1].tolist()[3] == 0  # the inactive row accepted nothing
@@ -117,14 +122,18 @@ def one_round(model, st: RoundState, K: int, limits: list[int], D: int, vocab, w
     (1, 1, 0, False, None), (1, 1, 3, False, None), (4, 3, 0, False, None), (4, 3, 2, False, None),
     (2, 2, 1, False, None), (3, 3, 4, True, None), (3, 3, 3, False, "seeded"), (4, 3, 2, True, "seeded top_k"),
     (1, 1, 0, False, "seeded"), (4, 3, 0, False, "unseeded top_k"), (2, 2, 0, False, "unseeded"),
-    (3, 3, 3, False, "unseeded"), (4, 3, 2, True, "unseeded top_k"), (2, 2, 4, False, "unseeded")])
+    (3, 3, 3, False, "unseeded"), (4, 3, 2, True, "unseeded top_k"), (2, 2, 4, False, "unseeded"),
+    (4, 3, 3, False, "penalty"), (1, 1, 0, False, "penalty"), (3, 3, 2, True, "penalty"), (3, 3, 3, False, "seeded penalty"),
+    (4, 3, 3, False, "unseeded penalty top_k"), (2, 2, 0, False, "seeded penalty")])
 def test_the_whole_round_in_one_call_leaves_what_its_steps_leave(kind, B, D, K, reduced, rule):
     """`greedy_round` (draft chain, verify forward, head, argmax, accept and keep in one C call) == round.py's draft and
     verify step by step: the same tokens and, bit for bit, every tensor of the round state (caches, MTP caches, positions,
     pending positions), for a plain step every row keeps (states in place), a plain step with a row that keeps nothing,
     rounds with drafts and rows at their limit, and over a reduced draft vocabulary. Sampled rows (at temperature 0.7,
     some with a top-k, beside greedy ones), seeded or unseeded: the same tokens from the same noise and uniforms (the
-    unseeded rule's softmax rounds apart from torch's; these inputs sit nowhere near a tie)."""
+    unseeded rule's softmax rounds apart from torch's; these inputs sit nowhere near a tie). A repetition penalty (greedy
+    rows with one, and sampled ones) over the tokens seen and the drafts before each position: the same drafts, tokens
+    and state, the emitted tokens marked seen."""
     from mtp.decode.draft_vocab import DraftVocab
     from mtp.decode.sampling import RowSampling, SamplingParams, gumbel
     from test_step import quantized
@@ -134,17 +143,24 @@ def test_the_whole_round_in_one_call_leaves_what_its_steps_leave(kind, B, D, K, 
     V = model.config.vocab_size
     vocab = DraftVocab(torch.arange(1, V, 3), V) if reduced else None
     limits = [K, max(K - 1, 0), K, 1][:B] if B > 1 else [K]
-    sampling = None
+    sampling = seen = None
     if rule is not None:
-        sampled = SamplingParams(0.7, top_k=5 if "top_k" in rule else None, seed=None if "unseeded" in rule else 1)
+        r = 3.0 if "penalty" in rule else 1.0
+        sampled = SamplingParams(0.0 if rule == "penalty" else 0.7, top_k=5 if "top_k" in rule else None,
+                                 seed=None if "unseeded" in rule else 1, repetition_penalty=r)
         rs = RowSampling.build([SamplingParams() if b == 1 else sampled for b in range(B)], V, "cpu")
+        if r != 1.0:
+            seen = torch.rand(B, V, generator=torch.Generator().manual_seed(4)) < 0.3
         g = torch.Generator().manual_seed(3)
         t_noise = gumbel(torch.rand(B, K + 1, V, generator=g))
         d_noise = gumbel(torch.rand(B, K, V, generator=g)) if "unseeded" in rule else t_noise[:, :K].contiguous()
         sampling = (rs, d_noise, t_noise, torch.rand(B, K, generator=g))
+        if rule == "penalty":  # (greedy rows only: no noise, as the decoder draws none)
+            sampling = (rs, None, None, None)
     results = []
     for whole in (True, False, True):  # (the second whole round reuses the first one's bound program)
         st = round_state(model, B, seed=B + K)
+        st.seen = None if seen is None else seen.clone()
         tokens = one_round(model, st, K, limits, D, vocab, whole, sampling)
         results.append((tokens, [t.clone() for t in st.tensors()]))
     (ta, sa), (tb, sb), (tc, sc) = results
@@ -155,8 +171,8 @@ def test_the_whole_round_in_one_call_leaves_what_its_steps_leave(kind, B, D, K, 
 
 def test_the_whole_round_follows_changed_weights_and_hands_over_what_it_cannot_run():
     """A weight changed in place: the next decoder's state binds its rounds anew (its result is the steps' with the new
-    weight); a hook on the head (even after the round was bound), a model whose layers the programs cannot run, a
-    repetition penalty's state and top-p take the steps; bad state raises before anything is written."""
+    weight); a hook on the head (even after the round was bound), a model whose layers the programs cannot run and
+    top-p take the steps; bad state raises before anything is written."""
     from mtp.decode.sampling import RowSampling, SamplingParams
     from test_step import quantized
 
@@ -189,10 +205,6 @@ def test_the_whole_round_follows_changed_weights_and_hands_over_what_it_cannot_r
         with torch.inference_mode():
             assert round_kernel.greedy_round(model, round_state(model, 1, 3), K, [K], 1, [0], 2, None,
                                              (rs, torch.zeros(1, K, V), torch.zeros(1, K + 1, V), torch.rand(1, K))) is None
-    st = round_state(model, 1, 3)
-    st.seen = torch.zeros(1, model.config.vocab_size, dtype=torch.bool)
-    with torch.inference_mode():
-        assert round_kernel.greedy_round(model, st, 2, [2], 1, [0], 2) is None
 
     st = round_state(model, 1, 4)
     st.pend_next[0, 0] = model.config.vocab_size  # a pending token outside the vocabulary
@@ -202,6 +214,50 @@ def test_the_whole_round_follows_changed_weights_and_hands_over_what_it_cannot_r
     assert all(torch.equal(x, y) for x, y in zip(before, st.tensors()))
     with torch.inference_mode(), pytest.raises(ValueError, match="past the cache"):
         round_kernel.greedy_round(model, st, 2, [2], 1, [63], 4)
+
+
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+@pytest.mark.parametrize("rule", ["penalty", "seeded penalty top_k", "seeded", "unseeded penalty"])
+def test_the_one_call_verify_picks_every_position_as_the_shaped_target(kind, rule):
+    """Every verify position's pick in the one call (not only those a round emits, which with a random model's drafts
+    are mostly the first) is round.py's: the argmax of the logits the call computed, shaped by `shape_logits` with the
+    penalty over the tokens seen and the drafts before that position (`seen_before`), plus the row's noise. Unseeded
+    rows take accept.py's rule over those shaped logits and the chain's q, with uniforms near 0 (drafts are accepted
+    unless the penalised p all but excludes them) and a penalty below 1 with nothing seen before: the drafts alone are
+    boosted, so the tokens after a draft depend on its mark."""
+    from mtp.decode import accept
+    from mtp.decode.round import seen_before
+    from mtp.decode.sampling import RowSampling, SamplingParams, gumbel, shape_logits
+    from test_step import quantized
+
+    model = quantized(kind)
+    model.prepare_decode(64)
+    B, K, V = 3, 4, model.config.vocab_size
+    r = 1.0 if "penalty" not in rule else 0.3 if "unseeded" in rule else 3.0
+    sampled = SamplingParams(0.0 if rule == "penalty" else 0.7, top_k=5 if "top_k" in rule else None,
+                             seed=None if "unseeded" in rule else 1, repetition_penalty=r)
+    rs = RowSampling.build([SamplingParams() if b == 1 else sampled for b in range(B)], V, "cpu")
+    g = torch.Generator().manual_seed(5)
+    t_noise = gumbel(torch.rand(B, K + 1, V, generator=g))
+    d_noise = gumbel(torch.rand(B, K, V, generator=g)) if "unseeded" in rule else t_noise[:, :K].contiguous()
+    u = torch.full((B, K), 1e-4)
+    sampling = (rs, None, None, None) if rule == "penalty" else (rs, d_noise, t_noise, u)
+    st = round_state(model, B, seed=9)
+    if r != 1.0:
+        st.seen = torch.rand(B, V, generator=g) < (0.3 if r > 1 else 0.0)
+    seen = None if st.seen is None else st.seen.clone()
+    one_round(model, st, K, [K] * B, B, None, True, sampling)
+    prog = st.__dict__["greedy_plans"][(K, False, None)].program
+    logits = prog.logits.view(B, K + 1, V)
+    x = shape_logits(logits, rs, seen_before(seen, prog.drafts))
+    want = torch.where(rs.greedy[:, None, None], x, x + t_noise).argmax(-1)
+    if rs.any_unseeded:  # an unseeded row's target: its accepted drafts, then its next token (the rest unread)
+        n, nxt = accept.accept_rows(prog.drafts, torch.full((B,), K), x, st.__dict__["sample_q"], rs, t_noise, u)
+        for b in rs.unseeded.nonzero()[:, 0].tolist():
+            want[b, : n[b]], want[b, n[b]] = prog.drafts[b, : n[b]], nxt[b]
+            want[b, n[b] + 1:] = prog.target[b, n[b] + 1:]
+        assert n[rs.unseeded].min() > 0  # (every unseeded row accepted a draft: the positions after it count)
+    assert torch.equal(prog.target, want)
 
 
 @pytest.mark.parametrize("D", [2, 1])

@@ -27,11 +27,11 @@ def model():
 
 
 @torch.no_grad()
-def exact_joint(model, params: SamplingParams) -> dict[tuple, float]:
+def exact_joint(model, params: SamplingParams, prompt: list[int] = PROMPT) -> dict[tuple, float]:
     """P(t1, t2, t3) computed from full backbone forwards with the same logits processing."""
     out = {}
     for seq in itertools.product(range(4), repeat=3):
-        prob, ctx = 1.0, list(PROMPT)
+        prob, ctx = 1.0, list(prompt)
         for t in seq:
             logits = model(torch.tensor([ctx]))[0, -1]
             if params.repetition_penalty != 1.0:
@@ -43,7 +43,7 @@ def exact_joint(model, params: SamplingParams) -> dict[tuple, float]:
 
 
 def sample_first_three(model, params: SamplingParams, k, draft_vocab=None, seeded: bool = True, compile: bool = False,
-                       rows: int = 50, seed_base: int | None = None) -> dict[tuple, int]:
+                       rows: int = 50, seed_base: int | None = None, prompt: list[int] = PROMPT) -> dict[tuple, int]:
     """N generations of 3 tokens from PROMPT, `rows` at a time through one decoder (rows of a batch are sampled
     independently: tests/test_batch.py): counts of their first three tokens. Seeded runs sample by the Gumbel-max
     coupling (one seed per generation), unseeded ones by Leviathan's rule (from torch's global RNG, seeded here so
@@ -51,8 +51,8 @@ def sample_first_three(model, params: SamplingParams, k, draft_vocab=None, seede
     kk = k if isinstance(k, int) else 9
     torch.manual_seed(1234 + kk)
     base = 10_000 * kk if seed_base is None else seed_base
-    dec = Decoder(model, rows, len(PROMPT) + 8, k, draft_vocab, compile=compile)
-    sessions = [Session(model, PROMPT, 3, replace(params, seed=base + i if seeded else None), None, None) for i in range(N)]
+    dec = Decoder(model, rows, len(prompt) + 8, k, draft_vocab, compile=compile)
+    sessions = [Session(model, prompt, 3, replace(params, seed=base + i if seeded else None), None, None) for i in range(N)]
     for s in sessions:
         dec.add(s)
     while not all(s.done for s in sessions):
@@ -64,10 +64,10 @@ def sample_first_three(model, params: SamplingParams, k, draft_vocab=None, seede
     return counts
 
 
-def chi2_of_counts(model, params: SamplingParams, counts: dict[tuple, int]) -> float:
+def chi2_of_counts(model, params: SamplingParams, counts: dict[tuple, int], prompt: list[int] = PROMPT) -> float:
     """p-value of the counts of the first three tokens against the backbone's exact joint law."""
     n = sum(counts.values())
-    exact = exact_joint(model, params)
+    exact = exact_joint(model, params, prompt)
     assert sum(counts.get(c, 0) for c, p in exact.items() if p == 0) == 0  # never a token the target forbids
     cells = sorted((p, counts.get(c, 0)) for c, p in exact.items() if p > 0)
     # merge the rarest cells so every expected count is >= 5
@@ -128,10 +128,13 @@ def test_the_test_detects_a_wrong_acceptance_rule(model, monkeypatch):
 
 
 # (top-k 2: at top-k 3 this model has a near tie after (1, 1) that its forward and its decode programs round apart)
-@pytest.mark.parametrize("params, k", [(SamplingParams(temperature=1.0), 2), (SamplingParams(temperature=0.7, top_k=2), 3)])
+@pytest.mark.parametrize("params, k", [(SamplingParams(temperature=1.0), 2), (SamplingParams(temperature=0.7, top_k=2), 3),
+                                       (SamplingParams(temperature=0.7, repetition_penalty=4.0), 2)])
 def test_the_one_call_round_keeps_the_target_distribution(params, k, monkeypatch):
     """On an int8 model whose rounds run as one C call (round_kernel.greedy_round: the drafts' rule and Leviathan et
-    al.'s acceptance in C, step.c `unseeded_row`), unseeded speculative sampling still draws the target's joint law."""
+    al.'s acceptance in C, step.c `unseeded_row`), unseeded speculative sampling still draws the target's joint law,
+    with a repetition penalty too (over the prompt, the tokens emitted and the drafts before each position: a prompt
+    of two of the four tokens, so the others' penalty depends on what was drafted and emitted)."""
     from mtp.decode import round_kernel
     from test_step import quantized
 
@@ -144,6 +147,7 @@ def test_the_one_call_round_keeps_the_target_distribution(params, k, monkeypatch
         return done
 
     monkeypatch.setattr(round_kernel, "greedy_round", counted)
-    counts = sample_first_three(model, params, k, seeded=False)
+    prompt = [1, 3, 1, 3, 3] if params.repetition_penalty != 1.0 else PROMPT
+    counts = sample_first_three(model, params, k, seeded=False, prompt=prompt)
     assert sum(calls) > 0.9 * len(calls)  # (the rounds with drafts ran as one call)
-    assert chi2_of_counts(model, params, counts) > 1e-3
+    assert chi2_of_counts(model, params, counts, prompt) > 1e-3

@@ -287,15 +287,17 @@ def draft_state(model, B: int, seed: int):
     (1, 1, 1, False, None), (1, 3, 1, False, None), (3, 4, 1, False, None), (2, 3, 2, False, None),
     (1, 3, 1, True, None), (3, 4, 2, True, None), (1, 3, 1, False, "seeded"), (3, 4, 2, False, "seeded"),
     (3, 3, 1, False, "unseeded"), (3, 4, 2, True, "unseeded"), (2, 3, 1, False, "top_k"), (3, 3, 1, False, "top_k unseeded"),
-    (3, 4, 1, True, "top_k unseeded"), (2, 3, 1, True, "wide top_k unseeded"), (2, 3, 1, False, "penalty")])
+    (3, 4, 1, True, "top_k unseeded"), (2, 3, 1, True, "wide top_k unseeded"), (2, 3, 1, False, "penalty"),
+    (3, 4, 1, True, "penalty"), (3, 3, 1, False, "seeded penalty"), (3, 4, 2, False, "top_k unseeded penalty")])
 def test_the_draft_chain_in_one_call_equals_the_round_step_by_step(kind, B, K, layers, reduced, rule, monkeypatch):
     """round.draft's chain as one C call (`step.draft`) == the same chain step by step in Python: the same drafts and
     the same MTP keys/values, for rows at different MTP positions with different pending counts, with two MTP layers
     taken in turn, and over a reduced draft vocabulary (its head rows a bf16 layer, drafts mapped back to the full
     vocabulary). With a sampling rule (rows sampled at temperature 0.7 beside greedy ones): the same drafts from the
     same noise, and for the unseeded rule the same draft logits q; top-k too (the drafts' rule: temperature and
-    top-k), over the full or a reduced vocabulary, with a top-k past the reduced one's size. Greedy rows with a
-    repetition penalty (a rule with no noise: it shapes the target only) draft their argmax."""
+    top-k), over the full or a reduced vocabulary, with a top-k past the reduced one's size. A repetition penalty
+    (greedy rows with one: a rule with no noise; sampled rows with one) counts the tokens seen and the drafts before
+    (the target's penalty), so its drafts are not the argmax ones."""
     from mtp.decode.draft_vocab import DraftVocab
     from mtp.decode.round import draft
     from mtp.decode.sampling import RowSampling, SamplingParams, gumbel
@@ -313,17 +315,28 @@ def test_the_draft_chain_in_one_call_equals_the_round_step_by_step(kind, B, K, l
         return done
 
     monkeypatch.setattr(type(model), "mtp_draft", counted)
-    rs = noise = None
-    if rule == "penalty":
-        rs = RowSampling.build([SamplingParams(repetition_penalty=1.2)] * B, V, "cpu")
+    rs = noise = seen = None
+    penalty = 3.0 if rule is not None and "penalty" in rule else 1.0
+    if rule == "penalty":  # (one row with none)
+        rs = RowSampling.build([SamplingParams(repetition_penalty=penalty if b != 1 else 1.0) for b in range(B)], V, "cpu")
     elif rule is not None:
         top_k = None if "top_k" not in rule else V - 1 if "wide" in rule else 5
-        sampled = SamplingParams(0.7, top_k=top_k, seed=None if "unseeded" in rule else 3)
-        rs = RowSampling.build([sampled if b != 1 else SamplingParams() for b in range(B)], V, "cpu")
+        sampled = SamplingParams(0.7, top_k=top_k, repetition_penalty=penalty, seed=None if "unseeded" in rule else 3)
+        rs = RowSampling.build([sampled if b != 1 else SamplingParams(repetition_penalty=penalty) for b in range(B)], V,
+                               "cpu")
         noise = gumbel(torch.rand(B, K, V, generator=torch.Generator().manual_seed(7)))
+    if penalty != 1.0:  # the tokens the argmax chain drafts, and a random third of the others
+        st = draft_state(model, B, seed=B + K)
+        with torch.inference_mode():
+            argmax_drafts = draft(model, st, K, None, None, vocab, width=max(st.pend_n.tolist()),
+                                  host=(st.mtp_pos.tolist(), st.pend_n.tolist()))[0]
+        seen = torch.rand(B, V, generator=torch.Generator().manual_seed(8)) < 0.3
+        seen.scatter_(1, argmax_drafts, True)
+        calls.clear()
     out = []
     for one_call in (True, False):
         st = draft_state(model, B, seed=B + K)
+        st.seen = seen
         host = (st.mtp_pos.tolist(), st.pend_n.tolist())
         with monkeypatch.context() as m:
             if not one_call:
@@ -336,10 +349,8 @@ def test_the_draft_chain_in_one_call_equals_the_round_step_by_step(kind, B, K, l
     (da, qa, ca), (db, qb, cb) = out
     assert da.shape == (B, K) and torch.equal(da, db)
     assert qa is None or torch.equal(qa, qb)
-    if rule == "penalty":  # (the argmax drafts, as with no rule)
-        st = draft_state(model, B, seed=B + K)
-        with torch.inference_mode():
-            assert torch.equal(da, draft(model, st, K, None, None, vocab, width=max(host[1]), host=host)[0])
+    if rule == "penalty":  # the penalty moved the first draft of the rows with one off the argmax
+        assert all(da[b, 0] != argmax_drafts[b, 0] for b in range(B) if b != 1)
     if reduced:
         assert torch.isin(da, vocab.ids).all()
     assert all(torch.equal(x.k, y.k) and torch.equal(x.v, y.v) for x, y in zip(ca, cb))

@@ -378,8 +378,8 @@ class Decoder:
                     self.pend_n[b] = 1
         fused = None
         noise = (None,) * 3 if rs is None else self._noise(seqs, rs, B, K)  # (one draw a round, whichever path runs)
-        # greedy rows, and sampled ones shaped by temperature and top-k only: the whole round as one C call, where it can
-        one_call = rs is None or (rs.any_sampled and not (rs.use_penalty or rs.use_top_p))
+        # rows shaped by the repetition penalty, temperature and top-k only: the whole round as one C call, where it can
+        one_call = rs is None or not rs.use_top_p
         if eager and one_call and self.masks is None:
             head = None if K == 0 or self.vocab is None else self.vocab.head(model, 1)
             if K == 0 or self.vocab is None or head is not None:

@@ -1,8 +1,8 @@
 /* The end of a greedy round (round.py `verify` when every row is greedy with no shaping and nothing rides along) as
  * one C call, built and loaded by native.py and called by round_kernel.py: from the verify's argmax, each row's
  * accepted count and next token, the emitted tokens, and the round state's updates (positions, last token, the
- * MTP's slots and pending positions). ~35 tensor operations of a few values each before; integers and copies here,
- * so the state is exactly what the tensor form leaves (tests/test_round_kernel.py). */
+ * MTP's slots and pending positions, the tokens seen). ~35 tensor operations of a few values each before; integers
+ * and copies here, so the state is exactly what the tensor form leaves (tests/test_round_kernel.py). */
 
 #define _POSIX_C_SOURCE 199309L /* clock_gettime */
 #include <stdint.h>
@@ -18,6 +18,8 @@ typedef struct {
     int64_t *mtp_pos, *pend_next, *pend_n; /* [B], [B, PR], [B]; NULL: no MTP */
     char* pend_h;                 /* [B, PR] hidden states */
     int64_t *keep, *out;          /* out [B]: positions kept; [B, K+2]: the tokens, then n */
+    uint8_t* seen;                /* [B, V] bool: the tokens each row has seen (the repetition penalty's), or NULL */
+    int64_t V;
 } Round;
 
 void accept_greedy(const Round* r) {
@@ -38,6 +40,8 @@ void accept_greedy(const Round* r) {
         r->keep[b] = keep;
         r->pos[b] += keep;
         if (act) r->last[b] = nxt;
+        if (r->seen && act)
+            for (int64_t s = 0; s <= n; s++) r->seen[b * r->V + tok[s]] = 1;
         if (!r->mtp_pos || !act) continue;
         int64_t* pn = r->pend_next + b * r->PR;
         char* ph = r->pend_h + b * r->PR * r->hbytes;

@@ -88,25 +88,28 @@ def seen_before(seen: torch.Tensor | None, drafts: torch.Tensor) -> torch.Tensor
 def draft(model, st: RoundState, K: int, rs: RowSampling | None, noise: torch.Tensor | None, vocab=None,
           width: int = PENDING, host: tuple[list[int], list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Step 1: K drafts per row [B, K] (long) and, for the unseeded sampling rule, their draft logits [B, K, V]
-    (the drafts' rule, `RowSampling.for_drafts`: temperature and top-k). `rs` None: every row greedy with
-    no shaping (argmax drafts). `noise` [B, K, V]: Gumbel noise of the sampled rows' drafts. `width` (<= PENDING):
+    (the drafts' rule, `RowSampling.for_drafts`: the repetition penalty, temperature and top-k). `rs` None: every row
+    greedy with no shaping (argmax drafts). `noise` [B, K, V]: Gumbel noise of the sampled rows' drafts. `width` (<= PENDING):
     how many pending positions to read (static in a graph; eagerly the most any row has). `host`: the rows' MTP
     positions and pending counts on the host (eager attention reads exactly each row's keys) or None."""
     starts = None if host is None else host[0]
     mtp = model.mtp
     B = st.pos.shape[0]
     dev = st.pos.device
-    # The drafts' rule is temperature and top-k: top-p and the repetition penalty shape the target only. Any draft
-    # distribution q keeps the output exact (accept.py reads this q); this one needs no cumulative sum over a sorted
-    # vocabulary and is what the C chain computes.
-    rs = rs.for_drafts() if rs is not None and rs.any_sampled else None  # (greedy rows with a penalty: argmax drafts)
+    # The drafts' rule is the repetition penalty (over the tokens seen and the drafts before), temperature and top-k:
+    # top-p shapes the target only. Any draft distribution q keeps the output exact (accept.py reads this q); this one
+    # needs no cumulative sum over a sorted vocabulary and is what the C chain computes. The penalty is the target's
+    # (a draft the target's penalty would demote is a draft it rejects: 3.28 -> 3.37 tokens a round greedy at k = 3 on
+    # the shipped model, docs/decisions.md).
+    rs = rs.for_drafts() if rs is not None and (rs.any_sampled or rs.use_penalty) else None
     if host is not None and mtp.style == "sequential" and K > 0:
         reduced = None if vocab is None else vocab.head(model, 1)  # (its layer: the chain's depths share one head)
         if vocab is None or reduced is not None:
             sampling = q = None
             if rs is not None:  # every row's pick as below: argmax(x + noise) (x shaped), a greedy row's argmax(x)
                 q = torch.empty(B, K, model.config.vocab_size) if rs.any_unseeded else None
-                sampling = PickRule(rs.temperature, rs.greedy, rs.top_k, noise, q)
+                penalty = (rs.penalty, st.seen) if rs.use_penalty and st.seen is not None else (None, None)
+                sampling = PickRule(rs.temperature, rs.greedy, rs.top_k, noise, q, *penalty)
             done = model.mtp_draft(K, st.pend_h, st.pend_next, st.pend_n, st.mtp_pos, st.mtp_cache, width, host,
                                    None if vocab is None else (reduced, vocab.ids), sampling)
             if done is not None:  # the whole chain below in one call (CPU, where the family has one)
@@ -121,6 +124,7 @@ def draft(model, st: RoundState, K: int, rs: RowSampling | None, noise: torch.Te
         heads = [model.mtp_step(d, hid, None, at, st.mtp_cache)[rows, st.pend_n - 1] for d in range(1, mtp.num_layers + 1)]
     end = st.mtp_pos + st.pend_n  # [B]: the backbone's position (the last emitted token sits there)
     drafts, shaped = [], []
+    seen = None if rs is None or not rs.use_penalty or st.seen is None else st.seen.clone()
     for j in range(1, K + 1):  # draft j proposes the token at position end + j
         if heads is not None:
             h = heads[j - 1]
@@ -132,9 +136,11 @@ def draft(model, st: RoundState, K: int, rs: RowSampling | None, noise: torch.Te
             drafts.append(argmax(model.mtp_head(h, j)) if vocab is None else vocab.argmax(model, h, j))
             continue
         logits = model.mtp_head(h, j) if vocab is None else vocab.full_logits(model, h, j)  # [B, V]
-        x = shape_logits(logits[:, None], rs, None)[:, 0]  # [B, V]
+        x = shape_logits(logits[:, None], rs, None if seen is None else seen[:, None])[:, 0]  # [B, V]
         picked = x if noise is None else torch.where(rs.greedy[:, None], x, x + noise[:, j - 1])
         drafts.append(argmax(picked))
+        if seen is not None:
+            seen.scatter_(1, drafts[-1][:, None], True)
         shaped.append(x)
     drafts_t = torch.stack(drafts, 1) if drafts else torch.zeros(B, 0, dtype=torch.long, device=dev)
     return drafts_t, (torch.stack(shaped, 1) if shaped and rs is not None and rs.any_unseeded else None)

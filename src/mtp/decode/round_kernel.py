@@ -22,7 +22,7 @@ p, i64 = ctypes.c_void_p, ctypes.c_int64
 class _Round(ctypes.Structure):
     _fields_ = ([(n, i64) for n in ("B", "K", "PR", "hbytes")]
                 + [(n, p) for n in ("target", "drafts", "limit", "active", "hidden", "pos", "last", "mtp_pos",
-                                    "pend_next", "pend_n", "pend_h", "keep", "out")])
+                                    "pend_next", "pend_n", "pend_h", "keep", "out", "seen")] + [("V", i64)])
 
 
 class _Greedy(ctypes.Structure):
@@ -47,10 +47,13 @@ LIBRARY = NativeLibrary(Path(__file__).with_name("round.c"), None, "the round's 
 
 def usable(st, drafts: torch.Tensor, hidden: torch.Tensor) -> bool:
     """Can `accept_greedy` run on round state `st` (`RoundState`) with drafts [B, K] and the verify's hidden states
-    [B, K+1, H] here (CPU tensors, eager, no repetition penalty)?"""
+    [B, K+1, H] here (CPU tensors, eager)?"""
     B, K = drafts.shape
     ints = [drafts, st.pos, st.last] + ([st.mtp_pos, st.pend_next, st.pend_n] if st.mtp_cache is not None else [])
-    return (not torch.compiler.is_compiling() and st.seen is None and LIBRARY.available()
+    seen = st.seen
+    return (not torch.compiler.is_compiling() and LIBRARY.available()
+            and (seen is None or (seen.dtype == torch.bool and seen.shape[0] == B and seen.is_contiguous()
+                                  and seen.device.type == "cpu"))
             and all(t.dtype == torch.int64 and t.device.type == "cpu" and t.is_contiguous() for t in ints)
             and hidden.shape[:2] == (B, K + 1) and hidden.is_contiguous() and hidden.device.type == "cpu"
             and st.pos.shape == (B,) and (st.mtp_cache is None or (st.pend_h.dtype == hidden.dtype and st.pend_h.is_contiguous()
@@ -84,7 +87,8 @@ def _round(st, K: int, hidden: torch.Tensor, target: int, drafts: int, limit: in
     return _Round(st.pos.shape[0], K, st.pend_h.shape[1] if mtp else 0, hidden.shape[-1] * hidden.element_size(),
                   target, drafts, limit, active, hidden.data_ptr(), st.pos.data_ptr(), st.last.data_ptr(),
                   *((st.mtp_pos.data_ptr(), st.pend_next.data_ptr(), st.pend_n.data_ptr(), st.pend_h.data_ptr())
-                    if mtp else (None,) * 4), keep, out)
+                    if mtp else (None,) * 4), keep, out, None if st.seen is None else st.seen.data_ptr(),
+                  0 if st.seen is None else st.seen.shape[1])
 
 
 @dataclass
@@ -134,10 +138,11 @@ def greedy_round(model, st, K: int, limits: list[int], decoding: int, starts: li
     cannot (the round then runs its steps, to the same result: tests/test_round_kernel.py). `limits` [B]: the drafts
     each row may use; rows [0, decoding) decode, the rest keep nothing; `starts` [B]: the rows' positions on the host;
     `width`: the pending positions the draft's depth 1 reads; `vocab`: a reduced draft vocabulary's (head, ids).
-    `sampling`: (RowSampling, draft noise [B, K, V], target noise [B, K+1, V], uniforms [B, K] or None) of a round of
-    sampled rows with temperature and top-k only (no top-p or penalty): the drafts' rule and accept.py's, in C (step.c
-    `pick`, `unseeded_row`); None: greedy rows only."""
-    if st.seen is not None or not LIBRARY.available():
+    `sampling`: (RowSampling, draft noise [B, K, V], target noise [B, K+1, V], uniforms [B, K] or None; the noises None
+    where every row is greedy) of a round whose rows are shaped by the repetition penalty, temperature and top-k only
+    (no top-p): the drafts' rule and accept.py's, in C (step.c `pick`, `unseeded_row`), the penalty over the state's
+    `seen` and the drafts before each position; None: greedy rows with no shaping."""
+    if not LIBRARY.available():
         return None
     B = st.pos.shape[0]
     commit = K == 0 and decoding == B
@@ -172,7 +177,7 @@ def greedy_round(model, st, K: int, limits: list[int], decoding: int, starts: li
         prog.draft_args.W = width
     if sampling is not None:
         rs, d_noise, t_noise, u = sampling
-        if rs.use_top_p or rs.use_penalty:
+        if rs.use_top_p or (rs.use_penalty and st.seen is None) or (rs.any_sampled and t_noise is None):
             return None
         q = unseeded = None
         if K and rs.any_unseeded:  # the unseeded rule reads the drafts' q (a buffer the state keeps, [B, K, V])
@@ -180,8 +185,9 @@ def greedy_round(model, st, K: int, limits: list[int], decoding: int, starts: li
             if q is None or q.shape != (B, K, t_noise.shape[-1]):
                 q = st.__dict__["sample_q"] = torch.empty(B, K, t_noise.shape[-1])
             unseeded = (rs.unseeded, u)
-        drafts = PickRule(rs.temperature, rs.greedy, rs.top_k, d_noise, q)
-        target = PickRule(rs.temperature, rs.greedy, rs.top_k, t_noise, None)
+        penalty = (rs.penalty, st.seen) if rs.use_penalty else (None, None)
+        drafts = PickRule(rs.temperature, rs.greedy, rs.top_k, d_noise, q, *penalty)
+        target = PickRule(rs.temperature, rs.greedy, rs.top_k, t_noise, None, *penalty)
         if not prog.sample(drafts, target, unseeded, ctypes.addressof(plan.limit)):
             return None
         call.pick = ctypes.addressof(prog.pick)

@@ -1,6 +1,6 @@
 """Turning logits into a distribution: repetition penalty, temperature, top-k, top-p (one place). The target p of
-speculative sampling takes all of them; the MTP's draft q temperature and top-k (`RowSampling.for_drafts`: any q
-keeps the output exact, and this one the C draft chain computes with comparisons alone).
+speculative sampling takes all of them; the MTP's draft q all but top-p (`RowSampling.for_drafts`: any q keeps the
+output exact, and this one the C draft chain computes with comparisons alone).
 
 `SamplingParams` are one request's; `RowSampling` holds a batch's as tensors for the decode round, which shapes
 logits on the device (`shape_logits`) for every row at once, greedy and sampled rows mixed. `probs_from_logits`
@@ -102,8 +102,9 @@ class RowSampling:
                    use_top_p=any(p < 1.0 for p in top_p), any_sampled=not all(greedy), any_unseeded=any(unseeded))
 
     def for_drafts(self) -> RowSampling:
-        """The rule the MTP drafts by (decode/round.py `draft`): the rows' temperatures and top-k, no top-p or penalty."""
-        return replace(self, use_penalty=False, use_top_p=False)
+        """The rule the MTP drafts by (decode/round.py `draft`): the rows' repetition penalty, temperatures and top-k,
+        no top-p."""
+        return replace(self, use_top_p=False)
 
     @property
     def key(self) -> tuple[bool, ...]:

@@ -46,15 +46,18 @@ MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 
 
 class PickRule(NamedTuple):
-    """How the C programs pick sampled rows' tokens (the one-call draft chain, `CausalLM.mtp_draft`, and the one-call
-    round's verify, model/step.py `RoundProgram.sample`): each sampled row takes argmax(x + noise) at each of its T
-    positions, x = logits / temperature, -inf below its top_k-th largest; a greedy row its argmax."""
+    """How the C programs pick rows' tokens where logits are shaped (the one-call draft chain, `CausalLM.mtp_draft`,
+    and the one-call round's verify, model/step.py `RoundProgram.sample`): each sampled row takes argmax(x + noise) at
+    each of its T positions, x = logits (repetition-penalised) / temperature, -inf below its top_k-th largest; a greedy
+    row the argmax of its (penalised) logits."""
 
     temperature: torch.Tensor  # [B] fp32, 1 for a greedy row
     greedy: torch.Tensor  # [B] bool
     top_k: torch.Tensor  # [B] long, the vocabulary size where a row has none
-    noise: torch.Tensor  # [B, T, V] fp32: each position's Gumbel noise
+    noise: torch.Tensor | None  # [B, T, V] fp32: each position's Gumbel noise (None where every row is greedy)
     q: torch.Tensor | None  # [B, T, V] fp32 to fill with every row's x (the unseeded rule's draft logits), or None
+    penalty: torch.Tensor | None = None  # [B] fp32 repetition penalties (1: none), or None: no row has one
+    seen: torch.Tensor | None = None  # [B, V] bool: the tokens each row has seen before the round (with penalty)
 
 
 class NonFiniteLogitsWarning(UserWarning):

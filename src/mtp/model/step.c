@@ -241,28 +241,35 @@ static float kth_largest(const float* x, int64_t n, int64_t k, float* heap) {
     return heap[0];
 }
 
-/* A sampled row's shaped logits (sampling.py `shape_logits` with temperature and top-k): head logits l [N] of a
- * vocabulary of V (N < V: a reduced one, the others -inf) -> x [N] = l / T, -inf below the top_k-th largest (top_k
- * >= V, or < 1, keeps all). The same fp32 division and comparisons as torch's. heap: scratch [min(top_k, N)]. */
-static void shaped(const uint16_t* l, int64_t N, int64_t V, float T, int64_t top_k, float* x, float* heap) {
-    for (int64_t i = 0; i < N; i++) x[i] = bf16_to_f(l[i]) / T;
+/* A row's shaped logits (sampling.py `shape_logits` with the repetition penalty, temperature and top-k): head logits
+ * l [N] (token ids[i], or i) of a vocabulary of V (N < V: a reduced one, the others -inf) -> x [N]: the logit in fp32,
+ * for a token `mark` [V] flags (NULL: none) divided by r where positive and multiplied by r where not, then / T, -inf
+ * below the top_k-th largest (top_k >= V, or < 1, keeps all). A greedy row passes T = 1 and top_k = V: x is then its
+ * penalised logits as they are. The same fp32 operations and comparisons as torch's. heap: scratch [min(top_k, N)]. */
+static void shaped(const uint16_t* l, int64_t N, int64_t V, const int64_t* ids, const uint8_t* mark, float r, float T,
+                   int64_t top_k, float* x, float* heap) {
+    for (int64_t i = 0; i < N; i++) {
+        float v = bf16_to_f(l[i]);
+        if (mark && mark[ids ? ids[i] : i]) v = v > 0.0f ? v / r : v * r;
+        x[i] = v / T;
+    }
     const float kth = top_k >= 1 && top_k < V && top_k <= N ? kth_largest(x, N, top_k, heap) : -INFINITY;
     for (int64_t i = 0; i < N; i++)
         if (x[i] < kth) x[i] = -INFINITY;
 }
 
-/* A sampled row's token from its head logits l [N] (token ids[i], or i): argmax over tokens of x + g (`shaped`'s x,
- * g [V]: the row's noise), lowest token id first among equals, as torch.argmax over the full vocabulary; writes x at
- * each token of q [V] (NULL: none). The same fp32 addition as round.py's and accept.py's, so the same token. x, heap:
- * scratch [N], [min(top_k, N)]. */
-static int64_t pick(const uint16_t* l, int64_t N, int64_t V, const int64_t* ids, float T, int64_t top_k, const float* g,
-                    float* q, float* x, float* heap) {
-    shaped(l, N, V, T, top_k, x, heap);
+/* A row's token from its head logits l [N] (token ids[i], or i): argmax over tokens of x + g (`shaped`'s x with the
+ * penalty `mark`, r; g [V]: a sampled row's noise, NULL for a greedy row: x alone), lowest token id first among
+ * equals, as torch.argmax over the full vocabulary; writes x at each token of q [V] (NULL: none). The same fp32
+ * addition as round.py's and accept.py's, so the same token. x, heap: scratch [N], [min(top_k, N)]. */
+static int64_t pick(const uint16_t* l, int64_t N, int64_t V, const int64_t* ids, const uint8_t* mark, float r, float T,
+                    int64_t top_k, const float* g, float* q, float* x, float* heap) {
+    shaped(l, N, V, ids, mark, r, T, top_k, x, heap);
     int64_t best_id = -1;
     float best = 0.0f;
     for (int64_t i = 0; i < N; i++) {
         const int64_t t = ids ? ids[i] : i;
-        const float xi = x[i], v = xi + g[t];
+        const float xi = x[i], v = g ? xi + g[t] : xi;
         if (q) q[t] = xi;
         if (best_id < 0 || v > best || (v == best && t < best_id)) {
             best = v;
@@ -272,21 +279,31 @@ static int64_t pick(const uint16_t* l, int64_t N, int64_t V, const int64_t* ids,
     return best_id;
 }
 
-/* The target's pick in a round of sampled rows (round.py's `verify` with accept.py's `accept_rows`, temperature and
- * top-k the only shaping): per row b a temperature, top-k and greedy flag, and noise [B, T, V] for each of its T
- * tokens. A seeded row, and any sampled row in a plain step (T = 1), takes argmax(x + noise) at each position;
- * a row with `unseeded` set and drafts takes Leviathan et al.'s rule (`unseeded_row`). */
+/* The target's pick in a round with shaped rows (round.py's `verify` with accept.py's `accept_rows`; the repetition
+ * penalty, temperature and top-k the only shaping): per row b a temperature, top-k, greedy flag and penalty, and
+ * noise [B, T, V] for each of its T tokens. A greedy row with a penalty takes the argmax of its penalised logits; a
+ * seeded row, and any sampled row in a plain step (T = 1), argmax(x + noise) at each position; a row with `unseeded`
+ * set and drafts Leviathan et al.'s rule (`unseeded_row`). Position j's penalty counts the tokens seen before the
+ * round and the drafts d_1..d_j (round.py `seen_before`). */
 typedef struct {
     const float* temp;
     const uint8_t* greedy;
     const int64_t* top_k;
-    const float* noise;
+    const float* noise;      /* [B, T, V], or NULL where every row is greedy */
     const uint8_t* unseeded; /* [B] or NULL */
     const float* q;          /* [B, T-1, V]: the drafts' x (their rule's logits, the draft chain's q) */
     const float* u;          /* [B, T-1]: uniforms for the ratio tests */
     const int64_t* drafts;   /* [B, T-1] */
     int64_t* limit;          /* [B]: the drafts each row may use; an unseeded row's becomes the count it accepted */
+    const float* penalty;    /* [B] each row's repetition penalty (1: none), or NULL: no row has one */
+    const uint8_t* seen;     /* [B, V] bool: the tokens each row has seen before the round (with penalty) */
 } Pick;
+
+/* A row's penalty marks at verify position n: seen before the round, then the drafts d_1..d_n (marked counts those
+ * already in; marks only grow with n) */
+static void mark_upto(uint8_t* mark, const int64_t* d, int64_t n, int64_t* marked) {
+    for (; *marked < n; (*marked)++) mark[d[*marked]] = 1;
+}
 
 /* log sum exp of x [n] (-inf entries count 0; all -inf: -inf), 8 lanes at a time (native.h's exp8) */
 static float logsumexp(const float* x, int64_t n) {
@@ -316,14 +333,16 @@ static float logsumexp(const float* x, int64_t n) {
  * the two agree in law, and in tokens except where a ratio or a residual's argmax sits within rounding of a tie.
  * x, heap: scratch [N], [N]. */
 static void unseeded_row(const Pick* p, int64_t b, int64_t T, const uint16_t* logits, int64_t N, int64_t* target,
-                         float* x, float* heap) {
+                         uint8_t* mark, float* x, float* heap) {
     const int64_t K = T - 1, lim = p->limit[b] < K ? p->limit[b] : K;
     const float* q = p->q + b * K * N;
     const int64_t* d = p->drafts + b * K;
-    int64_t n = 0;
+    const float r = mark ? p->penalty[b] : 1.0f;
+    int64_t n = 0, marked = 0;
     float lp = 0.0f, lq = 0.0f; /* log-normalisers of x and q at the rejected position (where one was rejected) */
     for (; n < lim; n++) {
-        shaped(logits + (b * T + n) * N, N, N, p->temp[b], p->top_k[b], x, heap);
+        if (mark) mark_upto(mark, d, n, &marked);
+        shaped(logits + (b * T + n) * N, N, N, NULL, mark, r, p->temp[b], p->top_k[b], x, heap);
         const float* qn = q + n * N;
         lp = logsumexp(x, N);
         lq = logsumexp(qn, N);
@@ -331,7 +350,10 @@ static void unseeded_row(const Pick* p, int64_t b, int64_t T, const uint16_t* lo
         if (!(qd > 0.0f && p->u[b * K + n] * qd < pd)) break;
     }
     const int rejected = n < lim; /* x is then position n's already */
-    if (!rejected) shaped(logits + (b * T + n) * N, N, N, p->temp[b], p->top_k[b], x, heap);
+    if (!rejected) {
+        if (mark) mark_upto(mark, d, n, &marked);
+        shaped(logits + (b * T + n) * N, N, N, NULL, mark, r, p->temp[b], p->top_k[b], x, heap);
+    }
     const float* g = p->noise + (b * T + n) * N;
     int64_t next = -1;
     float best = 0.0f;
@@ -372,18 +394,32 @@ int qwen35_verify(const Kernels* k, const Step* s, const Layer* layers, int64_t 
     if (linear(k, head, s->out, M, logits, nth)) return -1;
     k->argmax_rows(M, N, logits, N, 1, target, nth);
     if (!p) return 0;
+    const int64_t T = s->T;
     float* xs = malloc(sizeof(float) * (size_t)(2 * N));
-    if (!xs) return -1;
+    uint8_t* mark = p->penalty ? malloc((size_t)N) : NULL;
+    if (!xs || (p->penalty && !mark)) {
+        free(xs);
+        free(mark);
+        return -1;
+    }
     for (int64_t b = 0; b < s->B; b++) {
-        if (p->greedy[b]) continue;
-        if (p->unseeded && p->unseeded[b] && s->T > 1) {
-            unseeded_row(p, b, s->T, logits, N, target, xs, xs + N);
+        const int pen = p->penalty && p->penalty[b] != 1.0f; /* (a penalty of 1 changes nothing) */
+        if (p->greedy[b] && !pen) continue;
+        if (pen) memcpy(mark, p->seen + b * N, (size_t)N);
+        if (p->unseeded && p->unseeded[b] && T > 1) {
+            unseeded_row(p, b, T, logits, N, target, pen ? mark : NULL, xs, xs + N);
             continue;
         }
-        for (int64_t m = b * s->T; m < (b + 1) * s->T; m++)
-            target[m] = pick(logits + m * N, N, N, NULL, p->temp[b], p->top_k[b], p->noise + m * N, NULL, xs, xs + N);
+        int64_t marked = 0;
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t m = b * T + t;
+            if (pen) mark_upto(mark, p->drafts + b * (T - 1), t, &marked);
+            target[m] = pick(logits + m * N, N, N, NULL, pen ? mark : NULL, pen ? p->penalty[b] : 1.0f, p->temp[b],
+                             p->top_k[b], p->greedy[b] ? NULL : p->noise + m * N, NULL, xs, xs + N);
+        }
     }
     free(xs);
+    free(mark);
     return 0;
 }
 
@@ -402,13 +438,17 @@ typedef struct {
     int64_t PR;                     /* pending slots per row */
     const int64_t *pend_n, *mtp_pos; /* [B]: pending positions per row (1..W), the MTP slots filled */
     int64_t* drafts;                /* out [B, K] */
-    /* The drafts' sampling rule (round.py's `draft`: temperature and top-k), or temp NULL: every row's argmax */
+    /* The drafts' rule (round.py's `draft`: the repetition penalty, temperature and top-k), or temp NULL: every
+       row's argmax */
     const float* temp;              /* [B] each row's temperature (1 for a greedy row) */
-    const uint8_t* greedy;          /* [B] bool: the row drafts its argmax */
+    const uint8_t* greedy;          /* [B] bool: the row drafts the argmax of its (penalised) logits */
     const int64_t* top_k;           /* [B] each row's top-k (V: none) */
-    const float* noise;             /* [B, K, V] the Gumbel noise of each sampled row's drafts */
+    const float* noise;             /* [B, K, V] the Gumbel noise of each sampled row's drafts (NULL: none sampled) */
     float* q;                       /* out [B, K, V] or NULL: every row's x (`shaped`; a greedy row's logits; -inf
                                        outside a reduced vocabulary), the unseeded rule's draft distribution */
+    const float* penalty;           /* [B] each row's repetition penalty (1: none), or NULL: no row has one; draft j
+                                       counts the tokens seen and the drafts d_1..d_{j-1} */
+    const uint8_t* seen;            /* [B, V] bool: the tokens each row has seen (with penalty) */
 } Draft;
 
 /* fc(cat(norm_e(embed[ids]), norm_h(hid))) for M rows: hid [M, H] -> x [M, H]; cat [M, 2H] and e [M, H] scratch */
@@ -447,12 +487,15 @@ int qwen35_draft(const Kernels* k, const Draft* d, const Layer* layers, int64_t 
     uint16_t* buf = malloc(sizeof(uint16_t) * (size_t)(M * (6 * H + 2 * R) + B * d->V));
     int64_t* ints = malloc(sizeof(int64_t) * (size_t)(3 * M + B));
     float* xs = d->temp ? malloc(sizeof(float) * (size_t)(2 * d->head.N)) : NULL; /* pick's scratch */
-    if (!buf || !ints || (d->temp && !xs)) {
+    uint8_t* marks = d->temp && d->penalty && d->K ? malloc((size_t)(B * d->V)) : NULL; /* seen, then the drafts */
+    if (!buf || !ints || (d->temp && !xs) || (d->temp && d->penalty && d->K && !marks)) {
         free(buf);
         free(ints);
         free(xs);
+        free(marks);
         return -1;
     }
+    if (marks) memcpy(marks, d->seen, (size_t)(B * d->V));
     uint16_t *hid = buf, *cat = hid + M * H, *e = cat + 2 * M * H, *x = e + M * H, *out = x + M * H;
     uint16_t *cos = out + M * H, *sin = cos + M * R, *logits = sin + M * R, *h = hid; /* h: depth j's input [B, H] */
     int64_t *ids = ints, *index = ids + M, *starts = index + M, *tok = starts + M;
@@ -490,15 +533,19 @@ int qwen35_draft(const Kernels* k, const Draft* d, const Layer* layers, int64_t 
             float* q = d->q ? d->q + at * d->V : NULL;
             if (q && d->vocab_ids)
                 for (int64_t t = 0; t < d->V; t++) q[t] = -INFINITY;
-            if (d->temp && !d->greedy[b])
-                d->drafts[at] = pick(logits + b * N, N, d->V, d->vocab_ids, d->temp[b], d->top_k[b], d->noise + at * d->V, q,
-                                     xs, xs + N);
+            const int pen = marks && d->penalty[b] != 1.0f; /* (a penalty of 1 changes nothing) */
+            if (d->temp && (!d->greedy[b] || pen))
+                d->drafts[at] = pick(logits + b * N, N, d->V, d->vocab_ids, pen ? marks + b * d->V : NULL,
+                                     pen ? d->penalty[b] : 1.0f, d->temp[b], d->top_k[b],
+                                     d->greedy[b] ? NULL : d->noise + at * d->V, q, xs, xs + N);
             else if (q) /* a greedy row: its logits as they are (temperature 1), for a q nobody reads but defined */
                 for (int64_t i = 0; i < N; i++) q[d->vocab_ids ? d->vocab_ids[i] : i] = bf16_to_f(logits[b * N + i]);
+            if (pen) marks[b * d->V + d->drafts[at]] = 1;
         }
     }
     free(buf);
     free(ints);
     free(xs);
+    free(marks);
     return failed ? -1 : 0;
 }

@@ -73,22 +73,27 @@ class _Draft(ctypes.Structure):
     _fields_ = ([(n, i64) for n in ("B", "W", "K", "H", "V", "S", "R", "P")] + [("eps", f32)]
                 + [(n, p) for n in ("embed", "norm_e", "norm_h", "fc", "norm")] + [("head", _Linear), ("vocab_ids", p)]
                 + [(n, p) for n in ("cos", "sin", "pend_h", "pend_next")] + [("PR", i64)]
-                + [(n, p) for n in ("pend_n", "mtp_pos", "drafts", "temp", "greedy", "top_k", "noise", "q")])
+                + [(n, p) for n in ("pend_n", "mtp_pos", "drafts", "temp", "greedy", "top_k", "noise", "q", "penalty",
+                                    "seen")])
 
 
 class _Pick(ctypes.Structure):
-    _fields_ = [(n, p) for n in ("temp", "greedy", "top_k", "noise", "unseeded", "q", "u", "drafts", "limit")]
+    _fields_ = [(n, p) for n in ("temp", "greedy", "top_k", "noise", "unseeded", "q", "u", "drafts", "limit", "penalty",
+                                 "seen")]
 
 
 def _fits(sampling: PickRule, B: int, T: int, V: int) -> bool:
     """Are `sampling`'s tensors what the C picks read for B rows of T tokens over V: temperature fp32 [B], greedy
     bool [B], top_k long [B] (step.c keeps every token where it is < 1 or >= V), noise and q (if given) fp32
-    [B, T, V], contiguous, on the CPU?"""
-    t, greedy, top_k, noise, q = sampling
-    given = (t, greedy, top_k, noise) + (() if q is None else (q,))
-    return (t.dtype == torch.float32 and t.shape == (B,) and greedy.dtype == torch.bool and greedy.shape == (B,)
-            and top_k.dtype == torch.int64 and top_k.shape == (B,) and noise.dtype == torch.float32
-            and noise.shape == (B, T, V) and (q is None or (q.dtype == torch.float32 and q.shape == (B, T, V)))
+    [B, T, V], penalty fp32 [B] and seen bool [B, V] (both or neither), contiguous, on the CPU? (Noise may be None only
+    where every row is greedy: the caller knows, the C picks read no noise for a greedy row.)"""
+    t, greedy, top_k, noise, q, penalty, seen = sampling
+    given = [x for x in (t, greedy, top_k, noise, q, penalty, seen) if x is not None]
+    f32 = lambda x, shape: x.dtype == torch.float32 and x.shape == shape  # noqa: E731
+    return (f32(t, (B,)) and greedy.dtype == torch.bool and greedy.shape == (B,)
+            and top_k.dtype == torch.int64 and top_k.shape == (B,) and (noise is None or f32(noise, (B, T, V)))
+            and (q is None or f32(q, (B, T, V))) and (penalty is None) == (seen is None)
+            and (penalty is None or (f32(penalty, (B,)) and seen.dtype == torch.bool and seen.shape == (B, V)))
             and all(x.is_contiguous() and x.device.type == "cpu" for x in given))
 
 
@@ -601,7 +606,7 @@ def draft(model, K: int, pend_h: torch.Tensor, pend_next: torch.Tensor, pend_n: 
 
 def _set_draft_rule(d: _Draft, sampling: PickRule | None) -> None:
     """Point the chain `d` at `sampling`'s tensors (`_fits`), or back at the argmax (None)."""
-    d.temp, d.greedy, d.top_k, d.noise, d.q = map(_address, sampling if sampling is not None else (None,) * 5)
+    d.temp, d.greedy, d.top_k, d.noise, d.q, d.penalty, d.seen = map(_address, sampling or (None,) * 7)
 
 
 def _draft_status(status: int, V: int) -> None:
@@ -649,8 +654,9 @@ class RoundProgram:
                unseeded: tuple[torch.Tensor, torch.Tensor] | None = None, limit: int | None = None) -> bool:
         """Set this round's sampling rule: the draft chain's (`drafts`, noise [B, K, V]; q [B, K, V] where rows are
         unseeded) and the verify's (`target`, noise [B, K+1, V], no q: each sampled row's token at each position is
-        argmax(x + noise), x the logits over its temperature cut to its top-k - round.py's seeded rule, and a plain
-        step's), or the argmax (None). `unseeded`: (mask [B] bool, uniforms [B, K]) of rows that take Leviathan et
+        argmax(x + noise), x the logits (repetition-penalised over the tokens seen and the drafts before it) over its
+        temperature cut to its top-k - round.py's seeded rule, and a plain step's; a greedy row's the argmax of x),
+        or the argmax (None). `unseeded`: (mask [B] bool, uniforms [B, K]) of rows that take Leviathan et
         al.'s rule instead (with drafts; step.c `unseeded_row`), whose accepted counts are written over the round's
         limits at address `limit` ([B] int64). -> False where the tensors do not fit (nothing set). The tensors must
         live until the round has run."""
@@ -668,12 +674,14 @@ class RoundProgram:
                     return False
         if self.draft_args is not None:
             _set_draft_rule(self.draft_args, drafts if target is not None else None)
-        t, greedy, top_k, noise, _ = target if target is not None else (None,) * 5
+        t, greedy, top_k, noise, _, penalty, seen = target or (None,) * 7
         mask, u = unseeded if target is not None and unseeded is not None else (None, None)
         pk = self.pick
-        pk.temp, pk.greedy, pk.top_k, pk.noise, pk.unseeded, pk.u = map(_address, (t, greedy, top_k, noise, mask, u))
+        pk.temp, pk.greedy, pk.top_k, pk.noise, pk.unseeded, pk.u, pk.penalty, pk.seen = map(
+            _address, (t, greedy, top_k, noise, mask, u, penalty, seen))
         pk.q = None if mask is None else drafts.q.data_ptr()
-        pk.drafts, pk.limit = (None, None) if mask is None else (self.drafts.data_ptr(), limit)
+        pk.drafts = None if target is None or T == 1 else self.drafts.data_ptr()  # (the unseeded rule's and the penalty's)
+        pk.limit = None if mask is None else limit
         return True
 
     def current(self, model) -> bool:
