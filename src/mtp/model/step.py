@@ -15,7 +15,7 @@ eager path fuses, no bias, no act-order permutation; no hooks, no autograd, not 
 rows' first positions are on the host (`Positions.starts`). Anything else (bf16 weights on oneDNN, MoE, LoRA, a
 compiled graph) takes the per-layer path. MTP_STEP=0 (or MTP_NATIVE=0) turns it off.
 
-The draft chain of the MTP (decode/round.py `draft`, greedy or sampled by the drafts' rule: temperature and top-k)
+The draft chain of the MTP (decode/round.py `draft`, greedy or by the drafts' rule: repetition penalty, temperature, top-k)
 is one call too (`draft`, `build_draft`): each depth's embedding row, pre-fc norms, "bf16-native" input projection,
 MTP layer and norm, the head (int8, int4 or bf16-native; or a reduced draft vocabulary's bf16-native head, its argmax
 mapped to the token ids) and the pick (the argmax, or a sampled row's argmax of x + its noise, x = logits / T cut to
@@ -573,10 +573,11 @@ def draft(model, K: int, pend_h: torch.Tensor, pend_next: torch.Tensor, pend_n: 
           caches: list, width: int, host: tuple[list[int], list[int]],
           vocab: tuple[FastLinear, torch.Tensor] | None = None, sampling: PickRule | None = None) -> torch.Tensor | None:
     """round.py's draft chain of K >= 1 drafts as one C call -> drafts [B, K] (long), or None where it cannot run so
-    (the round then runs it step by step, to the same drafts, caches and q). `sampling`: the rows' temperatures, top-k
-    and noise (each sampled row drafts argmax(x + noise), x = logits / T outside its top-k -inf, and q gets every
-    row's x), or None: argmaxes. pend_h [B, PR, H], pend_next [B, PR], pend_n and mtp_pos [B]: the round state's;
-    `width`: the pending positions depth 1 reads; `host`: (mtp_pos, pend_n) on the host; `vocab`: a reduced draft
+    (the round then runs it step by step, to the same drafts, caches and q). `sampling`: the rows' temperatures, top-k,
+    noise and penalties (each sampled row drafts argmax(x + noise), x = logits penalised over the tokens seen and the
+    drafts before, / T, outside its top-k -inf; a greedy row argmax(x); q gets every row's x), or None: argmaxes.
+    pend_h [B, PR, H], pend_next [B, PR], pend_n and mtp_pos [B]: the round state's; `width`: the pending positions
+    depth 1 reads; `host`: (mtp_pos, pend_n) on the host; `vocab`: a reduced draft
     vocabulary's head (a "bf16-native" layer [H] -> [N]) and its token ids [N] (decode/draft_vocab.py), instead of the
     full head. A pending count past `width` raises ValueError, a pending token outside the vocabulary IndexError,
     before anything is written. K = 0 (round.py's `catch_up`): depth 1 reads the `width` pending positions into the
