@@ -577,11 +577,11 @@ def draft(model, K: int, pend_h: torch.Tensor, pend_next: torch.Tensor, pend_n: 
     noise and penalties (each sampled row drafts argmax(x + noise), x = logits penalised over the tokens seen and the
     drafts before, / T, outside its top-k -inf; a greedy row argmax(x); q gets every row's x), or None: argmaxes.
     pend_h [B, PR, H], pend_next [B, PR], pend_n and mtp_pos [B]: the round state's; `width`: the pending positions
-    depth 1 reads; `host`: (mtp_pos, pend_n) on the host; `vocab`: a reduced draft
-    vocabulary's head (a "bf16-native" layer [H] -> [N]) and its token ids [N] (decode/draft_vocab.py), instead of the
-    full head. A pending count past `width` raises ValueError, a pending token outside the vocabulary IndexError,
-    before anything is written. K = 0 (round.py's `catch_up`): depth 1 reads the `width` pending positions into the
-    MTP's caches, nothing drafted -> [B, 0]."""
+    depth 1 reads; `host`: (mtp_pos, pend_n) on the host; `vocab`: a reduced draft vocabulary's head (a "bf16-native"
+    layer [H] -> [N]) and its token ids [N] (decode/draft_vocab.py), instead of the full head. A pending count past
+    `width` raises ValueError, a pending token outside the vocabulary IndexError, before anything is written. K = 0
+    (round.py's `catch_up`): depth 1 reads the `width` pending positions into the MTP's caches, nothing drafted ->
+    [B, 0]."""
     found = _draft_program(model) if K >= 0 else None
     if found is None:
         return None
