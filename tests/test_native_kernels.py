@@ -6,6 +6,7 @@ call), and, disabled, decoding stays exact in the torch forms."""
 from __future__ import annotations
 
 import copy
+import math
 import os
 import shutil
 import subprocess
@@ -17,7 +18,7 @@ import torch
 
 from conftest import tiny_model
 from mtp.config import Qwen35Config
-from mtp.model import argmax_kernel, attention_kernel, deltanet_kernel, norm_kernel, qmatmul, rtn
+from mtp.model import argmax_kernel, attention_kernel, deltanet_kernel, norm_kernel, qmatmul, rtn, top_p_kernel
 from mtp.model.attention import attend_rows
 from mtp.model.cache import Positions
 from mtp.model.deltanet import GatedDeltaNet
@@ -44,7 +45,7 @@ def test_the_kernels_build_where_they_can():
     load."""
     if cpu_problem() or not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
         pytest.skip(f"not a machine for the kernels: {cpu_problem() or 'no C compiler'}")
-    for k in (*KERNELS, qmatmul, rtn):
+    for k in (*KERNELS, qmatmul, rtn, top_p_kernel):
         assert k.LIBRARY.available(), k.LIBRARY.reason()
 
 
@@ -140,6 +141,50 @@ def test_argmax_is_torchs(dtype):
         assert torch.equal(argmax_kernel.argmax(x), x.argmax(-1)), V
         assert torch.equal(argmax_kernel.argmax(x[:, :, : max(1, V // 2)]), x[:, :, : max(1, V // 2)].argmax(-1)), V
         assert torch.equal(argmax_kernel.argmax(x[0, 0]), x[0, 0].argmax(-1)), V
+
+
+def top_p_reference(x: torch.Tensor, p: float) -> torch.Tensor:
+    """sampling.py's torch rule for one row x [V] (fp32, -inf where cut) -> the kept tokens (bool [V]), in float64 (p = 1:
+    no top-p, as `probs_from_logits` reads it)."""
+    if p >= 1.0:
+        return torch.ones_like(x, dtype=torch.bool)
+    ranked, order = torch.sort(x.double(), descending=True, stable=True)
+    probs = ranked.softmax(-1)
+    cut = (probs.cumsum(-1) - probs) >= p
+    return ~cut.scatter(-1, order, cut)
+
+
+@pytest.mark.skipif(not top_p_kernel.LIBRARY.available(), reason="the C kernels are not available here")
+def test_the_top_p_cut_keeps_what_the_rule_keeps():
+    """top_p.c keeps the tokens torch's rule keeps (the first in descending order while the mass before them is below
+    p): peaked and flat rows (the candidates' threshold lowered, down to every token), rows already cut by a top-k
+    (-inf), a row of one finite logit, all -inf, p = 1 (nothing cut); equal logits at the cut: the lower ids first."""
+    g = torch.Generator().manual_seed(3)
+    for V in (5, 64, 8192):
+        for scale in (0.01, 1.0, 8.0, 40.0):
+            x = torch.randn(6, V, generator=g) * scale
+            x[1, : V // 2] = float("-inf")  # a top-k's cut
+            x[2] = float("-inf")
+            x[3] = float("-inf")
+            x[3, V // 3] = 1.5
+            for p in (0.05, 0.5, 0.9, 0.999, 1.0):
+                y = x.clone()
+                top_p_kernel.cut(y, torch.full((6,), p))
+                for r in range(6):
+                    want = top_p_reference(x[r], p) & (x[r] > float("-inf"))
+                    assert torch.equal(y[r] > float("-inf"), want), (V, scale, p, r)
+                    assert torch.equal(y[r][want], x[r][want])  # what it keeps is untouched
+    x = torch.full((1, 10001), -14 * math.log(2))  # one token, then 10,000 tied ones of 2^-14 its mass each: the
+    x[0, 5000] = 0.0  # candidates' threshold is lowered past them, and the cut falls among the tied ones by id
+    y = x.clone()
+    top_p_kernel.cut(y, torch.tensor([0.9]))
+    assert torch.equal(y[0] > float("-inf"), top_p_reference(x[0], 0.9)) and 5000 < (y > float("-inf")).sum() < 10000
+    x = torch.tensor([[0.0, 1.0, 1.0, 1.0, 0.0]])  # three equal at the top, each 0.27 of the mass
+    top_p_kernel.cut(x, torch.tensor([0.25]))
+    assert (x > float("-inf")).tolist() == [[False, True, False, False, False]]
+    x = torch.tensor([[0.0, 1.0, 1.0, 1.0, 0.0]])
+    top_p_kernel.cut(x, torch.tensor([0.5]))
+    assert (x > float("-inf")).tolist() == [[False, True, True, False, False]]
 
 
 @needs_kernels

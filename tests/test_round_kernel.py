@@ -124,7 +124,8 @@ def one_round(model, st: RoundState, K: int, limits: list[int], D: int, vocab, w
     (1, 1, 0, False, "seeded"), (4, 3, 0, False, "unseeded top_k"), (2, 2, 0, False, "unseeded"),
     (3, 3, 3, False, "unseeded"), (4, 3, 2, True, "unseeded top_k"), (2, 2, 4, False, "unseeded"),
     (4, 3, 3, False, "penalty"), (1, 1, 0, False, "penalty"), (3, 3, 2, True, "penalty"), (3, 3, 3, False, "seeded penalty"),
-    (4, 3, 3, False, "unseeded penalty top_k"), (2, 2, 0, False, "seeded penalty")])
+    (4, 3, 3, False, "unseeded penalty top_k"), (2, 2, 0, False, "seeded penalty"), (3, 3, 3, False, "seeded top_p"),
+    (4, 3, 2, True, "unseeded top_p top_k penalty"), (2, 2, 0, False, "unseeded top_p")])
 def test_the_whole_round_in_one_call_leaves_what_its_steps_leave(kind, B, D, K, reduced, rule):
     """`greedy_round` (draft chain, verify forward, head, argmax, accept and keep in one C call) == round.py's draft and
     verify step by step: the same tokens and, bit for bit, every tensor of the round state (caches, MTP caches, positions,
@@ -133,7 +134,8 @@ def test_the_whole_round_in_one_call_leaves_what_its_steps_leave(kind, B, D, K, 
     some with a top-k, beside greedy ones), seeded or unseeded: the same tokens from the same noise and uniforms (the
     unseeded rule's softmax rounds apart from torch's; these inputs sit nowhere near a tie). A repetition penalty (greedy
     rows with one, and sampled ones) over the tokens seen and the drafts before each position: the same drafts, tokens
-    and state, the emitted tokens marked seen."""
+    and state, the emitted tokens marked seen. Top-p: the target's cut in C (model/top_p.c), which the steps'
+    `shape_logits` runs too."""
     from mtp.decode.draft_vocab import DraftVocab
     from mtp.decode.sampling import RowSampling, SamplingParams, gumbel
     from test_step import quantized
@@ -147,7 +149,8 @@ def test_the_whole_round_in_one_call_leaves_what_its_steps_leave(kind, B, D, K, 
     if rule is not None:
         r = 3.0 if "penalty" in rule else 1.0
         sampled = SamplingParams(0.0 if rule == "penalty" else 0.7, top_k=5 if "top_k" in rule else None,
-                                 seed=None if "unseeded" in rule else 1, repetition_penalty=r)
+                                 top_p=0.6 if "top_p" in rule else None, seed=None if "unseeded" in rule else 1,
+                                 repetition_penalty=r)
         rs = RowSampling.build([SamplingParams() if b == 1 else sampled for b in range(B)], V, "cpu")
         if r != 1.0:
             seen = torch.rand(B, V, generator=torch.Generator().manual_seed(4)) < 0.3
@@ -171,9 +174,8 @@ def test_the_whole_round_in_one_call_leaves_what_its_steps_leave(kind, B, D, K, 
 
 def test_the_whole_round_follows_changed_weights_and_hands_over_what_it_cannot_run():
     """A weight changed in place: the next decoder's state binds its rounds anew (its result is the steps' with the new
-    weight); a hook on the head (even after the round was bound), a model whose layers the programs cannot run and
-    top-p take the steps; bad state raises before anything is written."""
-    from mtp.decode.sampling import RowSampling, SamplingParams
+    weight); a hook on the head (even after the round was bound) and a model whose layers the programs cannot run take
+    the steps; bad state raises before anything is written."""
     from test_step import quantized
 
     model = quantized("int8")
@@ -199,12 +201,6 @@ def test_the_whole_round_follows_changed_weights_and_hands_over_what_it_cannot_r
     fp32.prepare_decode(64)
     with torch.inference_mode():
         assert round_kernel.greedy_round(fp32, round_state(fp32, 1, 0), 2, [2], 1, [0], 2) is None
-    V = model.config.vocab_size
-    for params, K in ((SamplingParams(0.7, top_p=0.9, seed=1), 2), (SamplingParams(0.7, top_p=0.9), 0)):
-        rs = RowSampling.build([params], V, "cpu")
-        with torch.inference_mode():
-            assert round_kernel.greedy_round(model, round_state(model, 1, 3), K, [K], 1, [0], 2, None,
-                                             (rs, torch.zeros(1, K, V), torch.zeros(1, K + 1, V), torch.rand(1, K))) is None
 
     st = round_state(model, 1, 4)
     st.pend_next[0, 0] = model.config.vocab_size  # a pending token outside the vocabulary
@@ -217,7 +213,8 @@ def test_the_whole_round_follows_changed_weights_and_hands_over_what_it_cannot_r
 
 
 @pytest.mark.parametrize("kind", ["int8", "bf16"])
-@pytest.mark.parametrize("rule", ["penalty", "seeded penalty top_k", "seeded", "unseeded penalty"])
+@pytest.mark.parametrize("rule", ["penalty", "seeded penalty top_k", "seeded", "unseeded penalty", "seeded top_p",
+                                  "seeded top_p top_k penalty", "unseeded top_p"])
 def test_the_one_call_verify_picks_every_position_as_the_shaped_target(kind, rule):
     """Every verify position's pick in the one call (not only those a round emits, which with a random model's drafts
     are mostly the first) is round.py's: the argmax of the logits the call computed, shaped by `shape_logits` with the
@@ -235,7 +232,8 @@ def test_the_one_call_verify_picks_every_position_as_the_shaped_target(kind, rul
     B, K, V = 3, 4, model.config.vocab_size
     r = 1.0 if "penalty" not in rule else 0.3 if "unseeded" in rule else 3.0
     sampled = SamplingParams(0.0 if rule == "penalty" else 0.7, top_k=5 if "top_k" in rule else None,
-                             seed=None if "unseeded" in rule else 1, repetition_penalty=r)
+                             top_p=0.5 if "top_p" in rule else None, seed=None if "unseeded" in rule else 1,
+                             repetition_penalty=r)
     rs = RowSampling.build([SamplingParams() if b == 1 else sampled for b in range(B)], V, "cpu")
     g = torch.Generator().manual_seed(5)
     t_noise = gumbel(torch.rand(B, K + 1, V, generator=g))
@@ -250,13 +248,17 @@ def test_the_one_call_verify_picks_every_position_as_the_shaped_target(kind, rul
     prog = st.__dict__["greedy_plans"][(K, False, None)].program
     logits = prog.logits.view(B, K + 1, V)
     x = shape_logits(logits, rs, seen_before(seen, prog.drafts))
+    if rs.use_top_p:  # (the cut left some tokens, and cut some)
+        kept = (x > float("-inf")).sum(-1)[~rs.greedy]
+        assert kept.min() >= 1 and kept.max() < (V if not rs.use_top_k else 5)
     want = torch.where(rs.greedy[:, None, None], x, x + t_noise).argmax(-1)
     if rs.any_unseeded:  # an unseeded row's target: its accepted drafts, then its next token (the rest unread)
         n, nxt = accept.accept_rows(prog.drafts, torch.full((B,), K), x, st.__dict__["sample_q"], rs, t_noise, u)
         for b in rs.unseeded.nonzero()[:, 0].tolist():
             want[b, : n[b]], want[b, n[b]] = prog.drafts[b, : n[b]], nxt[b]
             want[b, n[b] + 1:] = prog.target[b, n[b] + 1:]
-        assert n[rs.unseeded].min() > 0  # (every unseeded row accepted a draft: the positions after it count)
+        if r != 1.0:  # (every unseeded row accepted a draft: the positions after it, and their marks, count)
+            assert n[rs.unseeded].min() > 0
     assert torch.equal(prog.target, want)
 
 

@@ -129,12 +129,13 @@ def test_the_test_detects_a_wrong_acceptance_rule(model, monkeypatch):
 
 # (top-k 2: at top-k 3 this model has a near tie after (1, 1) that its forward and its decode programs round apart)
 @pytest.mark.parametrize("params, k", [(SamplingParams(temperature=1.0), 2), (SamplingParams(temperature=0.7, top_k=2), 3),
-                                       (SamplingParams(temperature=0.7, repetition_penalty=4.0), 2)])
+                                       (SamplingParams(temperature=0.7, repetition_penalty=4.0), 2),
+                                       (SamplingParams(temperature=1.0, top_p=0.7), 3)])
 def test_the_one_call_round_keeps_the_target_distribution(params, k, monkeypatch):
     """On an int8 model whose rounds run as one C call (round_kernel.greedy_round: the drafts' rule and Leviathan et
     al.'s acceptance in C, step.c `unseeded_row`), unseeded speculative sampling still draws the target's joint law,
-    with a repetition penalty too (over the prompt, the tokens emitted and the drafts before each position: a prompt
-    of two of the four tokens, so the others' penalty depends on what was drafted and emitted)."""
+    with top-p (model/top_p.c) and with a repetition penalty (over the prompt, the tokens emitted and the drafts before
+    each position: a prompt of two of the four tokens, so the others' penalty depends on what was drafted)."""
     from mtp.decode import round_kernel
     from test_step import quantized
 

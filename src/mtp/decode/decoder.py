@@ -378,9 +378,8 @@ class Decoder:
                     self.pend_n[b] = 1
         fused = None
         noise = (None,) * 3 if rs is None else self._noise(seqs, rs, B, K)  # (one draw a round, whichever path runs)
-        # rows shaped by the repetition penalty, temperature and top-k only: the whole round as one C call, where it can
-        one_call = rs is None or not rs.use_top_p
-        if eager and one_call and self.masks is None:
+        # the whole round as one C call, where it can (greedy, and every shaping: step.c's picks and top_p.c)
+        if eager and self.masks is None:
             head = None if K == 0 or self.vocab is None else self.vocab.head(model, 1)
             if K == 0 or self.vocab is None or head is not None:
                 sampling = None if rs is None else (rs, *noise)

@@ -139,9 +139,9 @@ def greedy_round(model, st, K: int, limits: list[int], decoding: int, starts: li
     each row may use; rows [0, decoding) decode, the rest keep nothing; `starts` [B]: the rows' positions on the host;
     `width`: the pending positions the draft's depth 1 reads; `vocab`: a reduced draft vocabulary's (head, ids).
     `sampling`: (RowSampling, draft noise [B, K, V], target noise [B, K+1, V], uniforms [B, K] or None; the noises None
-    where every row is greedy) of a round whose rows are shaped by the repetition penalty, temperature and top-k only
-    (no top-p): the drafts' rule and accept.py's, in C (step.c `pick`, `unseeded_row`), the penalty over the state's
-    `seen` and the drafts before each position; None: greedy rows with no shaping."""
+    where every row is greedy) of a round of shaped rows (repetition penalty, temperature, top-k, top-p): the drafts'
+    rule and accept.py's, in C (step.c `pick`, `unseeded_row`), the penalty over the state's `seen` and the drafts
+    before each position; None: greedy rows with no shaping."""
     if not LIBRARY.available():
         return None
     B = st.pos.shape[0]
@@ -177,7 +177,7 @@ def greedy_round(model, st, K: int, limits: list[int], decoding: int, starts: li
         prog.draft_args.W = width
     if sampling is not None:
         rs, d_noise, t_noise, u = sampling
-        if rs.use_top_p or (rs.use_penalty and st.seen is None) or (rs.any_sampled and t_noise is None):
+        if (rs.use_penalty and st.seen is None) or (rs.any_sampled and t_noise is None):
             return None
         q = unseeded = None
         if K and rs.any_unseeded:  # the unseeded rule reads the drafts' q (a buffer the state keeps, [B, K, V])
@@ -187,7 +187,7 @@ def greedy_round(model, st, K: int, limits: list[int], decoding: int, starts: li
             unseeded = (rs.unseeded, u)
         penalty = (rs.penalty, st.seen) if rs.use_penalty else (None, None)
         drafts = PickRule(rs.temperature, rs.greedy, rs.top_k, d_noise, q, *penalty)
-        target = PickRule(rs.temperature, rs.greedy, rs.top_k, t_noise, None, *penalty)
+        target = PickRule(rs.temperature, rs.greedy, rs.top_k, t_noise, None, *penalty, rs.top_p if rs.use_top_p else None)
         if not prog.sample(drafts, target, unseeded, ctypes.addressof(plan.limit)):
             return None
         call.pick = ctypes.addressof(prog.pick)

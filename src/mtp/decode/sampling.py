@@ -12,6 +12,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..model import top_p_kernel
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -125,19 +127,22 @@ def shape_logits(logits: torch.Tensor, rs: RowSampling, seen: torch.Tensor | Non
         return x
     sampled = ~rs.greedy[:, None, None]
     y = x / rs.temperature[:, None, None]
-    if rs.use_top_k or rs.use_top_p:
+    native = rs.use_top_p and top_p_kernel.usable(y)  # (on the CPU the cut is top_p.c's: the one-call round's bits)
+    if rs.use_top_k or (rs.use_top_p and not native):
         ranked, order = torch.sort(y, dim=-1, descending=True)
         drop = torch.zeros_like(y, dtype=torch.bool)
         if rs.use_top_k:
             kth = ranked.gather(-1, (rs.top_k - 1)[:, None, None].expand(*y.shape[:2], 1))
             drop = y < kth
             ranked = ranked.masked_fill(ranked < kth, float("-inf"))  # top-p then sees what top-k kept
-        if rs.use_top_p:
+        if rs.use_top_p and not native:
             probs = ranked.softmax(-1)
             # drop a token when the mass before it already reaches top_p (the first token always stays)
             cut = (probs.cumsum(-1) - probs) >= rs.top_p[:, None, None]
             drop = drop | cut.scatter(-1, order, cut)
         y = y.masked_fill(drop, float("-inf"))
+    if native:
+        top_p_kernel.cut(y, rs.top_p[:, None])
     return torch.where(sampled, y, x)
 
 

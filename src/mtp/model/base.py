@@ -48,8 +48,8 @@ MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 class PickRule(NamedTuple):
     """How the C programs pick rows' tokens where logits are shaped (the one-call draft chain, `CausalLM.mtp_draft`,
     and the one-call round's verify, model/step.py `RoundProgram.sample`): each sampled row takes argmax(x + noise) at
-    each of its T positions, x = logits (repetition-penalised) / temperature, -inf below its top_k-th largest; a greedy
-    row the argmax of its (penalised) logits."""
+    each of its T positions, x = logits (repetition-penalised) / temperature, -inf below its top_k-th largest and
+    where its top-p cuts (model/top_p.c); a greedy row the argmax of its (penalised) logits."""
 
     temperature: torch.Tensor  # [B] fp32, 1 for a greedy row
     greedy: torch.Tensor  # [B] bool
@@ -58,6 +58,7 @@ class PickRule(NamedTuple):
     q: torch.Tensor | None  # [B, T, V] fp32 to fill with every row's x (the unseeded rule's draft logits), or None
     penalty: torch.Tensor | None = None  # [B] fp32 repetition penalties (1: none), or None: no row has one
     seen: torch.Tensor | None = None  # [B, V] bool: the tokens each row has seen before the round (with penalty)
+    top_p: torch.Tensor | None = None  # [B] fp32 top-p (1: none), or None: no row has one (the verify's rule only)
 
 
 class NonFiniteLogitsWarning(UserWarning):

@@ -1,6 +1,6 @@
 /* The decode forward of a Qwen3.5 dense backbone (Gated DeltaNet and gated-attention layers, SwiGLU MLPs, int8, int4
- * or bf16 linears on qmatmul.c) as one C call, and the greedy draft chain of its MTP as another (`qwen35_draft`), built and loaded by
- * native.py and called by step.py. A plain step of the shipped model
+ * or bf16 linears on qmatmul.c) as one C call, and the draft chain of its MTP as another (`qwen35_draft`), built and
+ * loaded by native.py and called by step.py. A plain step of the shipped model
  * made ~400 tensor operations, ~80 module calls and ~45 ctypes calls for ~1 ms of arithmetic; here the layers run
  * back to back without returning to Python.
  *
@@ -33,6 +33,7 @@ typedef struct { /* the eager kernels (their own files say what each computes) *
     void (*sigmoid_mul)(int64_t, int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, uint16_t*, int);
     int (*bf16_linear)(const uint16_t*, int64_t, int64_t, const uint16_t*, const float*, int64_t, uint16_t*, int);
     void (*argmax_rows)(int64_t, int64_t, const void*, int64_t, int, int64_t*, int);
+    int (*top_p_rows)(int64_t, int64_t, float*, int64_t, const float*);
 } Kernels;
 
 typedef struct { /* a prepared linear layer without bias (linear.FastLinear on qmatmul.c): bf16 [M, K] -> [M, N] */
@@ -258,13 +259,11 @@ static void shaped(const uint16_t* l, int64_t N, int64_t V, const int64_t* ids, 
         if (x[i] < kth) x[i] = -INFINITY;
 }
 
-/* A row's token from its head logits l [N] (token ids[i], or i): argmax over tokens of x + g (`shaped`'s x with the
- * penalty `mark`, r; g [V]: a sampled row's noise, NULL for a greedy row: x alone), lowest token id first among
- * equals, as torch.argmax over the full vocabulary; writes x at each token of q [V] (NULL: none). The same fp32
- * addition as round.py's and accept.py's, so the same token. x, heap: scratch [N], [min(top_k, N)]. */
-static int64_t pick(const uint16_t* l, int64_t N, int64_t V, const int64_t* ids, const uint8_t* mark, float r, float T,
-                    int64_t top_k, const float* g, float* q, float* x, float* heap) {
-    shaped(l, N, V, ids, mark, r, T, top_k, x, heap);
+/* The token a row's shaped logits x [N] (token ids[i], or i) pick: argmax over tokens of x + g (g [V]: a sampled
+ * row's noise, NULL for a greedy row: x alone), lowest token id first among equals, as torch.argmax over the full
+ * vocabulary; writes x at each token of q [V] (NULL: none). The same fp32 addition as round.py's and accept.py's, so
+ * the same token. */
+static int64_t picked(const float* x, int64_t N, const int64_t* ids, const float* g, float* q) {
     int64_t best_id = -1;
     float best = 0.0f;
     for (int64_t i = 0; i < N; i++) {
@@ -279,9 +278,17 @@ static int64_t pick(const uint16_t* l, int64_t N, int64_t V, const int64_t* ids,
     return best_id;
 }
 
+/* A row's token from its head logits l [N]: `shaped` (penalty `mark`, r; T, top_k) then `picked`. x, heap: scratch
+ * [N], [min(top_k, N)]. */
+static int64_t pick(const uint16_t* l, int64_t N, int64_t V, const int64_t* ids, const uint8_t* mark, float r, float T,
+                    int64_t top_k, const float* g, float* q, float* x, float* heap) {
+    shaped(l, N, V, ids, mark, r, T, top_k, x, heap);
+    return picked(x, N, ids, g, q);
+}
+
 /* The target's pick in a round with shaped rows (round.py's `verify` with accept.py's `accept_rows`; the repetition
- * penalty, temperature and top-k the only shaping): per row b a temperature, top-k, greedy flag and penalty, and
- * noise [B, T, V] for each of its T tokens. A greedy row with a penalty takes the argmax of its penalised logits; a
+ * penalty, temperature, top-k and top-p): per row b a temperature, top-k, top-p, greedy flag and penalty, and noise
+ * [B, T, V] for each of its T tokens. A greedy row with a penalty takes the argmax of its penalised logits; a
  * seeded row, and any sampled row in a plain step (T = 1), argmax(x + noise) at each position; a row with `unseeded`
  * set and drafts Leviathan et al.'s rule (`unseeded_row`). Position j's penalty counts the tokens seen before the
  * round and the drafts d_1..d_j (round.py `seen_before`). */
@@ -297,7 +304,16 @@ typedef struct {
     int64_t* limit;          /* [B]: the drafts each row may use; an unseeded row's becomes the count it accepted */
     const float* penalty;    /* [B] each row's repetition penalty (1: none), or NULL: no row has one */
     const uint8_t* seen;     /* [B, V] bool: the tokens each row has seen before the round (with penalty) */
+    const float* top_p;      /* [B] each row's top-p (1: none), or NULL: no row has one */
 } Pick;
+
+/* A target position's shaped logits: `shaped`, then row b's top-p cut (top_p.c, through the kernel table: the code
+ * sampling.py's `shape_logits` runs). 0, or -1 (memory). */
+static int shaped_target(const Kernels* k, const Pick* p, int64_t b, const uint16_t* l, int64_t N, const uint8_t* mark,
+                         float* x, float* heap) {
+    shaped(l, N, N, NULL, mark, mark ? p->penalty[b] : 1.0f, p->temp[b], p->top_k[b], x, heap);
+    return p->top_p && p->top_p[b] < 1.0f ? k->top_p_rows(1, N, x, N, p->top_p + b) : 0;
+}
 
 /* A row's penalty marks at verify position n: seen before the round, then the drafts d_1..d_n (marked counts those
  * already in; marks only grow with n) */
@@ -331,18 +347,17 @@ static float logsumexp(const float* x, int64_t n) {
  * drafted. Writes the row's T target tokens as the greedy accept reads them (the accepted drafts, then the next
  * token) and its limit as the accepted count. The same rule as accept.py's; torch's softmax rounds differently, so
  * the two agree in law, and in tokens except where a ratio or a residual's argmax sits within rounding of a tie.
- * x, heap: scratch [N], [N]. */
-static void unseeded_row(const Pick* p, int64_t b, int64_t T, const uint16_t* logits, int64_t N, int64_t* target,
-                         uint8_t* mark, float* x, float* heap) {
+ * mark: scratch [N] holding the row's seen tokens (NULL: no penalty); x, heap: scratch [N], [N]. 0, or -1 (memory). */
+static int unseeded_row(const Kernels* k, const Pick* p, int64_t b, int64_t T, const uint16_t* logits, int64_t N,
+                        int64_t* target, uint8_t* mark, float* x, float* heap) {
     const int64_t K = T - 1, lim = p->limit[b] < K ? p->limit[b] : K;
     const float* q = p->q + b * K * N;
     const int64_t* d = p->drafts + b * K;
-    const float r = mark ? p->penalty[b] : 1.0f;
     int64_t n = 0, marked = 0;
     float lp = 0.0f, lq = 0.0f; /* log-normalisers of x and q at the rejected position (where one was rejected) */
     for (; n < lim; n++) {
         if (mark) mark_upto(mark, d, n, &marked);
-        shaped(logits + (b * T + n) * N, N, N, NULL, mark, r, p->temp[b], p->top_k[b], x, heap);
+        if (shaped_target(k, p, b, logits + (b * T + n) * N, N, mark, x, heap)) return -1;
         const float* qn = q + n * N;
         lp = logsumexp(x, N);
         lq = logsumexp(qn, N);
@@ -352,7 +367,7 @@ static void unseeded_row(const Pick* p, int64_t b, int64_t T, const uint16_t* lo
     const int rejected = n < lim; /* x is then position n's already */
     if (!rejected) {
         if (mark) mark_upto(mark, d, n, &marked);
-        shaped(logits + (b * T + n) * N, N, N, NULL, mark, r, p->temp[b], p->top_k[b], x, heap);
+        if (shaped_target(k, p, b, logits + (b * T + n) * N, N, mark, x, heap)) return -1;
     }
     const float* g = p->noise + (b * T + n) * N;
     int64_t next = -1;
@@ -381,11 +396,13 @@ static void unseeded_row(const Pick* p, int64_t b, int64_t T, const uint16_t* lo
     for (int64_t j = 0; j < n; j++) target[b * T + j] = d[j];
     target[b * T + n] = next;
     p->limit[b] = n;
+    return 0;
 }
 
 /* A round's verify (decode/round.c `greedy_round`): the decode forward, then the head over every token and each
- * one's argmax (a sampled row's: `pick`'s, where `p` is given), as round.py's `verify` runs them (model.head, then
- * argmax over [B, T, V], or accept.py's over the shaped logits plus the noise): target [B*T]. qwen35_decode's codes. */
+ * one's argmax (a shaped row's: `shaped_target` then `picked`, where `p` is given), as round.py's `verify` runs them
+ * (model.head, then argmax over [B, T, V], or accept.py's over the shaped logits plus the noise): target [B*T].
+ * qwen35_decode's codes. */
 int qwen35_verify(const Kernels* k, const Step* s, const Layer* layers, int64_t L, const Linear* head, uint16_t* logits,
                   int64_t* target, const Pick* p, int nth) {
     const int status = qwen35_decode(k, s, layers, L, nth);
@@ -402,25 +419,26 @@ int qwen35_verify(const Kernels* k, const Step* s, const Layer* layers, int64_t 
         free(mark);
         return -1;
     }
-    for (int64_t b = 0; b < s->B; b++) {
+    int failed = 0;
+    for (int64_t b = 0; b < s->B && !failed; b++) {
         const int pen = p->penalty && p->penalty[b] != 1.0f; /* (a penalty of 1 changes nothing) */
         if (p->greedy[b] && !pen) continue;
         if (pen) memcpy(mark, p->seen + b * N, (size_t)N);
         if (p->unseeded && p->unseeded[b] && T > 1) {
-            unseeded_row(p, b, T, logits, N, target, pen ? mark : NULL, xs, xs + N);
+            failed = unseeded_row(k, p, b, T, logits, N, target, pen ? mark : NULL, xs, xs + N);
             continue;
         }
         int64_t marked = 0;
-        for (int64_t t = 0; t < T; t++) {
+        for (int64_t t = 0; t < T && !failed; t++) {
             const int64_t m = b * T + t;
             if (pen) mark_upto(mark, p->drafts + b * (T - 1), t, &marked);
-            target[m] = pick(logits + m * N, N, N, NULL, pen ? mark : NULL, pen ? p->penalty[b] : 1.0f, p->temp[b],
-                             p->top_k[b], p->greedy[b] ? NULL : p->noise + m * N, NULL, xs, xs + N);
+            if (!(failed = shaped_target(k, p, b, logits + m * N, N, pen ? mark : NULL, xs, xs + N)))
+                target[m] = picked(xs, N, NULL, p->greedy[b] ? NULL : p->noise + m * N, NULL);
         }
     }
     free(xs);
     free(mark);
-    return 0;
+    return failed ? -1 : 0;
 }
 
 typedef struct {

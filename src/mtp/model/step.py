@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
-from . import act, argmax_kernel, attention_kernel, deltanet_kernel, norm_kernel, qmatmul
+from . import act, argmax_kernel, attention_kernel, deltanet_kernel, norm_kernel, qmatmul, top_p_kernel
 from .attention import GatedAttention
 from .base import PickRule
 from .cache import Cache, DeltaState, DeltaSteps, KVCache, Positions
@@ -49,7 +49,7 @@ p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 class _Kernels(ctypes.Structure):
     _fields_ = [(n, p) for n in ("q8_linear", "q4_linear", "rmsnorm", "deltanet_decode", "attend_decode", "silu_mul",
-                                 "sigmoid_mul", "bf16_linear", "argmax_rows")]
+                                 "sigmoid_mul", "bf16_linear", "argmax_rows", "top_p_rows")]
 
 
 class _Linear(ctypes.Structure):
@@ -79,21 +79,23 @@ class _Draft(ctypes.Structure):
 
 class _Pick(ctypes.Structure):
     _fields_ = [(n, p) for n in ("temp", "greedy", "top_k", "noise", "unseeded", "q", "u", "drafts", "limit", "penalty",
-                                 "seen")]
+                                 "seen", "top_p")]
 
 
 def _fits(sampling: PickRule, B: int, T: int, V: int) -> bool:
     """Are `sampling`'s tensors what the C picks read for B rows of T tokens over V: temperature fp32 [B], greedy
     bool [B], top_k long [B] (step.c keeps every token where it is < 1 or >= V), noise and q (if given) fp32
-    [B, T, V], penalty fp32 [B] and seen bool [B, V] (both or neither), contiguous, on the CPU? (Noise may be None only
-    where every row is greedy: the caller knows, the C picks read no noise for a greedy row.)"""
-    t, greedy, top_k, noise, q, penalty, seen = sampling
-    given = [x for x in (t, greedy, top_k, noise, q, penalty, seen) if x is not None]
+    [B, T, V], penalty fp32 [B] and seen bool [B, V] (both or neither), top_p fp32 [B] (if given), contiguous, on the
+    CPU? (Noise may be None only where every row is greedy: the caller knows, the C picks read no noise for a greedy
+    row.)"""
+    t, greedy, top_k, noise, q, penalty, seen, top_p = sampling
+    given = [x for x in (t, greedy, top_k, noise, q, penalty, seen, top_p) if x is not None]
     f32 = lambda x, shape: x.dtype == torch.float32 and x.shape == shape  # noqa: E731
     return (f32(t, (B,)) and greedy.dtype == torch.bool and greedy.shape == (B,)
             and top_k.dtype == torch.int64 and top_k.shape == (B,) and (noise is None or f32(noise, (B, T, V)))
             and (q is None or f32(q, (B, T, V))) and (penalty is None) == (seen is None)
             and (penalty is None or (f32(penalty, (B,)) and seen.dtype == torch.bool and seen.shape == (B, V)))
+            and (top_p is None or f32(top_p, (B,)))
             and all(x.is_contiguous() and x.device.type == "cpu" for x in given))
 
 
@@ -110,7 +112,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 LIBRARY = NativeLibrary("step.c", "MTP_STEP", "decode forwards run layer by layer", _declare)
 _LIBRARIES = (qmatmul.LIBRARY, norm_kernel.LIBRARY, deltanet_kernel.LIBRARY, attention_kernel.LIBRARY, act.LIBRARY,
-              argmax_kernel.LIBRARY)
+              argmax_kernel.LIBRARY, top_p_kernel.LIBRARY)
 
 
 def _kernels() -> _Kernels:
@@ -118,7 +120,7 @@ def _kernels() -> _Kernels:
     return _Kernels(fn(qmatmul.LIBRARY, "q8_linear"), fn(qmatmul.LIBRARY, "q4_linear"), fn(norm_kernel.LIBRARY, "rmsnorm"),
                     fn(deltanet_kernel.LIBRARY, "deltanet_decode"), fn(attention_kernel.LIBRARY, "attend_decode"),
                     fn(act.LIBRARY, "silu_mul"), fn(act.LIBRARY, "sigmoid_mul"), fn(qmatmul.LIBRARY, "bf16_linear"),
-                    fn(argmax_kernel.LIBRARY, "argmax_rows"))
+                    fn(argmax_kernel.LIBRARY, "argmax_rows"), fn(top_p_kernel.LIBRARY, "top_p_rows"))
 
 
 class Ineligible(Exception):
@@ -594,7 +596,7 @@ def draft(model, K: int, pend_h: torch.Tensor, pend_next: torch.Tensor, pend_n: 
     d, layers = bound
     d.W = width
     if sampling is not None:
-        if not _fits(sampling, B, K, d.V):
+        if not _fits(sampling, B, K, d.V) or sampling.top_p is not None:  # (the drafts' rule has no top-p)
             return None
         _set_draft_rule(d, sampling)
     starts, counts = host
@@ -607,7 +609,7 @@ def draft(model, K: int, pend_h: torch.Tensor, pend_next: torch.Tensor, pend_n: 
 
 def _set_draft_rule(d: _Draft, sampling: PickRule | None) -> None:
     """Point the chain `d` at `sampling`'s tensors (`_fits`), or back at the argmax (None)."""
-    d.temp, d.greedy, d.top_k, d.noise, d.q, d.penalty, d.seen = map(_address, sampling or (None,) * 7)
+    d.temp, d.greedy, d.top_k, d.noise, d.q, d.penalty, d.seen = map(_address, (sampling or (None,) * 8)[:7])
 
 
 def _draft_status(status: int, V: int) -> None:
@@ -656,7 +658,8 @@ class RoundProgram:
         """Set this round's sampling rule: the draft chain's (`drafts`, noise [B, K, V]; q [B, K, V] where rows are
         unseeded) and the verify's (`target`, noise [B, K+1, V], no q: each sampled row's token at each position is
         argmax(x + noise), x the logits (repetition-penalised over the tokens seen and the drafts before it) over its
-        temperature cut to its top-k - round.py's seeded rule, and a plain step's; a greedy row's the argmax of x),
+        temperature cut to its top-k and top-p - round.py's seeded rule, and a plain step's; a greedy row's the argmax
+        of x),
         or the argmax (None). `unseeded`: (mask [B] bool, uniforms [B, K]) of rows that take Leviathan et
         al.'s rule instead (with drafts; step.c `unseeded_row`), whose accepted counts are written over the round's
         limits at address `limit` ([B] int64). -> False where the tensors do not fit (nothing set). The tensors must
@@ -665,7 +668,7 @@ class RoundProgram:
         V = self.logits.shape[-1]
         if target is not None:
             if (not _fits(target, B, T, V) or target.q is not None
-                    or (T > 1 and (drafts is None or not _fits(drafts, B, T - 1, V)))):
+                    or (T > 1 and (drafts is None or not _fits(drafts, B, T - 1, V) or drafts.top_p is not None))):
                 return False
             if unseeded is not None:
                 mask, u = unseeded
@@ -675,11 +678,11 @@ class RoundProgram:
                     return False
         if self.draft_args is not None:
             _set_draft_rule(self.draft_args, drafts if target is not None else None)
-        t, greedy, top_k, noise, _, penalty, seen = target or (None,) * 7
+        t, greedy, top_k, noise, _, penalty, seen, top_p = target or (None,) * 8
         mask, u = unseeded if target is not None and unseeded is not None else (None, None)
         pk = self.pick
-        pk.temp, pk.greedy, pk.top_k, pk.noise, pk.unseeded, pk.u, pk.penalty, pk.seen = map(
-            _address, (t, greedy, top_k, noise, mask, u, penalty, seen))
+        pk.temp, pk.greedy, pk.top_k, pk.noise, pk.unseeded, pk.u, pk.penalty, pk.seen, pk.top_p = map(
+            _address, (t, greedy, top_k, noise, mask, u, penalty, seen, top_p))
         pk.q = None if mask is None else drafts.q.data_ptr()
         pk.drafts = None if target is None or T == 1 else self.drafts.data_ptr()  # (the unseeded rule's and the penalty's)
         pk.limit = None if mask is None else limit
