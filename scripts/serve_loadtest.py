@@ -183,20 +183,22 @@ class Server:
         self._log.close()
 
 
-def completion(client: openai.OpenAI, model: str, prompt: str, max_tokens: int, temperature: float = 0.0) -> int:
-    """One completion, greedy or sampled at `temperature` (no seed, no penalty); returns its completion tokens."""
+def completion(client: openai.OpenAI, model: str, prompt: str, max_tokens: int, temperature: float = 0.0,
+               penalty: float = 1.0) -> int:
+    """One completion, greedy or sampled at `temperature` (no seed), with repetition penalty `penalty` (1: none);
+    returns its completion tokens."""
     return client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
-                                     extra_body=PURE_GREEDY).usage.completion_tokens
+                                     extra_body={"repetition_penalty": penalty}).usage.completion_tokens
 
 
 def level(base_url: str, api_key: str, model: str, prompts: list[str], clients: int, per_client: int, max_tokens: int,
-          sequential: bool = False, temperature: float = 0.0) -> dict:
+          sequential: bool = False, temperature: float = 0.0, penalty: float = 1.0) -> dict:
     """`clients` clients x `per_client` requests (request i = r * clients + c sends prompt i mod len(prompts)), all at
     once, or with `sequential` one after another in request order. Returns the row of figures."""
     tally = Tally()
 
     def send(client: openai.OpenAI, i: int) -> None:
-        tally.send(lambda: completion(client, model, prompts[i % len(prompts)], max_tokens, temperature))
+        tally.send(lambda: completion(client, model, prompts[i % len(prompts)], max_tokens, temperature, penalty))
 
     def client_loop(c: int) -> None:
         client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
@@ -221,20 +223,23 @@ def level(base_url: str, api_key: str, model: str, prompts: list[str], clients: 
 
 
 def sweep(base_url: str, api_key: str, mode: str, prompts: list[str], levels: list[int], per_client: int,
-          max_tokens: int, temperature: float = 0.0) -> tuple[list[dict], dict | None]:
+          max_tokens: int, temperature: float = 0.0, penalty: float = 1.0) -> tuple[list[dict], dict | None]:
     """One server: a warm-up request, each concurrency level, then the sequential baseline (requests greedy, or
-    sampled at `temperature`). Returns (rows, baseline); a failed warm-up is the only row (and no baseline)."""
+    sampled at `temperature`; repetition penalty `penalty`). Returns (rows, baseline); a failed warm-up is the only row
+    (and no baseline)."""
     model = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600).models.list().data[0].id
-    warm = level(base_url, api_key, model, prompts, 1, 1, max_tokens, True, temperature)  # first-call costs are not measured
+    warm = level(base_url, api_key, model, prompts, 1, 1, max_tokens, True, temperature, penalty)  # (first-call costs)
     if warm["failed"]:
         return [{"mode": f"{mode} (warm-up)", **warm}], None
     rows = []
     for c in levels:
-        row = {"mode": mode, **level(base_url, api_key, model, prompts, c, per_client, max_tokens, False, temperature)}
+        row = {"mode": mode, **level(base_url, api_key, model, prompts, c, per_client, max_tokens, False, temperature,
+                                     penalty)}
         print(f"  {mode}: {c} clients: {row['ok']}/{row['requests']} ok, {row['tokens_per_s']} tok/s", file=sys.stderr, flush=True)
         rows.append(row)
     compare = COMPARE_AT if COMPARE_AT in levels else max(levels)
-    baseline = {"mode": mode, **level(base_url, api_key, model, prompts, compare, 1, max_tokens, True, temperature)}
+    baseline = {"mode": mode, **level(base_url, api_key, model, prompts, compare, 1, max_tokens, True, temperature,
+                                      penalty)}
     return rows, baseline
 
 
@@ -290,7 +295,8 @@ def table_main(args) -> int:
                     print(f"mode {m}: {e}", file=sys.stderr)
                     return 1
                 try:
-                    r, b = sweep(server.url, "none", m, prompts, levels, per_client, args.max_tokens, args.temperature)
+                    r, b = sweep(server.url, "none", m, prompts, levels, per_client, args.max_tokens, args.temperature,
+                                 args.repetition_penalty)
                 finally:
                     server.stop()
                 rows += r
@@ -300,10 +306,13 @@ def table_main(args) -> int:
     else:
         health = httpx.get(args.base_url.removesuffix("/v1") + "/health", timeout=10).json()
         mode = f"draft_tokens={health.get('draft_tokens')}"
-        rows, b = sweep(args.base_url, args.api_key, mode, prompts, levels, per_client, args.max_tokens, args.temperature)
+        rows, b = sweep(args.base_url, args.api_key, mode, prompts, levels, per_client, args.max_tokens, args.temperature,
+                        args.repetition_penalty)
         baselines.append(b)
 
     how = "greedy" if args.temperature == 0 else f"sampled at temperature {args.temperature} (no seed)"
+    if args.repetition_penalty != 1.0:
+        how += f", repetition penalty {args.repetition_penalty}"
     print(f"max_tokens {args.max_tokens}, {per_client} request(s) per client, {how}, {len(prompts)} code prompts\n")
     print(markdown_table(rows))
     print()
@@ -315,6 +324,7 @@ def table_main(args) -> int:
         print("  failure:", f)
     if args.json and args.json != "-":
         Path(args.json).write_text(json.dumps({"max_tokens": args.max_tokens, "temperature": args.temperature,
+                                               "repetition_penalty": args.repetition_penalty,
                                                "requests_per_client": per_client,
                                                "rows": rows, "sequential": baselines}, indent=1))
     elif args.json:
@@ -342,6 +352,9 @@ def main() -> int:
     table.add_argument("--threads", type=int, default=None, help="the servers' --threads")
     table.add_argument("--temperature", type=float, default=0.0,
                        help="sample the table's requests at this temperature (no seed; default 0: greedy)")
+    table.add_argument("--repetition-penalty", type=float, default=1.0,
+                       help="the table's requests' repetition penalty (default 1: none, whatever the model's "
+                            "generation_config says; the shipped model's is 1.2)")
     table.add_argument("--dtype", default="auto", help="the servers' --dtype")
     table.add_argument("--device", default="auto", help="the servers' --device")
     table.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for a server to load its model")

@@ -27,7 +27,8 @@ def loadtest(model_dir, *args: str) -> subprocess.CompletedProcess:
 
 def test_table_per_mode_and_concurrency(model_dir, tmp_path):
     out = tmp_path / "rows.json"
-    run = loadtest(model_dir, "--concurrency", "1,2", "--modes", "off,auto", "--max-tokens", "8", "--json", str(out))
+    run = loadtest(model_dir, "--concurrency", "1,2", "--modes", "off,auto", "--max-tokens", "8", "--json", str(out),
+                   "--repetition-penalty", "1.2")
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.splitlines()
     assert "| mode | concurrency | requests | new tokens/s (total) | p50 latency (s) | p95 latency (s) |" in lines
@@ -37,6 +38,7 @@ def test_table_per_mode_and_concurrency(model_dir, tmp_path):
         assert any(line.startswith(f"- {mode}: 2 concurrent clients") and "the same 2 requests one after another" in line
                    for line in lines), run.stdout
     saved = json.loads(out.read_text())
+    assert saved["repetition_penalty"] == 1.2 and "repetition penalty 1.2" in run.stdout
     assert [(r["mode"], r["concurrency"], r["failed"]) for r in saved["rows"]] == [("off", 1, 0), ("off", 2, 0), ("auto", 1, 0),
                                                                                    ("auto", 2, 0)]
     assert all(0 < r["new_tokens"] <= 8 * r["requests"] and r["tokens_per_s"] > 0 for r in saved["rows"])
