@@ -660,11 +660,10 @@ class RoundProgram:
         unseeded) and the verify's (`target`, noise [B, K+1, V], no q: each sampled row's token at each position is
         argmax(x + noise), x the logits (repetition-penalised over the tokens seen and the drafts before it) over its
         temperature cut to its top-k and top-p - round.py's seeded rule, and a plain step's; a greedy row's the argmax
-        of x),
-        or the argmax (None). `unseeded`: (mask [B] bool, uniforms [B, K]) of rows that take Leviathan et
-        al.'s rule instead (with drafts; step.c `unseeded_row`), whose accepted counts are written over the round's
-        limits at address `limit` ([B] int64). -> False where the tensors do not fit (nothing set). The tensors must
-        live until the round has run."""
+        of x), or the argmax (None). `unseeded`: (mask [B] bool, uniforms [B, K]) of rows that take Leviathan et al.'s
+        rule instead (with drafts; step.c `unseeded_row`), whose accepted counts are written over the round's limits at
+        address `limit` ([B] int64). -> False where the tensors do not fit (nothing set). The tensors must live until
+        the round has run."""
         B, T = self.target.shape
         V = self.logits.shape[-1]
         if target is not None:

@@ -47,7 +47,7 @@ static void top_p_row(float* x, int64_t N, float p, float* e, int32_t* h) {
     if (!(p < 1.0f)) return;
     float m = -INFINITY;
     for (int64_t i = 0; i < N; i++) m = x[i] > m ? x[i] : m;
-    if (m == -INFINITY || m != m) return;
+    if (m == -INFINITY) return;
     const __m256 vm = _mm256_set1_ps(m), ninf = _mm256_set1_ps(-INFINITY);
     int64_t i = 0;
     for (; i + 8 <= N; i += 8) {
