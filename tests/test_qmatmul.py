@@ -184,26 +184,52 @@ BUILDS = textwrap.dedent("""
             out[f"q8 {N} {K} {M}"] = qmatmul.q8_linear(x, codes, scale)
             out[f"q4 {N} {K} {group} {M}"] = qmatmul.q4_linear(x, packed, s, low, group)
             out[f"bf16 {N} {K} {M}"] = qmatmul.bf16_linear(x, qmatmul.pack_bf16(w.to(torch.bfloat16)), N)
+    w = (torch.randn(8192, 385, generator=g) * 0.05).to(torch.bfloat16)  # many outputs: some round apart by build
+    x = torch.randn(4, 385, generator=g).to(torch.bfloat16)
+    out["bf16 8192 385 4"] = qmatmul.bf16_linear(x, qmatmul.pack_bf16(w), 8192)
     torch.save(out, sys.argv[1])
 """)
 
 
+def run_build(isa: str, path) -> dict:
+    """BUILDS's outputs from `isa`'s build of the kernels, in a real process (MTP_NATIVE_ISA names the build)."""
+    done = subprocess.run([sys.executable, "-c", BUILDS, str(path)], env={**os.environ, "MTP_NATIVE_ISA": isa},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and f"isa: {isa}" in done.stdout, done.stdout + done.stderr
+    return torch.load(path)
+
+
+def cpu_runs(isa: native.Isa) -> bool:
+    return all(f in native.cpu_flags() for f in isa.cpu_flags)
+
+
 @needs_kernels
-@pytest.mark.skipif(not all(f in native.cpu_flags() for f in native.AVX512_VNNI.cpu_flags),
-                    reason="this CPU has no AVX-512 VNNI: only the AVX2 build runs here")
+@pytest.mark.skipif(not cpu_runs(native.AVX512_VNNI), reason="this CPU has no AVX-512 VNNI: only the AVX2 build runs here")
 def test_vnni_and_avx2_builds_compute_the_same_bits(tmp_path):
     """The AVX-512 VNNI build changes one instruction (the u8 x s8 products), not a rounding: both builds' outputs are
-    bit for bit the same, in real processes (MTP_NATIVE_ISA=avx2 asks for the baseline)."""
-    results = {}
-    for isa in ("avx512vnni", "avx2"):
-        env = {"MTP_NATIVE_ISA": isa if isa == "avx2" else ""}
-        done = subprocess.run([sys.executable, "-c", BUILDS, str(tmp_path / isa)], env={**os.environ, **env},
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0 and f"isa: {isa}" in done.stdout, done.stdout + done.stderr
-        results[isa] = torch.load(tmp_path / isa)
-    assert results["avx2"].keys() == results["avx512vnni"].keys()
-    for k, y in results["avx2"].items():
-        assert torch.equal(y, results["avx512vnni"][k]), k
+    bit for bit the same, bf16 products included (the same 8-lane FMAs)."""
+    vnni, avx2 = run_build("avx512vnni", tmp_path / "vnni"), run_build("avx2", tmp_path / "avx2")
+    assert avx2.keys() == vnni.keys()
+    for k, y in avx2.items():
+        assert torch.equal(y, vnni[k]), k
+
+
+@needs_kernels
+@pytest.mark.skipif(not cpu_runs(native.AVX512_BF16), reason="this CPU has no AVX-512 BF16")
+def test_bf16_build_keeps_the_integer_bits_and_rounds_bf16_its_own_way(tmp_path):
+    """The AVX-512 BF16 build: int8 / int4 outputs bit for bit the AVX2 build's; its bf16 products (`vdpbf16ps`)
+    within the bf16 kernel's bound of the AVX2 build's, and not all equal to them (the build really runs)."""
+    bf, avx2 = run_build("avx512bf16", tmp_path / "bf16"), run_build("avx2", tmp_path / "avx2")
+    assert avx2.keys() == bf.keys()
+    differ = 0
+    for k, y in avx2.items():
+        if not k.startswith("bf16"):
+            assert torch.equal(y, bf[k]), k
+            continue
+        a, b = y.double(), bf[k].double()
+        assert ((a - b).abs() <= a.abs() * 2**-7 + 1e-4).all(), k
+        differ += not torch.equal(y, bf[k])
+    assert differ
 
 
 @torch.no_grad()

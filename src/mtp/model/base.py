@@ -113,9 +113,9 @@ class CausalLM(nn.Module, ABC):
     # The MTP's input projection: kept in bf16 when the rest is quantized (serving engines learned that int8 there
     # costs acceptance; vLLM keeps `mtp.fc` unquantised). Families name theirs.
     keep_precision: ClassVar[tuple[str, ...]] = ("mtp.fc",)
-    # Of those, the ones that run qmatmul's bf16 product ("bf16-native") rather than oneDNN's: what a family's one-call
-    # draft reads (Qwen3.5: model/step.py), so the draft and the layers give the same bits. The rest (routers) run what
-    # bf16 layers run (`linear.bf16_kernel`): oneDNN where it packs bf16, ~2.5x faster than ours over a prompt's rows.
+    # Of those, the ones that run qmatmul's bf16 product ("bf16-native") even where bf16 layers run oneDNN's
+    # (MTP_BF16=torch): what a family's one-call draft reads (Qwen3.5: model/step.py), so the draft and the layers give
+    # the same bits. The rest (routers) run what bf16 layers run (`linear.bf16_kernel`).
     native_bf16: ClassVar[tuple[str, ...]] = ()
     # The config key counting routed experts when checkpoints may hold them per expert (None: no MoE layers).
     experts_key: ClassVar[str | None] = None
@@ -190,7 +190,7 @@ class CausalLM(nn.Module, ABC):
                               on_quantized: Callable[[torch.Tensor], None] | None = None,
                               int4: Int4Sources | None = None) -> None:
         """Swap the linear layers for row-invariant CPU inference kernels (`model/linear.py`): bf16 weights use
-        oneDNN's packed layout (or, where oneDNN cannot pack bf16, qmatmul's bf16 product: `linear.bf16_kernel`), fp32
+        qmatmul's bf16 product (or, where it cannot run, oneDNN's packed layout: `linear.bf16_kernel`), fp32
         weights a row-by-row product; `quantize` "int8" (weight-only, per-channel scales)
         or "int4" (weight-only, groups of 128, `linear.Int4Weight`) quantizes every linear layer and every routed
         expert but `keep_precision` (bf16; "bf16-native" for `native_bf16`); a layer the int4 kernel cannot run

@@ -7,16 +7,14 @@ becomes a `FastLinear` that keeps the same `weight` parameter (state dict, savin
 runs one of these kernels, each row-invariant (tests/test_precision.py checks every layer of a model on the machine
 that runs it):
 
-- "bf16": oneDNN's packed weight layout (`mkldnn._linear_pointwise`): about 2x `F.linear` in bf16 on a 1-row
-  decode step, and verifying 4 rows costs about 1.5 rows (docs/decisions.md, 2026-11-30 speed). oneDNN packs bf16
-  weights only on CPUs with AVX-512 (bw/vl/dq) or AVX-NE-CONVERT. On an AVX2-only CPU (AMD EPYC Zen 3, say) torch's
-  bf16 `F.linear` is 2.5-6x slower than "bf16-native" at every row count, so a bf16 layer runs "bf16-native" there
-  (`bf16_kernel`; `F.linear` only without qmatmul, row-invariant there too).
-- "bf16-native": bf16 weights through `qmatmul.bf16_linear` (fp32 multiply-adds in one fixed order per output, the
-  same bits on every AVX2 CPU): every bf16 layer where oneDNN cannot pack (`bf16_kernel`), and elsewhere the kept
+- "bf16-native": bf16 weights through `qmatmul.bf16_linear` (fp32 sums in one fixed order per output: fp32
+  multiply-adds, the same bits on every AVX2 CPU, or `vdpbf16ps` on AVX-512 BF16 CPUs, their own bits): every bf16
+  layer wherever qmatmul runs (`bf16_kernel`), so a bf16 model decodes through step.c's one call, and always the kept
   bf16 layers a family's one-call draft reads (`CausalLM.native_bf16`: Qwen3.5's MTP `fc`), so that step.c runs them
-  with the eager path's bits (a bf16 model whose layers all run it decodes through step.c too). Without qmatmul it
-  is "bf16".
+  with the eager path's bits. Without qmatmul it is "bf16".
+- "bf16": oneDNN's packed weight layout (`mkldnn._linear_pointwise`) where oneDNN packs bf16 (AVX-512 bw/vl/dq or
+  AVX-NE-CONVERT), else `F.linear`: where qmatmul cannot run, or asked for by MTP_BF16=torch (on an AMX CPU oneDNN's
+  prompts may be faster than ours; its decode steps are not: docs/decisions.md, 2026-12-04).
 - "int8": int8 weights with per-output-channel scales. On x86 CPUs with AVX2 `qmatmul.q8_linear` (activations
   quantized to int8 in blocks of 32, integer products: 2-3x torch's kernel, docs/decisions.md), else torch's
   weight-only `_weight_int8pack_mm` (bf16 activations).
@@ -84,16 +82,16 @@ def packed_bf16_supported() -> bool:
 
 
 def bf16_kernel() -> str:
-    """The kernel a bf16 linear layer runs ("bf16" asked of `FastLinear.prepare`): "bf16-native" where qmatmul runs and
-    oneDNN cannot pack bf16 weights (an AVX2-only CPU: torch's bf16 product there is 2.5-6x slower at 1 to 128 rows,
-    docs/decisions.md, 2026-12-03), else oneDNN's "bf16". MTP_BF16=native (where qmatmul runs) or MTP_BF16=torch
-    chooses instead."""
+    """The kernel a bf16 linear layer runs ("bf16" asked of `FastLinear.prepare`): "bf16-native" wherever qmatmul runs,
+    else oneDNN's "bf16". On an AVX2-only CPU torch's bf16 product is 2.5-6x slower than ours at 1 to 128 rows; on an
+    AVX-512 BF16 one (Zen 4) ours is level with oneDNN's over a prompt's rows and faster at decode's few, and a model
+    whose layers all run it decodes through the one-call program (model/step.py): 2x the tokens/s of oneDNN's
+    layers there (docs/decisions.md, 2026-12-03 and 2026-12-04). MTP_BF16=torch keeps oneDNN (an AMX CPU's prompts,
+    say); MTP_BF16=native asks for ours (the default where it runs)."""
     choice = os.environ.get("MTP_BF16", "")
     if choice not in ("", "native", "torch"):
         raise ValueError(f"MTP_BF16 must be 'native' or 'torch', got {choice!r}")
-    if choice == "torch" or not qmatmul.available():
-        return "bf16"
-    return "bf16-native" if choice == "native" or not packed_bf16_supported() else "bf16"
+    return "bf16" if choice == "torch" or not qmatmul.available() else "bf16-native"
 
 
 @dataclass

@@ -2,8 +2,9 @@
 system's C compiler (`$CC`, else `cc`) into $MTP_CACHE (or ~/.cache/mtp)/kernels, keyed by the source, the flags and
 the compiler (about a second), then loaded with ctypes. They share torch's OpenMP runtime.
 
-- `qmatmul.c`: int8/int4 weights times int8 activations (the quantized linear kernels, qmatmul.py), built for AVX-512
-  VNNI where the CPU has it (`Isa`: the same bits, fewer instructions);
+- `qmatmul.c`: int8/int4 weights times int8 activations (the quantized linear kernels, qmatmul.py) and bf16 weights
+  times bf16 activations, built for AVX-512 VNNI where the CPU has it (`Isa`: the same bits, fewer instructions) and
+  for AVX-512 BF16 where it has that too (its bf16 products by `vdpbf16ps`, with their own bits);
 - `deltanet.c`: the Gated DeltaNet decode step and its keep (deltanet_kernel.py);
 - `attention.c`: decode attention (attention_kernel.py);
 - `norm.c`: RMSNorm (norm_kernel.py);
@@ -62,6 +63,9 @@ class Isa:
 # vectors still (-mprefer-vector-width), so the code is the AVX2 code with that one instruction changed.
 AVX512_VNNI = Isa("avx512vnni", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mprefer-vector-width=256"),
                   ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"))
+# AVX-512 BF16 (AMD Zen 4 on, Intel Cooper Lake and Sapphire Rapids on; all with VNNI): the VNNI build plus qmatmul.c's
+# bf16 products by `vdpbf16ps`, half the instructions of fp32 multiply-adds (their own bits, not the AVX2 build's).
+AVX512_BF16 = Isa("avx512bf16", AVX512_VNNI.flags + ("-mavx512bf16",), AVX512_VNNI.cpu_flags + ("avx512_bf16",))
 
 
 def cpu_flags() -> list[str]:
@@ -84,12 +88,13 @@ def cpu_problem() -> str:
 
 
 def pick_isa(isas: tuple[Isa, ...]) -> Isa | None:
-    """The first of `isas` this CPU runs (None: the baseline AVX2 build). MTP_NATIVE_ISA=avx2 asks for the baseline
-    (the builds compute the same bits; tests compare them)."""
-    if os.environ.get("MTP_NATIVE_ISA", "") == "avx2":
+    """The first of `isas` this CPU runs (None: the baseline AVX2 build). MTP_NATIVE_ISA names the build to take
+    instead, where the CPU runs it ("avx2": the baseline; tests compare the builds)."""
+    asked = os.environ.get("MTP_NATIVE_ISA", "")
+    if asked == "avx2":
         return None
     flags = cpu_flags()
-    return next((isa for isa in isas if all(f in flags for f in isa.cpu_flags)), None)
+    return next((isa for isa in isas if all(f in flags for f in isa.cpu_flags) and asked in ("", isa.name)), None)
 
 
 def kernels_dir() -> Path:

@@ -32,9 +32,12 @@ static inline __m256 load8_bf16(const uint16_t* p) {
 }
 
 /* The build: AVX-512 VNNI's vpdpbusd where native.py builds for it (the CPU has it), else AVX2's vpmaddubsw +
- * vpmaddwd; the kernels below give the same integers either way (Q8_DOT, Q4_DOT), so both builds' outputs are bit
- * for bit the same. */
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+ * vpmaddwd; the kernels below give the same integers either way (Q8_DOT, Q4_DOT), so the int8 / int4 outputs of
+ * every build are bit for bit the same. The AVX-512 BF16 build (VNNI too) also multiplies bf16 by `vdpbf16ps`: its
+ * bf16 products have their own bits (bf16_linear). */
+#if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define QMATMUL_ISA "avx512bf16"
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define QMATMUL_ISA "avx512vnni"
 #else
 #define QMATMUL_ISA "avx2"
@@ -333,55 +336,109 @@ int q4_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const f
     return 0;
 }
 
-/* bf16 weights times bf16 activations in fp32 (linear.py's "bf16-native": every bf16 layer where oneDNN cannot pack
- * bf16, and the kept bf16 layers a one-call draft reads), w interleaved by groups of 8 outputs ([ceil(N/8)][K][8] bf16,
- * pack_bf16 in qmatmul.py: one 16-byte load holds one input of 8 outputs). Per output two accumulators, the even
- * inputs' and the odd inputs', each one fused multiply-add per input in order, then bias + (even + odd) rounded
- * once: one fixed order per output whatever the tile, the rows and the threads (row-invariant), and the same bits in
- * the AVX2 and AVX-512 builds (both run these 8-lane FMAs).
+/* bf16 weights times bf16 activations with fp32 sums (linear.py's "bf16-native": every bf16 layer where qmatmul runs,
+ * and the kept bf16 layers a one-call draft reads). w is interleaved by groups of 8 outputs and pairs of inputs
+ * ([ceil(N/8)][ceil(K/2)][8][2] bf16, pack_bf16 in qmatmul.py, an odd K padded with a zero input): one 32-byte load
+ * holds inputs 2p and 2p+1 of 8 outputs, each output's two weights side by side.
+ *
+ * The arithmetic per output, one fixed order whatever the tile, the rows and the threads (row-invariant), then
+ * bias + (a + b) rounded once to bf16:
+ *   - AVX2 build (and AVX-512 VNNI: the same 8-lane FMAs, the same bits): a = the even inputs' products, b = the odd
+ *     inputs', each one fused multiply-add per input in order (inputs widened to fp32, exact);
+ *   - AVX-512 BF16 build: a = the even pairs', b = the odd pairs', each one `vdpbf16ps` per pair in order (per lane:
+ *     the pair's two exact products added to the sum one after the other, round to nearest, denormals as zero): half
+ *     the instructions, and its own bits (close to the others', not equal; every row of a machine computes them
+ *     alike, which is what exactness needs).
  * One row: bf_row, 4 groups with both sums in flight (8 independent chains). Several rows: bf_rows, up to 4 rows x GS
- * groups, the even sums in one pass over the inputs and the odd ones in a second (R x GS chains each, one weight load
+ * groups, the a sums in one pass over the inputs and the b sums in a second (R x GS chains each, one weight load
  * serving R rows): at 4 rows x 3 groups 1.1-1.9x the 4 x 1 tile with both sums at once, which ran out of registers
  * for more than one group (docs/decisions.md, 2026-12-03). The second pass runs from cache and prefetches the next
  * groups' weights, so their first pass does not wait on memory (3-8 rows over weights streamed from memory: 5-16%
  * faster; `ahead`: the last rows of these groups, so a prompt's many rows do not prefetch again and again).
  * -> out [R][GS][8] floats. */
-__attribute__((noinline)) static void bf_row(const uint16_t* w, int64_t g0, int64_t K, const float* x, float* out) {
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+/* activations: bf16 pairs as one 32-bit word each, rows of KP = ceil(K/2) words (an odd K's last pair ends in a 0) */
+typedef uint32_t bf_act;
+#define BF_ROW_LEN(K) (((K) + 1) / 2)
+/* pass 0 takes the even pairs, pass 1 the odd ones */
+#define BF_FIRST(pass) (pass)
+#define BF_END(pass, K) (((K) + 1) / 2)
+#define BF_STEP 2
+#define BF_W(v, pass) ((__m256bh)(v))
+#define BF_X(x, pass, p) ((__m256bh)_mm256_set1_epi32((int)(x)[p]))
+#define BF_MAC(s, xv, wv) _mm256_dpbf16_ps(s, wv, xv)
+#else
+/* activations: fp32, rows of K */
+typedef float bf_act;
+#define BF_ROW_LEN(K) (K)
+/* pass 0 takes every pair's even input, pass 1 its odd one (none in an odd K's last pair) */
+#define BF_FIRST(pass) 0
+#define BF_END(pass, K) ((pass) ? (K) / 2 : ((K) + 1) / 2)
+#define BF_STEP 1
+#define BF_W(v, pass) ((pass) ? bf_odd(v) : bf_even(v))
+#define BF_X(x, pass, p) _mm256_broadcast_ss((x) + 2 * (p) + (pass))
+#define BF_MAC(s, xv, wv) _mm256_fmadd_ps(xv, wv, s)
+#endif
+
+/* a pair block's even / odd inputs of its 8 outputs as fp32 (a bf16 is the top half of its float: exact) */
+static inline __m256 bf_even(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+static inline __m256 bf_odd(__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u))); }
+/* the pair block of group g, pair p */
+static inline __m256i bf_pair(const uint16_t* w, int64_t g, int64_t KP, int64_t p) {
+    return _mm256_loadu_si256((const __m256i*)(w + (g * KP + p) * 16));
+}
+
+__attribute__((noinline)) static void bf_row(const uint16_t* w, int64_t g0, int64_t K, const bf_act* x, float* out) {
+    const int64_t KP = (K + 1) / 2;
     __m256 a[4], b[4];
     for (int g = 0; g < 4; g++) a[g] = b[g] = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 1 < K; k += 2) {
-        const __m256 x0 = _mm256_broadcast_ss(x + k), x1 = _mm256_broadcast_ss(x + k + 1);
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    int64_t p = 0;
+    for (; p + 1 < KP; p += 2) {
+        const __m256bh x0 = BF_X(x, 0, p), x1 = BF_X(x, 1, p + 1);
         for (int g = 0; g < 4; g++) {
-            const uint16_t* wp = w + ((g0 + g) * K + k) * 8;
-            _mm_prefetch((const char*)wp + PREFETCH, _MM_HINT_T0);
-            a[g] = _mm256_fmadd_ps(x0, load8_bf16(wp), a[g]);
-            b[g] = _mm256_fmadd_ps(x1, load8_bf16(wp + 8), b[g]);
+            _mm_prefetch((const char*)(w + ((g0 + g) * KP + p) * 16) + PREFETCH, _MM_HINT_T0);
+            a[g] = BF_MAC(a[g], x0, BF_W(bf_pair(w, g0 + g, KP, p), 0));
+            b[g] = BF_MAC(b[g], x1, BF_W(bf_pair(w, g0 + g, KP, p + 1), 1));
         }
     }
-    if (k < K)
-        for (int g = 0; g < 4; g++) a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + k), load8_bf16(w + ((g0 + g) * K + k) * 8), a[g]);
+    if (p < KP)
+        for (int g = 0; g < 4; g++) a[g] = BF_MAC(a[g], BF_X(x, 0, p), BF_W(bf_pair(w, g0 + g, KP, p), 0));
+#else
+    for (int64_t p = 0; p < K / 2; p++) {
+        const __m256 x0 = BF_X(x, 0, p), x1 = BF_X(x, 1, p);
+        for (int g = 0; g < 4; g++) {
+            _mm_prefetch((const char*)(w + ((g0 + g) * KP + p) * 16) + PREFETCH, _MM_HINT_T0);
+            const __m256i v = bf_pair(w, g0 + g, KP, p);
+            a[g] = BF_MAC(a[g], x0, bf_even(v));
+            b[g] = BF_MAC(b[g], x1, bf_odd(v));
+        }
+    }
+    if (K % 2)
+        for (int g = 0; g < 4; g++) a[g] = BF_MAC(a[g], BF_X(x, 0, K / 2), bf_even(bf_pair(w, g0 + g, KP, K / 2)));
+#endif
     for (int g = 0; g < 4; g++) _mm256_storeu_ps(out + g * 8, _mm256_add_ps(a[g], b[g]));
 }
 
 /* (noinline: inlined into bf16_linear's loop beside the others, GCC 12 ran the 4 x 3 tile 1.5x slower) */
 #define BF_ROWS(R, GS)                                                                                               \
-    __attribute__((noinline)) static void bf_rows_##R##_##GS(const uint16_t* w, int64_t g0, int64_t K, const float* x, float* out, \
-                                                             int ahead) {                                                 \
+    __attribute__((noinline)) static void bf_rows_##R##_##GS(const uint16_t* w, int64_t g0, int64_t K, const bf_act* x, \
+                                                             float* out, int ahead) {                                  \
+        const int64_t KP = (K + 1) / 2, XS = BF_ROW_LEN(K);                                                           \
         __m256 s[R][GS];                                                                                             \
-        for (int64_t pass = 0; pass < 2; pass++) {                                                                   \
+        for (int pass = 0; pass < 2; pass++) {                                                                       \
             for (int r = 0; r < R; r++)                                                                              \
                 for (int g = 0; g < GS; g++) s[r][g] = _mm256_setzero_ps();                                          \
-            for (int64_t k = pass; k < K; k += 2) {                                                                  \
-                __m256 wv[GS];                                                                                       \
+            for (int64_t p = BF_FIRST(pass); p < BF_END(pass, K); p += BF_STEP) {                                    \
+                __m256i wv[GS];                                                                                      \
                 for (int g = 0; g < GS; g++) {                                                                       \
                     if (pass && ahead) /* the next groups' weights, into L2 while this pass runs from cache */       \
-                        _mm_prefetch((const char*)(w + ((g0 + GS + g) * K + k) * 8), _MM_HINT_T1);                   \
-                    wv[g] = load8_bf16(w + ((g0 + g) * K + k) * 8);                                                  \
+                        _mm_prefetch((const char*)(w + ((g0 + GS + g) * KP + p) * 16), _MM_HINT_T1);                 \
+                    wv[g] = bf_pair(w, g0 + g, KP, p);                                                               \
                 }                                                                                                    \
                 for (int r = 0; r < R; r++) {                                                                        \
-                    const __m256 xv = _mm256_broadcast_ss(x + r * K + k);                                            \
-                    for (int g = 0; g < GS; g++) s[r][g] = _mm256_fmadd_ps(xv, wv[g], s[r][g]);                      \
+                    const __typeof__(BF_X(x, pass, p)) xv = BF_X(x + r * XS, pass, p);                               \
+                    for (int g = 0; g < GS; g++) s[r][g] = BF_MAC(s[r][g], xv, BF_W(wv[g], pass));                   \
                 }                                                                                                    \
             }                                                                                                        \
             for (int r = 0; r < R; r++)                                                                              \
@@ -419,9 +476,17 @@ static void bf_store(const float* o, int64_t R, int64_t gs, int64_t g0, int64_t 
  * output groups, 4 at a time for one row, 3 for more (each set taking every row, 4 at a time). */
 int bf16_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, int64_t N, uint16_t* y,
                 int nthreads) {
-    float* xf = malloc(sizeof(float) * (size_t)(M * K)); /* the rows widened once (exact) */
+    const int64_t XS = BF_ROW_LEN(K);
+    bf_act* xf = malloc(sizeof(bf_act) * (size_t)(M * XS)); /* the rows once, in the form the build multiplies */
     if (!xf) return -1;
-    for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f(x[i]);
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    for (int64_t m = 0; m < M; m++) { /* bf16 pairs, an odd K's last one padded with a zero */
+        xf[m * XS + XS - 1] = 0;
+        memcpy(xf + m * XS, x + m * K, sizeof(uint16_t) * (size_t)K);
+    }
+#else
+    for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f(x[i]); /* widened (exact) */
+#endif
     const int64_t G = (N + 7) / 8, GS = M == 1 ? 4 : 3, sets = (G + GS - 1) / GS;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t set = 0; set < sets; set++) {
@@ -429,7 +494,7 @@ int bf16_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, cons
         float o[4 * 4 * 8];
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
             const int64_t R = M - m0 < 4 ? M - m0 : 4;
-            const float* xm = xf + m0 * K;
+            const bf_act* xm = xf + m0 * XS;
             if (M == 1 && gs == 4) bf_row(w, g0, K, xm, o);
             else if (M == 1) /* the last groups of one row */
                 for (int64_t g = 0; g < gs; g++) bf_rows_1_1(w, g0 + g, K, xm, o + g * 8, 0);

@@ -24,7 +24,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from .native import AVX512_VNNI, NativeLibrary
+from .native import AVX512_BF16, AVX512_VNNI, NativeLibrary
 
 BLOCK = 32  # activation block, and the granularity of K and of int4 groups
 
@@ -39,7 +39,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qmatmul_isa.restype = ctypes.c_char_p
 
 
-LIBRARY = NativeLibrary("qmatmul.c", "MTP_QMATMUL", "int8/int4 layers use torch's kernels", _declare, (AVX512_VNNI,))
+LIBRARY = NativeLibrary("qmatmul.c", "MTP_QMATMUL", "int8/int4 layers use torch's kernels", _declare,
+                        (AVX512_BF16, AVX512_VNNI))
 
 
 def available() -> bool:
@@ -53,7 +54,8 @@ def reason() -> str:
 
 
 def isa() -> str:
-    """The instruction set the loaded kernels were built for ("avx2" or "avx512vnni"; "" when not loaded)."""
+    """The instruction set the loaded kernels were built for ("avx2", "avx512vnni" or "avx512bf16"; "" when not
+    loaded)."""
     return _library().qmatmul_isa().decode() if available() else ""
 
 
@@ -66,13 +68,13 @@ def supports(in_features: int, group: int | None = None) -> bool:
 def pack_int8(codes: torch.Tensor) -> torch.Tensor:
     """int8 codes [N, K] (K % 32 == 0) -> uint8 [ceil(N/8), K/4, 8, 4], the q8 kernel's interleaved layout: byte
     (g, c, j, i) is output 8g+j's code for input 4c+i (the last group padded with zero codes), stored as code + 128 for
-    the VNNI build (its u8 x s8 product takes the weights unsigned) and as the code itself for the AVX2 build."""
+    the AVX-512 builds (VNNI's u8 x s8 product takes the weights unsigned) and as the code itself for the AVX2 build."""
     N, K = codes.shape
     pad = -N % 8
     if pad:
         codes = F.pad(codes, (0, 0, 0, pad))
     c = codes.reshape(-1, 8, K // 4, 4).permute(0, 2, 1, 3)
-    if isa() == "avx512vnni":
+    if isa() != "avx2":
         return (c.to(torch.int16) + 128).to(torch.uint8).contiguous()
     return c.contiguous().view(torch.uint8)
 
@@ -95,12 +97,12 @@ def pack_int4_groups(t: torch.Tensor) -> torch.Tensor:
 
 
 def pack_bf16(w: torch.Tensor) -> torch.Tensor:
-    """bf16 weight [N, K] -> [ceil(N/8), K, 8], the bf16 kernel's interleaved layout: element (g, k, j) is output
-    8g+j's weight for input k (the last group padded with zeros)."""
+    """bf16 weight [N, K] -> [ceil(N/8), ceil(K/2), 8, 2], the bf16 kernel's interleaved layout: element (g, p, j, e)
+    is output 8g+j's weight for input 2p+e (the last group and an odd K's last input padded with zeros)."""
     N, K = w.shape
-    if N % 8:  # (only then: a pad is a copy, and an output head's weight is the largest there is)
-        w = F.pad(w, (0, 0, 0, -N % 8))
-    return w.reshape(-1, 8, K).transpose(1, 2).contiguous()
+    if N % 8 or K % 2:  # (only then: a pad is a copy, and an output head's weight is the largest there is)
+        w = F.pad(w, (0, K % 2, 0, -N % 8))
+    return w.reshape(-1, 8, (K + 1) // 2, 2).transpose(1, 2).contiguous()
 
 
 def _library() -> ctypes.CDLL:
