@@ -133,6 +133,17 @@ static int deltanet(const Kernels* k, const Step* s, const Layer* l, const uint1
     return 0;
 }
 
+/* token m's (row b, position pos) cache entries: its normed key kn [Hk, D] rotated, and its value from its
+ * projections' row ym, written at pos */
+static void store_kv(const Step* s, const Layer* l, const uint16_t* ym, int64_t m, int64_t b, int64_t pos, uint16_t* kn) {
+    const int64_t Hk = l->Hk, D = l->Kd, S = s->S;
+    for (int64_t j = 0; j < Hk; j++) {
+        rope(kn + j * D, s->R, s->cos + m * s->R, s->sin + m * s->R);
+        memcpy(l->conv + ((b * Hk + j) * S + pos) * D, kn + j * D, sizeof(uint16_t) * (size_t)D);
+        memcpy(l->values + ((b * Hk + j) * S + pos) * D, ym + l->off[2] + j * D, sizeof(uint16_t) * (size_t)D);
+    }
+}
+
 static int attention(const Kernels* k, const Step* s, const Layer* l, const uint16_t* h, uint16_t* y, uint16_t* o,
                      uint16_t* scratch, int nth) {
     const int64_t B = s->B, T = s->T, M = B * T, A = l->Hv, Hk = l->Hk, D = l->Kd, S = s->S;
@@ -149,11 +160,7 @@ static int attention(const Kernels* k, const Step* s, const Layer* l, const uint
             memcpy(gate + m * AD + a * D, ym + a * 2 * D + D, sizeof(uint16_t) * (size_t)D);
             rope(q + m * AD + a * D, s->R, s->cos + m * s->R, s->sin + m * s->R);
         }
-        for (int64_t j = 0; j < Hk; j++) { /* the cache at the token's position: rotated key, value */
-            rope(kn + j * D, s->R, s->cos + m * s->R, s->sin + m * s->R);
-            memcpy(l->conv + ((b * Hk + j) * S + pos) * D, kn + j * D, sizeof(uint16_t) * (size_t)D);
-            memcpy(l->values + ((b * Hk + j) * S + pos) * D, ym + l->off[2] + j * D, sizeof(uint16_t) * (size_t)D);
-        }
+        store_kv(s, l, ym, m, b, pos, kn);
     }
     if (k->attend_decode(B, A, T, Hk, S, D, D, 1, q, T * AD, D, AD, l->conv, l->values, s->starts, l->scale, att, nth))
         return -1;
@@ -482,11 +489,33 @@ static int mtp_input(const Kernels* k, const Draft* d, const int64_t* ids, const
     return k->bf16_linear(cat, M, 2 * H, d->fc, NULL, H, x, nth);
 }
 
+/* What an attention layer's forward over T tokens per row leaves in its cache, and nothing more: input norm, the
+ * input projections, each token's normed, rotated key and its value written at its position (`attention`'s own
+ * steps, so the same bits). The draft chain's depth 1 reads positions whose outputs it never uses. 0; -1 memory. */
+static int attention_kv(const Kernels* k, const Step* s, const Layer* l, int nth) {
+    const int64_t M = s->B * s->T, H = s->H, Nq = l->Nin;
+    int64_t widest = 0;
+    for (int64_t j = 0; j < l->n_in; j++) widest = l->in[j].N > widest ? l->in[j].N : widest;
+    uint16_t* buf = malloc(sizeof(uint16_t) * (size_t)(M * (H + Nq + widest) + l->Hk * l->Kd));
+    if (!buf) return -1;
+    uint16_t *h = buf, *y = h + M * H, *tmp = y + M * Nq, *kn = tmp + M * widest;
+    k->rmsnorm(M, H, s->x, H, l->norm1, 1, s->eps, 1, h, nth);
+    int failed = project(k, l, h, M, y, tmp, nth);
+    for (int64_t m = 0; m < M && !failed; m++) {
+        const uint16_t* ym = y + m * Nq;
+        k->rmsnorm(l->Hk, l->Kd, ym + l->off[1], l->Kd, l->knorm, 1, l->geps, 1, kn, 1);
+        store_kv(s, l, ym, m, m / s->T, s->index[m], kn);
+    }
+    free(buf);
+    return failed;
+}
+
 /* The greedy draft chain of a sequential MTP (round.py's `draft` with no sampling rule and the full head), as one
  * call: depth 1 reads each row's W pending positions (MTP slots mtp_pos + 0..W-1) and drafts token 1 from the output
  * at its last pending one; depth j reads draft j-1 at slot mtp_pos + pend_n - 2 + j. Depth j runs MTP layer (j-1) % L
  * with its cache. Each piece is the eager path's kernel (fc: bf16_linear, the layer and norm: qwen35_decode, the head,
- * argmax_rows) or an exact copy, so the drafts and the caches written are the eager ones bit for bit.
+ * argmax_rows) or an exact copy, so the drafts and the caches written are the eager ones bit for bit; at depth 1 an
+ * attention layer writes every pending position's key and value (`attention_kv`) and runs whole only at the last.
  * 0; -1 out of memory; -2 a token outside the vocabulary; -3 a position outside the cache or the rotary table;
  * -4 a pending count outside 0..W (nothing written). A row with none pending (0: a row not decoding) drafts from
  * its last pending slot, as the round's index -1 does: its drafts are never used. K = 0 (round.py's `catch_up`): depth 1
@@ -539,10 +568,27 @@ int qwen35_draft(const Kernels* k, const Draft* d, const Layer* layers, int64_t 
             memcpy(sin + m * R, d->sin + index[m] * R, sizeof(uint16_t) * (size_t)R);
         }
         if ((failed = mtp_input(k, d, ids, h, rows, cat, e, x, nth))) break;
-        const Step s = {B, T, H, d->V, d->S, R, d->eps, NULL, x, index, starts, NULL, cos, sin, d->norm, out};
+        if (j == 1 && layers[0].kind == 1) {
+            /* Depth 1 of an attention layer: every pending position's key and value (all the cache needs of them),
+             * then the layer's whole forward only at each row's last pending position, the one that drafts. Its
+             * query attends the same keys, and every kernel is row-invariant, so its output and the cache are the
+             * forward over all W's, bit for bit, without the others' attention, output projection and MLP (what
+             * `catch_up` and a round's first depth spent for nothing). */
+            const Step all = {B, W, H, d->V, d->S, R, d->eps, NULL, x, index, starts, NULL, cos, sin, d->norm, out};
+            if ((failed = attention_kv(k, &all, layers, nth)) || !d->K) break;
+            for (int64_t b = 0; b < B; b++) { /* row b's last pending token to row b (no source is written before read) */
+                const int64_t m = b * W + (d->pend_n[b] + W - 1) % W;
+                memmove(x + b * H, x + m * H, sizeof(uint16_t) * (size_t)H);
+                memmove(cos + b * R, cos + m * R, sizeof(uint16_t) * (size_t)R);
+                memmove(sin + b * R, sin + m * R, sizeof(uint16_t) * (size_t)R);
+                index[b] = starts[b] = index[m];
+            }
+        }
+        const int64_t T1 = j == 1 && layers[0].kind == 1 ? 1 : T;
+        const Step s = {B, T1, H, d->V, d->S, R, d->eps, NULL, x, index, starts, NULL, cos, sin, d->norm, out};
         if ((failed = qwen35_decode(k, &s, layers + (j - 1) % L, 1, nth)) || !d->K) break;
         for (int64_t b = 0; b < B; b++) /* the output at the last pending position (depth 1), else the one */
-            memcpy(h + b * H, out + (b * T + (j == 1 ? (d->pend_n[b] + W - 1) % W : 0)) * H, sizeof(uint16_t) * (size_t)H);
+            memcpy(h + b * H, out + (b * T1 + (T1 > 1 ? (d->pend_n[b] + W - 1) % W : 0)) * H, sizeof(uint16_t) * (size_t)H);
         if ((failed = linear(k, &d->head, h, B, logits, nth))) break;
         k->argmax_rows(B, d->head.N, logits, d->head.N, 1, tok, nth);
         for (int64_t b = 0; b < B; b++) {
