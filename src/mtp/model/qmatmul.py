@@ -151,7 +151,8 @@ def q4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: t
 
 def bf16_linear(x: torch.Tensor, w: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x bf16 [M, K] (contiguous) times a bf16 weight in `pack_bf16`'s layout, plus fp32 bias [N] -> bf16 [M, N]:
-    fp32 multiply-adds in one order per output (row-invariant; the same bits on every AVX2 CPU)."""
+    fp32 sums in one order per output (row-invariant): fp32 multiply-adds, the same bits on every AVX2 CPU, or in the
+    AVX-512 BF16 build `vdpbf16ps`, bits of its own."""
     M, K = x.shape
     y = torch.empty(M, out_features, dtype=torch.bfloat16)
     if M:
