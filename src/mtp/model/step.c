@@ -113,7 +113,7 @@ static void rope(uint16_t* x, int64_t R, const uint16_t* c, const uint16_t* s) {
 static int deltanet(const Kernels* k, const Step* s, const Layer* l, const uint16_t* h, uint16_t* y, uint16_t* o,
                     int nth) {
     const int64_t B = s->B, T = s->T, M = B * T, kw = l->kernel - 1, W = kw + T;
-    const int64_t C = 2 * l->Hk * l->Kd + l->Hv * l->Vd, Nin = l->Nin, V = l->Hv * l->Vd;
+    const int64_t C = 2 * l->Hk * l->Kd + l->Hv * l->Vd, Nin = l->Nin;
     if (project(k, l, h, M, y, o, nth)) return -1;
     for (int64_t b = 0; b < B; b++) /* window = cat(conv, qkv^T) */
         for (int64_t c = 0; c < C; c++) {
