@@ -301,3 +301,12 @@ def test_built_once_into_the_cache(tmp_path):
     assert len(built) == 1 and not list((tmp_path / "kernels").glob("*.tmp"))
     stamp = built[0].stat().st_mtime_ns
     assert run_py(code, env).returncode == 0 and built[0].stat().st_mtime_ns == stamp  # reused, not rebuilt
+
+
+def test_an_unknown_build_name_is_refused(monkeypatch):
+    """MTP_NATIVE_ISA names a build; a name that is none of them is an error, not a silent baseline."""
+    monkeypatch.setenv("MTP_NATIVE_ISA", "avx512bf")
+    with pytest.raises(ValueError, match="MTP_NATIVE_ISA"):
+        native.pick_isa((native.AVX512_BF16, native.AVX512_VNNI))
+    monkeypatch.setenv("MTP_NATIVE_ISA", "avx2")
+    assert native.pick_isa((native.AVX512_BF16, native.AVX512_VNNI)) is None

@@ -91,6 +91,8 @@ def pick_isa(isas: tuple[Isa, ...]) -> Isa | None:
     """The first of `isas` this CPU runs (None: the baseline AVX2 build). MTP_NATIVE_ISA names the build to take
     instead, where the CPU runs it ("avx2": the baseline; tests compare the builds)."""
     asked = os.environ.get("MTP_NATIVE_ISA", "")
+    if asked not in ("", "avx2", AVX512_VNNI.name, AVX512_BF16.name):
+        raise ValueError(f"MTP_NATIVE_ISA must be avx2, {AVX512_VNNI.name} or {AVX512_BF16.name}, got {asked!r}")
     if asked == "avx2":
         return None
     flags = cpu_flags()
