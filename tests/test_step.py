@@ -25,11 +25,15 @@ pytestmark = pytest.mark.skipif(not step.LIBRARY.available() or not act.LIBRARY.
 
 def quantized(kind: str, seed: int = 0, **overrides):
     """A tiny bf16 model prepared for `kind`: "int8", "int4", or "bf16" with every bf16 layer on qmatmul's product
-    ("bf16-native": what bf16 layers run where oneDNN cannot pack bf16 weights; here on any CPU)."""
+    ("bf16-native": what bf16 layers run where oneDNN cannot pack bf16 weights; here on any CPU), optionally
+    "+drafts-int8|int4" (`quantize_drafts`)."""
     model = tiny_model(seed, **overrides).to(torch.bfloat16)
+    kind, _, drafts = kind.partition("+drafts-")  # "bf16+drafts-int4": bf16, the drafts int4 (`quantize_drafts`)
     with pytest.MonkeyPatch.context() as m:
         m.setenv("MTP_BF16", "native" if kind == "bf16" else "torch")
         model.prepare_for_inference(None if kind == "bf16" else kind)
+        if drafts:
+            model.quantize_drafts(drafts)
     return model
 
 
@@ -282,7 +286,7 @@ def draft_state(model, B: int, seed: int):
     return st
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "bf16"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "bf16", "bf16+drafts-int4"])
 @pytest.mark.parametrize("B,K,layers,reduced,rule", [
     (1, 1, 1, False, None), (1, 3, 1, False, None), (3, 4, 1, False, None), (2, 3, 2, False, None),
     (1, 3, 1, True, None), (3, 4, 2, True, None), (1, 3, 1, False, "seeded"), (3, 4, 2, False, "seeded"),

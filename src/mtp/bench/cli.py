@@ -19,15 +19,17 @@ import json
 import os
 import platform
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from ..cli_common import (
     add_compile_arg,
-    add_draft_vocab_arg,
+    add_draft_args,
     add_model_args,
     auto_threads,
+    draft_precision,
     load_from_args,
     model_name,
     parse_draft_tokens,
@@ -83,10 +85,12 @@ def register(subparsers) -> None:
     p.add_argument("--repeats", type=int, default=None, help="interleaved repeats per prompt (default 3; 2 with --quick)")
     p.add_argument("--max-prompts", type=int, default=None, help="use at most this many prompts of each kind")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for report.json, report.md and plots")
-    add_draft_vocab_arg(p)
+    add_draft_args(p)
     p.add_argument("--variants", type=lambda v: [Variant.parse(x) for x in v.split(",")], default=[],
                    help="more variants measured beside the default one, interleaved: comma list of fp32, bf16, fp16, int8, int4, "
-                        "each optionally +vocabN (e.g. bf16,int8,int8+vocab4096); each is checked against its own plain decoding")
+                        "each optionally +vocabN, +compile, +draft-none|int8|int4 (the drafts' precision; default: "
+                        "--draft-quantize's), "
+                        "e.g. bf16+draft-none,int8,int8+vocab4096; each is checked against its own plain decoding")
     p.add_argument("--quick", action="store_true", help="a CI-sized run: 1 prompt per kind, few tokens, 2 repeats")
     p.add_argument("--no-transformers", action="store_true", help="leave transformers' generate out")
     p.add_argument("--no-cost-model", action="store_true", help="skip the cost measurement")
@@ -135,6 +139,8 @@ def cmd_shape(args) -> int:
           file=sys.stderr)
     model = build_shape_model(args.shape, torch.float32 if dtype == "auto" else getattr(torch, dtype))
     model.prepare_for_inference(args.quantize, release=args.quantize is not None)  # inference only: codes kept
+    if drafts := draft_precision(args.draft_quantize, model):
+        model.quantize_drafts(drafts)
     n_params = sum(p.numel() for p in model.parameters())
     g = torch.Generator().manual_seed(0)
     counts = torch.rand(model.config.vocab_size, generator=g)  # random weights: any subset costs the same
@@ -143,7 +149,7 @@ def cmd_shape(args) -> int:
     iters = 2 if args.quick else 5
     costs = measure_costs(model, q_max=8, context=128, iters=iters, warmup=1, extra_heads=heads)
     title = (f"cost model, random-weight {args.shape} ({n_params / 1e6:.0f}M parameters, {model.dtype}"
-             f"{', ' + args.quantize if args.quantize else ''})")
+             f"{', ' + args.quantize if args.quantize else ''}{', drafts ' + drafts if drafts else ''})")
     tables = {"measured": costs}
     print(format_costs(costs, title))
     print_speedups(costs)
@@ -222,7 +228,8 @@ def bench_meta(args, model, prompts, prompt_ids, drafts, max_new: int, repeats: 
         "parameters": sum(p.numel() for p in model.parameters()),
         "vocab_size": model.config.vocab_size, "max_new_tokens": max_new, "repeats": repeats,
         "threads": torch.get_num_threads(), "draft_tokens": drafts, "machine": machine_info(),
-        "quantize": args.quantize, "draft_vocab": args.draft_vocab, "variants": [v.name for v in args.variants],
+        "quantize": args.quantize, "draft_vocab": args.draft_vocab, "draft_quantize": model.draft_quantize,
+        "variants": [v.name for v in args.variants],
         "prompt_counts": {k: sum(p.kind == k for p in prompts) for k in ("code", "text")},
         "prompts": [{"kind": p.kind, "source": p.source, "tokens": len(ids)} for p, ids in zip(prompts, prompt_ids)],
         "notes": notes, "mean_accepted_length_note": ACCEPTED_LENGTH_NOTE,
@@ -248,13 +255,16 @@ def cmd_bench(args) -> int:
         raise ValueError("--max-new-tokens and --repeats must be >= 1")
 
     model = load_from_args(args)
-    default = Variant("", args.dtype, args.quantize, args.draft_vocab, args.compile)
-    variants = [default] + args.variants
+    default = Variant("", args.dtype, args.quantize, args.draft_vocab, args.compile, args.draft_quantize)
+    variants = [default] + [replace(v, draft_quantize=v.draft_quantize or args.draft_quantize) for v in args.variants]
     models = {default.model_key: model}
-    for v in args.variants:
+    for v in variants[1:]:
         if v.model_key not in models:
-            models[v.model_key] = load_model(model.source_path, dtype=v.dtype, device=model.device, quantize=v.quantize,
-                                               release=v.quantize is not None)
+            m = load_model(model.source_path, dtype=v.dtype, device=model.device, quantize=v.quantize,
+                           release=v.quantize is not None)
+            if bits := draft_precision(v.draft_quantize, m):
+                m.quantize_drafts(bits)
+            models[v.model_key] = m
     prompts, prompt_ids, notes = bench_prompts(args, model, args.max_prompts or (1 if args.quick else None), max_new)
     # transformers runs in fp32 (its exact path on a CPU); its greedy output is checked against an fp32 mtp run, since
     # two bf16 implementations round differently and part ways after a few dozen tokens

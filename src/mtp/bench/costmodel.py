@@ -157,9 +157,9 @@ def _step_fns(model, q_max: int, context: int, extra_heads: dict | None) -> dict
             return model.mtp_step(1, hidden, toks[1], at[1], mcache)
 
         h_mtp = mtp_layer()
-        fns["draft"] = lambda: int(model.mtp_head(mtp_layer(), 1)[0, -1].argmax())
+        fns["draft"] = lambda: int(model.draft_head(mtp_layer(), 1)[0, -1].argmax())
         fns["draft_layer"] = mtp_layer
-        fns["draft_head"] = lambda: int(model.mtp_head(h_mtp, 1)[0, -1].argmax())
+        fns["draft_head"] = lambda: int(model.draft_head(h_mtp, 1)[0, -1].argmax())
         for name, head in (extra_heads or {}).items():
             fns[f"draft_head[{name}]"] = lambda head=head: int(head(h_mtp))
             fns[f"draft[{name}]"] = lambda head=head: int(head(mtp_layer()))

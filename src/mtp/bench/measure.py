@@ -27,37 +27,43 @@ HF_MTP = "transformers use_mtp"  # transformers' own MTP speculative decoding (`
 
 @dataclass(frozen=True)
 class Variant:
-    """How the model runs: weights' dtype, int8/int4 quantization, reduced draft vocabulary, compiled rounds. `name`
-    "" is the default (the command line's --dtype / --quantize / --draft-vocab / --compile)."""
+    """How the model runs: weights' dtype, int8/int4 quantization, reduced draft vocabulary, compiled rounds, the
+    drafts' precision (--draft-quantize's choices; None: the command line's). `name` "" is the default (the command
+    line's --dtype / --quantize / --draft-vocab / --compile / --draft-quantize)."""
 
     name: str = ""
     dtype: str = "auto"
     quantize: str | None = None
     draft_vocab: int | None = None
     compiled: bool = False
+    draft_quantize: str | None = None
 
     @property
-    def model_key(self) -> tuple[str, str | None]:
-        return self.dtype, self.quantize
+    def model_key(self) -> tuple[str, str | None, str | None]:
+        return self.dtype, self.quantize, self.draft_quantize
 
     @classmethod
     def parse(cls, spec: str) -> Variant:
-        """'bf16', 'int8', 'fp32', 'bf16+vocab4096', 'int8+compile' -> a Variant."""
+        """'bf16', 'int8', 'fp32', 'bf16+vocab4096', 'int8+compile', 'bf16+draft-int8' -> a Variant."""
         parts = spec.strip().split("+")
         dtypes = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": "auto"}
-        head, vocab, compiled = parts[0], None, False
+        head, vocab, compiled, drafts = parts[0], None, False, None
         for extra in parts[1:]:
             if extra == "compile":
                 compiled = True
             elif extra.startswith("vocab") and extra[5:].isdigit():
                 vocab = int(extra[5:])
+            elif extra.removeprefix("draft-") in ("none", "int8", "int4", "auto") and extra.startswith("draft-"):
+                drafts = extra.removeprefix("draft-")
             else:
-                raise ValueError(f"bench variant {spec!r}: '+{extra}' is neither '+vocabN' nor '+compile'")
+                raise ValueError(f"bench variant {spec!r}: '+{extra}' is none of '+vocabN', '+compile', "
+                                 "'+draft-none|int8|int4|auto'")
         if head in ("int8", "int4"):
-            return cls(spec, "bfloat16", head, vocab, compiled)
+            return cls(spec, "bfloat16", head, vocab, compiled, drafts)
         if head not in dtypes:
-            raise ValueError(f"bench variant {spec!r}: expected fp32, bf16, fp16, int8, int4 or auto, optionally +vocabN, +compile")
-        return cls(spec, dtypes[head], None, vocab, compiled)
+            raise ValueError(f"bench variant {spec!r}: expected fp32, bf16, fp16, int8, int4 or auto, optionally "
+                             "+vocabN, +compile, +draft-X")
+        return cls(spec, dtypes[head], None, vocab, compiled, drafts)
 
 
 @dataclass

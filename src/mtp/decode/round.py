@@ -133,9 +133,9 @@ def draft(model, st: RoundState, K: int, rs: RowSampling | None, noise: torch.Te
                                               None if host is None else [s + n - 2 + j for s, n in zip(*host)])
             h = model.mtp_step(j, h[:, None], drafts[-1][:, None], chain_at, st.mtp_cache)[:, 0]
         if rs is None:  # greedy with no shaping: the argmax (over the reduced vocabulary's head rows if one is given)
-            drafts.append(argmax(model.mtp_head(h, j)) if vocab is None else vocab.argmax(model, h, j))
+            drafts.append(argmax(model.draft_head(h, j)) if vocab is None else vocab.argmax(model, h, j))
             continue
-        logits = model.mtp_head(h, j) if vocab is None else vocab.full_logits(model, h, j)  # [B, V]
+        logits = model.draft_head(h, j) if vocab is None else vocab.full_logits(model, h, j)  # [B, V]
         x = shape_logits(logits[:, None], rs, None if seen is None else seen[:, None])[:, 0]  # [B, V]
         picked = x if noise is None else torch.where(rs.greedy[:, None], x, x + noise[:, j - 1])
         drafts.append(argmax(picked))

@@ -186,6 +186,17 @@ class CausalLM(nn.Module, ABC):
         """MTP depth-d hidden [..., H] -> logits [..., V]."""
         return self.mtp_head_module(d)(hidden)
 
+    def draft_head_module(self, d: int) -> nn.Module:
+        """The head MTP depth d drafts with: its quantized copy (`quantize_drafts`), else `mtp_head_module(d)`."""
+        head = self.mtp_head_module(d)
+        return self.__dict__.get("_draft_heads", {}).get(id(head), head)
+
+    def draft_head(self, hidden: torch.Tensor, d: int) -> torch.Tensor:
+        """MTP depth-d hidden [..., H] -> the logits a draft is picked from [..., V]: `mtp_head`'s, or its quantized
+        copy's (`quantize_drafts`)."""
+        copy = self.__dict__.get("_draft_heads", {}).get(id(self.mtp_head_module(d)))
+        return self.mtp_head(hidden, d) if copy is None else copy(hidden)
+
     def prepare_for_inference(self, quantize: str | None = None, release: bool = False,
                               on_quantized: Callable[[torch.Tensor], None] | None = None,
                               int4: Int4Sources | None = None) -> None:
@@ -250,6 +261,54 @@ class CausalLM(nn.Module, ABC):
                     m.release()
         if self.__dict__.get("masks") is not None:
             self.masks.unfuse(self)
+
+    @property
+    def draft_quantize(self) -> str | None:
+        """The precision `quantize_drafts` set ("int8" / "int4"), or None."""
+        return self.__dict__.get("_draft_quantize")
+
+    def quantize_drafts(self, bits: str) -> None:
+        """Draft in `bits` ("int8" / "int4", weight-only, as `prepare_for_inference` quantizes): the MTP module's
+        linear layers and experts (but `keep_precision`, and layers already quantized) are quantized in place, and each
+        depth drafts with a quantized copy of its head (`draft_head_module`; the copy shares the weight). The backbone
+        and its head are untouched, so the output is too: every draft is verified by the backbone's own head; only
+        the acceptance can move. What it buys: a draft step reads about half (int8) or a quarter (int4) of a bf16
+        one's bytes (the shipped model: docs/decisions.md, "int8 drafts"). A prepared bf16 model on the CPU with an
+        MTP module; an int4 layer the kernel cannot run gets int8."""
+        if bits not in QUANTIZE:
+            raise ValueError(f"draft quantization must be one of {', '.join(QUANTIZE)}, got {bits!r}")
+        if self.mtp is None:
+            raise ValueError("quantized drafts: the model has no MTP module")
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16:
+            raise ValueError(f"quantized drafts need a bfloat16 model on the CPU, got {self.dtype} on {self.device.type}")
+        if self.draft_quantize is not None:
+            raise ValueError(f"the drafts are already quantized ({self.draft_quantize})")
+        if not self.prepared:
+            self.prepare_for_inference()
+        prefix = next(name for name, m in self.named_modules() if m is self.mtp)
+        heads = {id(h) for h in self._output_heads()}
+        keep = tuple(self.keep_precision)
+        linears = [(n, m) for n, m in self.mtp.named_modules(prefix=prefix) if isinstance(m, nn.Linear)]
+        # heads (copied below), layers already quantized (their float weights may be gone) and layers kept precise
+        skip = keep + tuple(n for n, m in linears if id(m) in heads or getattr(m, "kernel", None) in QUANTIZE)
+        unfit = tuple(n for n, m in linears if bits == "int4" and not _int4_fits(m))
+        prepare_linears(self.mtp, bits, skip=skip + unfit, prefix=prefix)
+        if unfit:
+            prepare_linears(self.mtp, "int8", skip=tuple(n for n, _ in linears if n not in unfit) + keep, prefix=prefix)
+        for name, m in self.mtp.named_modules(prefix=prefix):
+            if isinstance(m, Experts) and "_kernels" not in m.__dict__ and not any(name.endswith(s) for s in keep):
+                m.prepare(bits)
+        copies = {}
+        for d in range(1, self.mtp.num_layers + 1):
+            head = self.mtp_head_module(d)
+            if id(head) in copies or getattr(head, "kernel", None) in QUANTIZE:
+                continue
+            copy = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None, device="meta")
+            copy.weight = head.weight  # (one parameter: the copy holds only its codes)
+            copy.bias = head.bias
+            copies[id(head)] = FastLinear.wrap(copy, bits if bits == "int8" or _int4_fits(head) else "int8")
+        self.__dict__["_draft_heads"] = copies
+        self.__dict__["_draft_quantize"] = bits
 
     def int4_checkpoint_layers(self, int4_groups: dict[str, int]) -> list[str]:
         """Of the linear layers (module name -> the group size of their int4 checkpoint codes), those that

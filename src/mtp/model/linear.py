@@ -629,17 +629,20 @@ def fusable(parts: list[FastLinear], int4: list[Int4Weight] | None = None) -> bo
 
 
 def prepare_for_inference(model: nn.Module, kernel: str, skip: tuple[str, ...] = (),
-                          prepared: Callable[[FastLinear], None] | None = None, int4: Int4Sources | None = None) -> int:
+                          prepared: Callable[[FastLinear], None] | None = None, int4: Int4Sources | None = None,
+                          prefix: str = "") -> int:
     """Swap every nn.Linear of `model` (but those whose name ends with one of `skip`) for a FastLinear prepared for
     `kernel`, and fuse each module's `fused_projections` (unless their prepared forms differ: `fusable`). Returns how
     many layers were prepared. Parameters, names and the state dict do not change. `prepared(layer)` is called for
     each layer once its prepared form (and its fusion's) exists, layer by layer: the caller may let go of its float
-    weight there (`FastLinear.release`). "int4": a layer named in `int4` runs its checkpoint's codes."""
+    weight there (`FastLinear.release`). "int4": a layer named in `int4` runs its checkpoint's codes. `prefix`: the
+    name of `model` inside the model the names in `skip` and `int4` are from (a submodule's layers by their full names)."""
     int4 = int4 if kernel == "int4" and int4 else {}
     n = 0
     done: set[int] = set()
     skipped = lambda name: any(name.endswith(s) for s in skip)  # noqa: E731
     for name, m in model.named_modules():
+        name = f"{prefix}.{name}" if prefix and name else prefix or name
         names = getattr(m, "fused_projections", None)
         if names:
             parts = [m._modules.get(x) for x in names]

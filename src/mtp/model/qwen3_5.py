@@ -170,6 +170,11 @@ class Qwen35ForCausalLM(CausalLM):
         super().prepare_for_inference(*args, **kwargs)
         step.forget(self)
 
+    def quantize_drafts(self, bits: str) -> None:
+        """`CausalLM.quantize_drafts`; the one-call draft chain is then built anew (step.py)."""
+        super().quantize_drafts(bits)
+        step.forget(self)
+
     def new_mtp_module(self) -> Qwen35MTP:
         """A fresh MTP module for this config (training heads onto a checkpoint that has none)."""
         return Qwen35MTP(self.config)

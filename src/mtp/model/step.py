@@ -320,7 +320,7 @@ def build_draft(model: nn.Module) -> Program:
         params.append((module._parameters, name, t, t._version))
         return t
 
-    embeds, heads = {mtp.embed_for_depth(1), mtp.embed_for_depth(2)}, {model.mtp_head_module(1), model.mtp_head_module(2)}
+    embeds, heads = {mtp.embed_for_depth(1), mtp.embed_for_depth(2)}, {model.draft_head_module(1), model.draft_head_module(2)}
     if len(embeds) != 1 or len(heads) != 1:
         raise Ineligible("the depths read different embeddings or heads")
     embed = embeds.pop() or model.model.embed_tokens

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..cli_common import (
     add_compile_arg,
-    add_draft_vocab_arg,
+    add_draft_args,
     add_model_args,
     load_from_args,
     model_name,
@@ -34,7 +34,7 @@ def register(subparsers) -> None:
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT})")
     p.add_argument("--draft-tokens", type=parse_draft_tokens, default="auto",
                    help="MTP drafts per step: 0 = plain decoding, 1..8, or 'auto' (default)")
-    add_draft_vocab_arg(p)
+    add_draft_args(p)
     add_compile_arg(p)
     p.add_argument("--api-key", default=os.environ.get("MTP_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $MTP_API_KEY; unset = no auth)")

@@ -1,0 +1,141 @@
+"""Quantized drafts (`CausalLM.quantize_drafts`, `--draft-quantize`): the MTP layers and a copy of their head run
+int8 / int4 while the backbone and its head stay bf16, so the output is the bf16 model's own - greedy bit for bit,
+sampled in law - and only the drafts (and so the acceptance) can differ."""
+
+import copy
+
+import pytest
+import torch
+
+import mtp
+import test_sampling_stats as stats
+from conftest import MOE, tiny_model, trained_tiny_model
+from mtp.bench.measure import Variant
+from mtp.cli_common import draft_precision
+from mtp.decode.decoder import Decoder
+from mtp.decode.sampling import SamplingParams
+from mtp.decode.session import Session
+from mtp.model import qmatmul
+from mtp.model.linear import FastLinear, int4_group_for, int4_supported
+
+
+def bf16(model, quantize: str | None = None):
+    m = copy.deepcopy(model).to(torch.bfloat16)
+    m.prepare_for_inference(quantize)
+    return m
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return trained_tiny_model(depth=3)
+
+
+def kernels(module) -> dict[str, str]:
+    return {n: m.kernel for n, m in module.named_modules() if isinstance(m, FastLinear)}
+
+
+def expected(layer, bits: str) -> str:
+    """`bits`, or int8 for an int4 layer the kernel cannot run (as `--quantize int4` does)."""
+    group = int4_group_for(layer.in_features)
+    fits = group is not None and int4_supported(layer.out_features, layer.in_features, group)
+    return bits if bits == "int8" or fits else "int8"
+
+
+@pytest.mark.parametrize("bits", ["int8", "int4"])
+@pytest.mark.parametrize("moe", [False, True])
+def test_only_the_drafts_are_quantized(trained, bits, moe):
+    """The backbone's layers, head and logits do not move; every MTP projection but the input one (`keep_precision`)
+    and each expert runs `bits`; the drafts read a quantized copy of the head that shares its weight."""
+    model = bf16(tiny_model(seed=5, **MOE) if moe else trained)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        logits = model(ids)
+        hidden = next(iter(model.mtp_hidden_states(ids, 1)))
+        mtp_logits = model.mtp_head(hidden, 1)
+    backbone = kernels(model.model)
+    model.quantize_drafts(bits)
+    assert model.draft_quantize == bits
+    assert kernels(model.model) == backbone
+    with torch.inference_mode():
+        assert torch.equal(model(ids), logits)
+        assert torch.equal(model.mtp_head(hidden, 1), mtp_logits)  # the head itself is the backbone's, unchanged
+        drafted = model.draft_head(hidden, 1)
+    mtp_kernels = kernels(model.mtp)
+    kept = [n for n in mtp_kernels if any(f"mtp.{n}".endswith(s) for s in model.keep_precision)]
+    assert "fc" in kept  # the input projection (and an MoE layer's routers) keep their precision
+    assert all(mtp_kernels.pop(n) not in ("int8", "int4") for n in kept)
+    assert mtp_kernels and all(k == expected(model.mtp.get_submodule(n), bits) for n, k in mtp_kernels.items())
+    assert bits in mtp_kernels.values()
+    if moe:
+        experts = [m for m in model.mtp.modules() if type(m).__name__ == "Experts"]
+        assert experts and all(k.kernel == expected(k, bits) for e in experts for pair in e._kernels for k in pair)
+    head = model.draft_head_module(1)
+    assert head is not model.lm_head and head.weight is model.lm_head.weight and head.kernel == expected(head, bits)
+    assert model.lm_head.kernel not in ("int8", "int4")
+    assert not torch.equal(drafted, mtp_logits)  # the drafts really read the quantized copy
+    assert (drafted.argmax(-1) == mtp_logits.argmax(-1)).float().mean() > 0.8
+
+
+@pytest.mark.parametrize("bits", ["int8", "int4"])
+def test_greedy_output_is_the_bf16_models_own(trained, bits):
+    """Plain, k = 1..4 and auto on the quantized drafts give the bf16 model's plain tokens; and so does a batch of
+    three sequences decoded together."""
+    ref, model = bf16(trained), bf16(trained)
+    model.quantize_drafts(bits)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 8, (int(n),), generator=g).tolist() for n in (3, 7, 12)]
+    want = [mtp.generate(ref, p, max_new_tokens=30).tokens for p in prompts]
+    for p, w in zip(prompts, want):
+        for k in (None, 1, 2, 4, "auto"):
+            assert mtp.generate(model, p, max_new_tokens=30, draft_tokens=k).tokens == w, (p, k)
+    dec = Decoder(model, 3, 48, 3)
+    sessions = [Session(model, p, 30, SamplingParams(), None, None) for p in prompts]
+    for s in sessions:
+        dec.add(s)
+    while not all(s.done for s in sessions):
+        dec.step()
+    assert [s.new_tokens for s in sessions] == want
+
+
+def test_sampling_keeps_the_target_distribution():
+    """Unseeded speculative sampling over int8 drafts (q the quantized MTP's law) still draws the bf16 backbone's
+    joint law of the first three tokens (chi-square against the exact one)."""
+    model = bf16(tiny_model(vocab_size=4, seed=11, std=0.15))
+    model.quantize_drafts("int8")
+    params = SamplingParams(temperature=1.0)
+    counts = stats.sample_first_three(model, params, 2, seeded=False)
+    assert stats.chi2_of_counts(model, params, counts) > 1e-3
+
+
+def test_refused_where_it_cannot_run(trained):
+    with pytest.raises(ValueError, match="bfloat16 model on the CPU"):
+        copy.deepcopy(trained).quantize_drafts("int8")  # fp32
+    with pytest.raises(ValueError, match="one of int8, int4"):
+        bf16(trained).quantize_drafts("int2")
+    model = bf16(trained)
+    model.quantize_drafts("int8")
+    with pytest.raises(ValueError, match="already quantized"):
+        model.quantize_drafts("int4")
+    no_mtp = bf16(trained)
+    no_mtp.mtp = None
+    with pytest.raises(ValueError, match="no MTP module"):
+        no_mtp.quantize_drafts("int8")
+
+
+def test_auto_quantizes_the_drafts_of_a_bf16_model_only(trained):
+    """--draft-quantize auto: int8 for a bf16 model on qmatmul's kernels, nothing for an fp32 model or one whose layers
+    are quantized already; the explicit choices are taken as they are."""
+    assert draft_precision("auto", bf16(trained)) == ("int8" if qmatmul.available() else None)
+    assert draft_precision("auto", trained) is None
+    assert draft_precision("auto", bf16(trained, "int8")) is None
+    assert draft_precision("none", bf16(trained)) is None
+    assert draft_precision("int4", trained) == "int4"
+
+
+def test_bench_variants_name_the_drafts_precision():
+    v = Variant.parse("bf16+draft-int4")
+    assert (v.dtype, v.quantize, v.draft_quantize) == ("bfloat16", None, "int4")
+    assert Variant.parse("int8+vocab64").draft_quantize is None  # (then the command line's)
+    assert Variant.parse("bf16+draft-none").model_key != Variant.parse("bf16+draft-int8").model_key
+    with pytest.raises(ValueError, match="draft-none"):
+        Variant.parse("bf16+draft-int3")
