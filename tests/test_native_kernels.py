@@ -35,6 +35,17 @@ def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
+def states_after(state, steps, T: int) -> torch.Tensor:
+    """The state after each of a decode forward's T tokens, every row ([B, Hv, T, Kd, Vd]): what `keep_at` sets for
+    n = 1..T, from either form of `DeltaSteps` (the C step's updates, the torch form's states)."""
+    out = []
+    for t in range(1, T + 1):
+        s = copy.deepcopy(state)
+        s.keep_at(steps, torch.full((s.ssm.shape[0],), t))
+        out.append(s.ssm)
+    return torch.stack(out, 2)
+
+
 def torch_forms(monkeypatch) -> None:
     for k in KERNELS:
         monkeypatch.setattr(k, "usable", lambda *tensors: False)
@@ -86,7 +97,8 @@ def test_deltanet_step_matches_its_torch_form_and_is_row_invariant(dtype, heads,
             torch_forms(m)
             eager, eager_steps = layer.decode(x, state)
     tol = 2e-6 if dtype == torch.float32 else 2e-2
-    assert rel(out, ref) < tol and rel(steps.states, ref_steps.states) < tol
+    assert steps.updates is not None and ref_steps.states is not None  # (the C step's form, the torch form's)
+    assert rel(out, ref) < tol and rel(states_after(state, steps, 4), ref_steps.states) < tol
     assert rel(out, ref) <= 1.5 * rel(eager, ref) + 1e-7  # no less accurate than the torch form in this dtype
     with row_invariant():  # a block is its plain steps, and a batch row its row alone
         one = copy.deepcopy(state)
@@ -119,8 +131,12 @@ def test_deltanet_step_matches_its_torch_form_and_is_row_invariant(dtype, heads,
     mixed = copy.deepcopy(state)
     mixed.keep_at(steps, torch.tensor([0, 2, 4]))  # keep nothing / two tokens / all
     assert torch.equal(mixed.ssm[0], state.ssm[0]) and torch.equal(mixed.conv[0], state.conv[0])
-    assert torch.equal(mixed.ssm[1], steps.states[1, :, 1]) and torch.equal(mixed.conv[1], steps.window[1, :, 2:5])
-    assert torch.equal(mixed.ssm[2], steps.states[2, :, 3]) and torch.equal(mixed.conv[2], steps.window[2, :, 4:7])
+    after = states_after(state, steps, 4)
+    assert torch.equal(mixed.ssm[1], after[1, :, 1]) and torch.equal(mixed.conv[1], steps.window[1, :, 2:5])
+    assert torch.equal(mixed.ssm[2], after[2, :, 3]) and torch.equal(mixed.conv[2], steps.window[2, :, 4:7])
+    replayed = copy.deepcopy(state)  # the keep's arithmetic in torch (where the C keep cannot run): the same bits
+    replayed._replay(steps.updates, torch.tensor([0, 2, 4]))
+    assert torch.equal(replayed.ssm, mixed.ssm)
 
 
 @needs_kernels

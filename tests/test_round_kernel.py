@@ -279,7 +279,7 @@ def test_rounds_of_every_width_share_one_scratch_and_stay_exact(D):
     assert set(whole.__dict__["greedy_plans"]) >= {(3, False, None), (1, False, None)}  # (built on the grown buffer)
     for plan in whole.__dict__["greedy_plans"].values():
         steps, window = plan.program.held[:2]
-        scratch_tensors = [x for st in steps if st is not None for x in (st.window, st.states)]
+        scratch_tensors = [x for st in steps if st is not None for x in (st.window, st.updates)]
         scratch_tensors += [] if window is None else [window]
         assert scratch_tensors and all(t.untyped_storage().data_ptr() == scratch.untyped_storage().data_ptr()
                                        for t in scratch_tensors)

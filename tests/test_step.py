@@ -76,7 +76,7 @@ def assert_same(a, b) -> None:
     for x, y in zip(sa, sb):
         assert type(x) is type(y)
         if isinstance(x, DeltaSteps):
-            assert torch.equal(x.window, y.window) and torch.equal(x.states, y.states)
+            assert torch.equal(x.window, y.window) and torch.equal(x.updates, y.updates)
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4", "bf16"])

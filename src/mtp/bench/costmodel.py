@@ -113,7 +113,7 @@ def _timed(fn) -> float:
 
 def _step_fns(model, q_max: int, context: int, extra_heads: dict | None) -> dict:
     """The timed operations, all starting at the same cache position `context`: the plain step, verify of
-    q = 1..q_max (per-position states kept), the same q through the prefill path, and the MTP draft step."""
+    q = 1..q_max (what rollback needs kept), the same q through the prefill path, and the MTP draft step."""
     dev = model.device
     c = model.config
     g = torch.Generator().manual_seed(0)
@@ -209,7 +209,7 @@ def _time_by_threads(plain, iters: int, warmup: int) -> dict[int, float]:
 def measure_costs(model, q_max: int = 8, context: int = 128, iters: int = 15, warmup: int = 2,
                   extra_heads: dict | None = None, compare_threads: bool = True) -> dict:
     """Median wall times of: one plain decode step t(1); a verify forward of q = 1..q_max tokens (with
-    per-position DeltaNet states kept, as speculative decoding does) and the same q tokens through the prefill
+    what the DeltaNet rollback needs kept, as speculative decoding does) and the same q tokens through the prefill
     path (q = 2, 4, 8); one MTP draft step (MTP layer + head + argmax) and its parts.
 
     `extra_heads`: {name: fn(hidden [1,1,H]) -> token} alternative draft heads (e.g. a reduced vocabulary)
@@ -276,7 +276,7 @@ def format_costs(costs: dict, title: str) -> str:
              f"context {costs['context']}, {costs['threads']} thread(s), median of {costs['iters']}", "",
              "| q | " + " | ".join(str(q) for q in costs["c_verify"]) + " |",
              "|---|" + "---:|" * len(costs["c_verify"]),
-             "| t(verify q)/t(1): verify forward, per-position states kept | "
+             "| t(verify q)/t(1): verify forward, what rollback needs kept | "
              + " | ".join(f"{v:.2f}" for v in costs["c_verify"].values()) + " |",
              "| t(q)/t(1): same q tokens through the prefill path (chunks of 64) | " + " | ".join(
                  f"{costs['c_chunked'][q]:.2f}" if q in costs["c_chunked"] else "–" for q in costs["c_verify"]) + " |"]

@@ -505,7 +505,7 @@ class CausalLM(nn.Module, ABC):
         """A whole greedy round of K drafts (the draft chain, the verify forward, its head and argmax, the recurrent
         states' keep) bound to a round state's caches and tensors for decode/round.c, where the family runs its
         forwards as C programs (Qwen3.5: model/step.py `RoundProgram`); None: the round runs its steps. `commit`: a
-        plain step every row keeps; `scratch(n)`: n bytes its per-token states may take (shared by the rounds of one
+        plain step every row keeps; `scratch(n)`: n bytes its per-token DeltaNet updates may take (shared by the rounds of one
         state)."""
         return None
 

@@ -84,12 +84,15 @@ class KVCache:
 
 @dataclass
 class DeltaSteps:
-    """What a decode forward of T tokens per row keeps for one Gated DeltaNet layer: the conv window and the recurrent
-    state after each position, so `DeltaState.keep_at` selects the state after any n in 1..T (n = 0: the cache's own,
-    which the forward did not change)."""
+    """What a decode forward of T tokens per row keeps for one Gated DeltaNet layer, so that `DeltaState.keep_at` can
+    set the state after any n in 1..T (n = 0: the cache's own, which the forward did not change): the conv window, and
+    either each token's update of the recurrent state (the C step, deltanet.c: its key, delta and decay, which the keep
+    applies again with the step's own arithmetic - at real size a layer's state is a megabyte, T of them were written
+    by every verify) or the state after each token (the torch form)."""
 
     window: torch.Tensor  # [B, C, kernel-1+T]
-    states: torch.Tensor  # [B, H, T, Kd, Vd] fp32; states[:, :, t] is the state after token t
+    updates: torch.Tensor | None = None  # [B, Hv, T, Kd + Vd + 1] fp32: token t's key [Kd], delta [Vd], decay [1]
+    states: torch.Tensor | None = None  # [B, H, T, Kd, Vd] fp32; states[:, :, t] is the state after token t
 
 
 @dataclass
@@ -99,14 +102,27 @@ class DeltaState:
 
     def keep_at(self, steps: DeltaSteps, n: torch.Tensor) -> None:
         """Row b := its state after its first n[b] (0..T) positions of a decode forward; n [B] long, on the device."""
-        tensors = (self.ssm, self.conv, steps.states, steps.window)
-        if deltanet_kernel.usable(*tensors, n) and all(t.is_contiguous() for t in tensors):
-            deltanet_kernel.keep(*tensors, n)  # one copy of what each row keeps
-            return
-        self._keep_state(steps, n)
+        if steps.updates is not None:
+            tensors = (self.ssm, self.conv, steps.updates, steps.window)
+            if deltanet_kernel.usable(*tensors, n) and all(t.is_contiguous() for t in tensors):
+                deltanet_kernel.keep(*tensors, n)  # the kept updates applied, the state read and written once
+                return
+            self._replay(steps.updates, n)
+        else:
+            self._keep_state(steps, n)
         width = self.conv.shape[-1]
         idx = (n[:, None, None] + torch.arange(width, device=n.device)).expand(-1, self.conv.shape[1], -1)
         self.conv.copy_(steps.window.gather(2, idx))
+
+    def _replay(self, updates: torch.Tensor, n: torch.Tensor) -> None:
+        # deltanet_keep's arithmetic in torch (one multiply, one multiply, one add: the same bits)
+        Kd, Vd = self.ssm.shape[-2:]
+        S = self.ssm
+        for t in range(updates.shape[2]):
+            u = updates[:, :, t]
+            step = S * u[..., Kd + Vd, None, None] + u[..., :Kd, None] * u[..., None, Kd:Kd + Vd]
+            S = torch.where((n > t)[:, None, None, None], step, S)
+        self.ssm.copy_(S)
 
     def _keep_state(self, steps: DeltaSteps, n: torch.Tensor) -> None:
         # [B, H, Kd, Vd]; one token per row (a plain step): a view, not a gather (a slow copy of megabytes at real size)

@@ -1,7 +1,8 @@
 /* The Gated DeltaNet decode step of Qwen3.5 / Qwen3-Next for CPU decoding, built and loaded by native.py and called
  * by deltanet.py (`GatedDeltaNet.decode`). One call does, for T tokens of B rows, what the eager step does in ~60
  * tensor operations per layer: the causal short conv over the window, SiLU, the q/k L2 norms, beta and the decay, the
- * delta-rule recurrence keeping the state after every token, and the gated RMSNorm of the output.
+ * delta-rule recurrence keeping each token's update of the state (for `deltanet_keep`), and the gated RMSNorm of the
+ * output.
  *
  * Row-invariant by construction: every output of a (row, token) is computed by the same code in the same order from
  * its own inputs and the state before it, whatever B and T are and however the threads split the work (they split
@@ -76,41 +77,135 @@ static void l2norm(float* x, int64_t n, float scale) {
         for (int64_t i = 0; i < n; i++) x[i] = x[i] * scale;
 }
 
-/* One token of one value head: S_in [Kd, Vd] -> S_out, o [Vd]. S_out may be S_in (a plain step that updates the
- * state in place): each element is read before it is written. */
-static void delta_step(int64_t Kd, int64_t Vd, const float* S_in, float* S_out, const float* q, const float* k,
-                       const float* v, float decay, float beta, float* restrict kv, float* restrict o) {
-    for (int64_t j = 0; j < Vd; j++) kv[j] = 0.0f;
+/* The recurrence of one value head over its T tokens, per token t (the delta rule, as a plain step computes it):
+ *   kv[j] = sum over i, in order, of k_t[i] * (S[i][j] * g_t)        (k_t^T of the decayed state)
+ *   d[j]  = (v_t[j] - kv[j]) * beta_t                                  (the delta)
+ *   S'[i][j] = S[i][j] * g_t + k_t[i] * d[j]                           (the state after token t)
+ *   o_t[j] = sum over i, in order, of q_t[i] * S'[i][j].
+ * Column j of every quantity depends on column j of S only, so the head runs DN_COLS columns at a time through all T
+ * tokens: the columns' state stays in a scratch of Kd x DN_COLS floats (8 KB at Kd = 128: L1) between tokens, the state
+ * before is read once, and the pass that writes S' also sums the next token's kv (the same products in the same
+ * order). Every output has the arithmetic above whatever T and the column split: a verified token is its plain step,
+ * bit for bit (one multiply and one add, never fused: -ffp-contract=off).
+ *
+ * What it leaves (`Rec`): the state after the last token (into `last`, which may be S itself: a step every row keeps),
+ * or nothing; each token's update (k_t, d, g_t) into `upd` [T][Kd + Vd + 1] (a verify: `deltanet_keep` replays the
+ * first n of them onto the state); o [T][Vd]. */
+#define DN_COLS 16
+
+typedef struct {
+    int64_t T, Kd, Vd;
+    const float* S;               /* [Kd, Vd]: the state before the tokens */
+    float* last;                  /* [Kd, Vd] or NULL */
+    const float* const* q;        /* per token: q_t [Kd], k_t [Kd], v_t [Vd] */
+    const float* const* k;
+    const float* const* v;
+    const float* g;               /* [T] decays, [T] betas */
+    const float* beta;
+    float* upd;                   /* [T][Kd + Vd + 1] or NULL */
+    float* o;                     /* [T][Vd] */
+    float* scratch;               /* [Kd][DN_COLS] */
+} Rec;
+
+/* columns [c0, c0 + 8 * NV) with NV vectors of 8 (NV = 1, 2) */
+static inline void rec_cols_vec(const Rec* r, int64_t c0, int NV) {
+    const int64_t Kd = r->Kd, Vd = r->Vd, T = r->T, R = Kd + Vd + 1;
+    __m256 kv[2], nk[2], d[2], o[2];
+    for (int u = 0; u < NV; u++) kv[u] = _mm256_setzero_ps();
+    const __m256 g0 = _mm256_set1_ps(r->g[0]);
     for (int64_t i = 0; i < Kd; i++) {
-        const float* row = S_in + i * Vd;
-        const float ki = k[i];
-        for (int64_t j = 0; j < Vd; j++) kv[j] += ki * (row[j] * decay);
+        const __m256 ki = _mm256_set1_ps(r->k[0][i]);
+        for (int u = 0; u < NV; u++)
+            kv[u] = _mm256_add_ps(kv[u], _mm256_mul_ps(ki, _mm256_mul_ps(_mm256_loadu_ps(r->S + i * Vd + c0 + 8 * u), g0)));
     }
-    for (int64_t j = 0; j < Vd; j++) kv[j] = (v[j] - kv[j]) * beta; /* delta */
-    for (int64_t j = 0; j < Vd; j++) o[j] = 0.0f;
-    for (int64_t i = 0; i < Kd; i++) {
-        const float* row = S_in + i * Vd;
-        float* dst = S_out + i * Vd;
-        const float ki = k[i], qi = q[i];
-#pragma GCC ivdep /* row and dst are the same memory in place, element for element: no dependence across j */
-        for (int64_t j = 0; j < Vd; j++) {
-            const float x = row[j] * decay + ki * kv[j];
-            dst[j] = x;
-            o[j] += qi * x;
+    for (int64_t t = 0; t < T; t++) {
+        const float* Sp = t == 0 ? r->S + c0 : r->scratch; /* the state before token t, these columns */
+        const int64_t sp = t == 0 ? Vd : DN_COLS;
+        float* Sn = t + 1 < T ? r->scratch : r->last ? r->last + c0 : NULL;
+        const int64_t sn = t + 1 < T ? DN_COLS : Vd;
+        const __m256 gt = _mm256_set1_ps(r->g[t]), bt = _mm256_set1_ps(r->beta[t]);
+        for (int u = 0; u < NV; u++) {
+            d[u] = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(r->v[t] + c0 + 8 * u), kv[u]), bt);
+            o[u] = nk[u] = _mm256_setzero_ps();
+            if (r->upd) _mm256_storeu_ps(r->upd + t * R + Kd + c0 + 8 * u, d[u]);
+        }
+        const float *qt = r->q[t], *kt = r->k[t];
+        if (t + 1 < T) {
+            const float* kn = r->k[t + 1];
+            const __m256 gn = _mm256_set1_ps(r->g[t + 1]);
+            for (int64_t i = 0; i < Kd; i++) {
+                const __m256 ki = _mm256_set1_ps(kt[i]), qi = _mm256_set1_ps(qt[i]), ni = _mm256_set1_ps(kn[i]);
+                for (int u = 0; u < NV; u++) {
+                    const __m256 x = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(Sp + i * sp + 8 * u), gt), _mm256_mul_ps(ki, d[u]));
+                    _mm256_storeu_ps(Sn + i * sn + 8 * u, x);
+                    o[u] = _mm256_add_ps(o[u], _mm256_mul_ps(qi, x));
+                    nk[u] = _mm256_add_ps(nk[u], _mm256_mul_ps(ni, _mm256_mul_ps(x, gn)));
+                }
+            }
+        } else
+            for (int64_t i = 0; i < Kd; i++) {
+                const __m256 ki = _mm256_set1_ps(kt[i]), qi = _mm256_set1_ps(qt[i]);
+                for (int u = 0; u < NV; u++) {
+                    const __m256 x = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(Sp + i * sp + 8 * u), gt), _mm256_mul_ps(ki, d[u]));
+                    if (Sn) _mm256_storeu_ps(Sn + i * sn + 8 * u, x);
+                    o[u] = _mm256_add_ps(o[u], _mm256_mul_ps(qi, x));
+                }
+            }
+        for (int u = 0; u < NV; u++) {
+            _mm256_storeu_ps(r->o + t * Vd + c0 + 8 * u, o[u]);
+            kv[u] = nk[u];
         }
     }
 }
 
+/* one column j (the tail past the vectors), the same arithmetic */
+static void rec_col(const Rec* r, int64_t j) {
+    const int64_t Kd = r->Kd, Vd = r->Vd, T = r->T, R = Kd + Vd + 1;
+    float kv = 0.0f;
+    for (int64_t i = 0; i < Kd; i++) kv += r->k[0][i] * (r->S[i * Vd + j] * r->g[0]);
+    for (int64_t t = 0; t < T; t++) {
+        const float* Sp = t == 0 ? r->S + j : r->scratch;
+        const int64_t sp = t == 0 ? Vd : DN_COLS;
+        float* Sn = t + 1 < T ? r->scratch : r->last ? r->last + j : NULL;
+        const int64_t sn = t + 1 < T ? DN_COLS : Vd;
+        const float d = (r->v[t][j] - kv) * r->beta[t];
+        if (r->upd) r->upd[t * R + Kd + j] = d;
+        float o = 0.0f, nk = 0.0f;
+        for (int64_t i = 0; i < Kd; i++) {
+            const float x = Sp[i * sp] * r->g[t] + r->k[t][i] * d;
+            if (Sn) Sn[i * sn] = x;
+            o += r->q[t][i] * x;
+            if (t + 1 < T) nk += r->k[t + 1][i] * (x * r->g[t + 1]);
+        }
+        r->o[t * Vd + j] = o;
+        kv = nk;
+    }
+}
+
+static void recurrence(const Rec* r) {
+    const int64_t Kd = r->Kd, Vd = r->Vd, R = Kd + Vd + 1;
+    if (r->upd)
+        for (int64_t t = 0; t < r->T; t++) { /* each token's key and decay beside its delta */
+            memcpy(r->upd + t * R, r->k[t], sizeof(float) * (size_t)Kd);
+            r->upd[t * R + Kd + Vd] = r->g[t];
+        }
+    int64_t c = 0;
+    for (; c + 16 <= Vd; c += 16) rec_cols_vec(r, c, 2);
+    for (; c + 8 <= Vd; c += 8) rec_cols_vec(r, c, 1);
+    for (; c < Vd; c++) rec_col(r, c);
+}
+
 /* window [B, C, kernel-1+T], taps [C, kernel]; b and a [B, T, Hv] at row strides (sb0, sb1) and (sa0, sa1); A_log and
  * dt_bias fp32 [Hv]; z [B, T, Hv*Vd] at strides (sz0, sz1); norm_w [Vd]; ssm fp32 [B, Hv, Kd, Vd] (read only) ->
- * states fp32 [B, Hv, T, Kd, Vd] (the state after each token), out [B, T, Hv*Vd] (the gated norm's output). states
- * may be ssm: the state is then updated in place token after token, with the same arithmetic, and only the last one
- * is kept (a plain step, T = 1, or a prompt's chunk: the prefill then computes what T plain steps would).
+ * updates fp32 [B, Hv, T, Kd + Vd + 1] (each token's update of the state: its key, delta and decay, `recurrence`;
+ * `deltanet_keep` applies the first n), out [B, T, Hv*Vd] (the gated norm's output). updates may be ssm: the state is
+ * then updated in place to the state after the last token, with the same arithmetic, and no update is kept (a plain
+ * step, T = 1, or a prompt's chunk: the prefill then computes what T plain steps would).
  * C = 2*Hk*Kd + Hv*Vd (all q heads, all k heads, all v heads); Hv a multiple of Hk. 0, or -1 when out of memory. */
 int deltanet_decode(int64_t B, int64_t T, int64_t Hk, int64_t Hv, int64_t Kd, int64_t Vd, int64_t kernel, int bf16,
                     const void* window, const void* taps, const void* b, int64_t sb0, int64_t sb1, const void* a,
                     int64_t sa0, int64_t sa1, const float* A_log, const float* dt_bias, const void* z, int64_t sz0,
-                    int64_t sz1, const void* norm_w, float eps, const float* ssm, float* states, void* out,
+                    int64_t sz1, const void* norm_w, float eps, const float* ssm, float* updates, void* out,
                     int nthreads) {
     const Shape s = {B, T, Hk, Hv, Kd, Vd, kernel, bf16};
     const int64_t C = 2 * Hk * Kd + Hv * Vd, W = kernel - 1 + T, rep = Hv / Hk;
@@ -120,6 +215,7 @@ int deltanet_decode(int64_t B, int64_t T, int64_t Hk, int64_t Hv, int64_t Kd, in
     float* qkv = malloc(sizeof(float) * (size_t)(B * T * C));
     if (!qkv) return -1;
     int failed = 0;
+    const int in_place = updates == ssm;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
         /* 1: conv, SiLU and norms, split over (row, token, head) */
@@ -133,8 +229,8 @@ int deltanet_decode(int64_t B, int64_t T, int64_t Hk, int64_t Hv, int64_t Kd, in
             conv_silu(&s, (const char*)window + (size_t)(r * C * W) * esize, taps, t, c0, c0 + n, dst);
             if (p < 2 * Hk) l2norm(dst, n, p < Hk ? qscale : 1.0f);
         }
-        /* 2: the recurrence and the gated norm, split over (row, value head); tokens in order */
-        float* scratch = malloc(sizeof(float) * (size_t)(2 * Vd));
+        /* 2: the recurrence and the gated norm, split over (row, value head) */
+        float* scratch = malloc(sizeof(float) * (size_t)(Kd * DN_COLS + T * Vd + Vd + 2 * T) + 3 * sizeof(float*) * (size_t)T);
         if (!scratch) {
 #pragma omp atomic write
             failed = 1;
@@ -143,32 +239,35 @@ int deltanet_decode(int64_t B, int64_t T, int64_t Hk, int64_t Hv, int64_t Kd, in
         for (int64_t w = 0; w < B * Hv; w++) {
             if (!scratch) continue;
             const int64_t r = w / Hv, h = w % Hv, hk = h / rep;
-            float *kv = scratch, *o = scratch + Vd;
+            float *o = scratch + Kd * DN_COLS, *gate = o + T * Vd, *g = gate + Vd, *beta = g + T;
+            const float** ptrs = (const float**)(beta + T); /* q, k, v of each token */
             const float neg_A = -expf(A_log[h]);
-            const float* S = ssm + w * Kd * Vd;
-            const int in_place = states == ssm;
             for (int64_t t = 0; t < T; t++) {
                 const float* x = qkv + (r * T + t) * C;
-                const float beta = 1.0f / (1.0f + expf(-load(b, r * sb0 + t * sb1 + h, bf16)));
-                const float g = neg_A * softplus(load(a, r * sa0 + t * sa1 + h, bf16) + dt_bias[h]);
-                float* S_next = in_place ? states + w * Kd * Vd : states + ((w * T + t) * Kd) * Vd;
-                delta_step(Kd, Vd, S, S_next, x + hk * Kd, x + Hk * Kd + hk * Kd, x + 2 * Hk * Kd + h * Vd, expf(g),
-                           beta, kv, o);
-                S = S_next;
-                /* gated RMSNorm: w * rmsnorm(o) * silu(z), with the eager step's roundings */
+                ptrs[t] = x + hk * Kd;
+                ptrs[T + t] = x + Hk * Kd + hk * Kd;
+                ptrs[2 * T + t] = x + 2 * Hk * Kd + h * Vd;
+                beta[t] = 1.0f / (1.0f + expf(-load(b, r * sb0 + t * sb1 + h, bf16)));
+                g[t] = expf(neg_A * softplus(load(a, r * sa0 + t * sa1 + h, bf16) + dt_bias[h]));
+            }
+            const Rec rec = {T, Kd, Vd, ssm + w * Kd * Vd, in_place ? updates + w * Kd * Vd : NULL, ptrs, ptrs + T,
+                             ptrs + 2 * T, g, beta, in_place ? NULL : updates + w * T * (Kd + Vd + 1), o, scratch};
+            recurrence(&rec);
+            for (int64_t t = 0; t < T; t++) { /* gated RMSNorm: w * rmsnorm(o) * silu(z), with the eager step's roundings */
+                float* ot = o + t * Vd;
                 float ss = 0.0f;
                 if (bf16)
-                    for (int64_t j = 0; j < Vd; j++) o[j] = round_bf16(o[j]);
-                for (int64_t j = 0; j < Vd; j++) ss += o[j] * o[j];
+                    for (int64_t j = 0; j < Vd; j++) ot[j] = round_bf16(ot[j]);
+                for (int64_t j = 0; j < Vd; j++) ss += ot[j] * ot[j];
                 const float rr = 1.0f / sqrtf(ss / (float)Vd + eps);
                 const int64_t zo = r * sz0 + t * sz1 + h * Vd, oo = (r * T + t) * Hv * Vd + h * Vd;
-                for (int64_t j = 0; j < Vd; j++) kv[j] = load(z, zo + j, bf16); /* kv: free again, holds the gate */
-                silu_n(kv, Vd);
+                for (int64_t j = 0; j < Vd; j++) gate[j] = load(z, zo + j, bf16);
+                silu_n(gate, Vd);
                 for (int64_t j = 0; j < Vd; j++) {
-                    float y = o[j] * rr;
+                    float y = ot[j] * rr;
                     if (bf16) y = round_bf16(round_bf16(y) * load(norm_w, j, 1));
                     else y = y * load(norm_w, j, 0);
-                    store(out, oo + j, y * kv[j], bf16);
+                    store(out, oo + j, y * gate[j], bf16);
                 }
             }
         }
@@ -178,25 +277,56 @@ int deltanet_decode(int64_t B, int64_t T, int64_t Hk, int64_t Hv, int64_t Kd, in
     return failed ? -1 : 0;
 }
 
-/* keep_at: row r of ssm [B, Hv, Kd, Vd] := states[r, :, n[r] - 1] (states [B, Hv, T, Kd, Vd]) and row r of the conv
- * inputs conv [B, C, kernel-1] := window[r, :, n[r] : n[r] + kernel-1] (window [B, C, kernel-1+T], esize bytes an
- * element) where n[r] > 0; a row with n[r] = 0 keeps its own. */
-void deltanet_keep(int64_t B, int64_t Hv, int64_t T, int64_t KV, const int64_t* n, const float* states, float* ssm,
-                   int64_t C, int64_t kernel, int64_t esize, const void* window, void* conv, int nthreads) {
-    const int64_t W = kernel - 1 + T, keep_w = (kernel - 1) * esize;
+/* keep_at: row r of ssm [B, Hv, Kd, Vd] := its state after the first n[r] tokens of updates [B, Hv, T, Kd + Vd + 1]
+ * (`deltanet_decode`'s: S[i][j] = S[i][j] * g_t + k_t[i] * d_t[j] for t < n[r], the step's own arithmetic, so the
+ * state is the plain steps' bit for bit; row by row, every update applied while the row is in registers: the state is
+ * read and written once) and row r of the conv inputs conv [B, C, kernel-1] := window[r, :, n[r] : n[r] + kernel-1]
+ * (window [B, C, kernel-1+T], esize bytes an element) where n[r] > 0; a row with n[r] = 0 keeps its own. */
+void deltanet_keep(int64_t B, int64_t Hv, int64_t T, int64_t Kd, int64_t Vd, const int64_t* n, const float* updates,
+                   float* ssm, int64_t C, int64_t kernel, int64_t esize, const void* window, void* conv, int nthreads) {
+    const int64_t W = kernel - 1 + T, keep_w = (kernel - 1) * esize, R = Kd + Vd + 1;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
     for (int64_t w = 0; w < B * Hv; w++) {
         const int64_t r = w / Hv, h = w % Hv, keep = n[r];
         if (keep <= 0 || keep > T) continue;
-        memcpy(ssm + w * KV, states + (w * T + keep - 1) * KV, sizeof(float) * (size_t)KV);
+        const float* U = updates + w * T * R;
+        for (int64_t i = 0; i < Kd; i++) {
+            float* row = ssm + (w * Kd + i) * Vd;
+            int64_t j = 0;
+            for (; j + 64 <= Vd; j += 64) { /* 64 columns in registers through every update */
+                __m256 x[8];
+                for (int u = 0; u < 8; u++) x[u] = _mm256_loadu_ps(row + j + 8 * u);
+                for (int64_t t = 0; t < keep; t++) {
+                    const float* up = U + t * R;
+                    const __m256 g = _mm256_set1_ps(up[Kd + Vd]), k = _mm256_set1_ps(up[i]);
+                    for (int u = 0; u < 8; u++)
+                        x[u] = _mm256_add_ps(_mm256_mul_ps(x[u], g), _mm256_mul_ps(k, _mm256_loadu_ps(up + Kd + j + 8 * u)));
+                }
+                for (int u = 0; u < 8; u++) _mm256_storeu_ps(row + j + 8 * u, x[u]);
+            }
+            for (; j + 8 <= Vd; j += 8) {
+                __m256 x = _mm256_loadu_ps(row + j);
+                for (int64_t t = 0; t < keep; t++) {
+                    const float* up = U + t * R;
+                    x = _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(up[Kd + Vd])),
+                                      _mm256_mul_ps(_mm256_set1_ps(up[i]), _mm256_loadu_ps(up + Kd + j)));
+                }
+                _mm256_storeu_ps(row + j, x);
+            }
+            for (; j < Vd; j++) {
+                float x = row[j];
+                for (int64_t t = 0; t < keep; t++) x = x * U[t * R + Kd + Vd] + U[t * R + i] * U[t * R + Kd + j];
+                row[j] = x;
+            }
+        }
         for (int64_t c = h * C / Hv; c < (h + 1) * C / Hv; c++) /* this row's conv channels, split over its heads */
             memcpy((char*)conv + (r * C + c) * keep_w, (const char*)window + ((r * C + c) * W + keep) * esize, (size_t)keep_w);
     }
 }
 
 typedef struct { /* one layer's deltanet_keep: the cache's state and conv inputs, the forward's steps */
-    int64_t B, Hv, T, KV, C, kernel, esize;
-    const float* states;
+    int64_t B, Hv, T, Kd, Vd, C, kernel, esize;
+    const float* updates;
     float* ssm;
     const void* window;
     void* conv;
@@ -205,6 +335,6 @@ typedef struct { /* one layer's deltanet_keep: the cache's state and conv inputs
 /* deltanet_keep for L layers at once (Cache.keep_at after a decode forward: one call, not one per layer). */
 void deltanet_keep_layers(int64_t L, const Keep* k, const int64_t* n, int nthreads) {
     for (int64_t i = 0; i < L; i++)
-        deltanet_keep(k[i].B, k[i].Hv, k[i].T, k[i].KV, n, k[i].states, k[i].ssm, k[i].C, k[i].kernel, k[i].esize,
+        deltanet_keep(k[i].B, k[i].Hv, k[i].T, k[i].Kd, k[i].Vd, n, k[i].updates, k[i].ssm, k[i].C, k[i].kernel, k[i].esize,
                       k[i].window, k[i].conv, nthreads);
 }

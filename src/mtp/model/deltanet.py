@@ -159,20 +159,20 @@ class GatedDeltaNet(nn.Module):
 
     def decode(self, x: torch.Tensor, cache: DeltaState, commit: bool = False) -> tuple[torch.Tensor, DeltaSteps | None]:
         """A decode forward of T tokens per row continuing from `cache` (static shapes): ([B, T, H], the conv window
-        and the state after every token). The cache is not changed: `DeltaState.keep_at` selects. `commit` (one token
-        that every row keeps, `Positions.commit`): where the C step runs eagerly, the cache is updated in place and
-        the steps are None."""
+        and each token's update of the state, or the state after every token: `DeltaSteps`). The cache is not
+        changed: `DeltaState.keep_at` selects. `commit` (one token that every row keeps, `Positions.commit`): where the
+        C step runs eagerly, the cache is updated in place and the steps are None."""
         T = x.shape[1]
         qkv, z, b, a = self.projections(x)
         window = torch.cat([cache.conv, qkv.transpose(1, 2).to(cache.conv.dtype)], dim=-1)  # [B, C, kernel-1+T]
         if z.dtype == window.dtype and deltanet_kernel.usable(window, z, cache.ssm):  # one C call for all of it
             if commit and not torch.compiler.is_compiling() and cache.contiguous():
                 return self._step_in_place(window, z, b, a, cache), None
-            out, states = deltanet_kernel.decode_step(*self._kernel_args(window, z, b, a, cache), self.num_k_heads)
-            return self.out_proj(out), DeltaSteps(window, states)
+            out, updates = deltanet_kernel.decode_step(*self._kernel_args(window, z, b, a, cache), self.num_k_heads)
+            return self.out_proj(out), DeltaSteps(window, updates=updates)
         q, k, v, g, beta = self._heads(self._short_conv(window, T), b, a)
         o, _, states = recurrent_gated_delta_rule(q, k, v, g, beta, cache.ssm, keep_states=True)
-        return self._out(o, z, x.dtype), DeltaSteps(window, states)
+        return self._out(o, z, x.dtype), DeltaSteps(window, states=states)
 
     def _kernel_args(self, window: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                      cache: DeltaState) -> tuple:

@@ -24,15 +24,15 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.deltanet_decode.argtypes = [i64] * 7 + [i32, p, p, p, i64, i64, p, i64, i64, p, p, p, i64, i64, p, f32, p, p, p, i32]
     lib.deltanet_decode.restype = i32
-    lib.deltanet_keep.argtypes = [i64, i64, i64, i64, p, p, p, i64, i64, i64, p, p, i32]
+    lib.deltanet_keep.argtypes = [i64, i64, i64, i64, i64, p, p, p, i64, i64, i64, p, p, i32]
     lib.deltanet_keep.restype = None
     lib.deltanet_keep_layers.argtypes = [i64, p, p, i32]
     lib.deltanet_keep_layers.restype = None
 
 
 class _Keep(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_int64) for n in ("B", "Hv", "T", "KV", "C", "kernel", "esize")] + [
-        (n, ctypes.c_void_p) for n in ("states", "ssm", "window", "conv")]
+    _fields_ = [(n, ctypes.c_int64) for n in ("B", "Hv", "T", "Kd", "Vd", "C", "kernel", "esize")] + [
+        (n, ctypes.c_void_p) for n in ("updates", "ssm", "window", "conv")]
 
 
 LIBRARY = NativeLibrary("deltanet.c", None, "Gated DeltaNet decodes with torch ops", _declare)
@@ -61,8 +61,8 @@ def decode_step(window: torch.Tensor, taps: torch.Tensor, b: torch.Tensor, a: to
     window [B, C, kernel-1+T] (the cached conv inputs then the T new ones), taps [C, kernel] (the conv weight), b and
     a [B, T, Hv] (projections), A_log and dt_bias [Hv], z [B, T, Hv*Vd] (the gate), norm_w [Vd] (the gated norm's
     weight), ssm fp32 [B, Hv, Kd, Vd] (the state before the tokens; not changed), all but ssm in the model dtype
-    (bf16 or fp32) -> (out [B, T, Hv*Vd] in the model dtype: the output projection's input, states fp32
-    [B, Hv, T, Kd, Vd]: the state after each token)."""
+    (bf16 or fp32) -> (out [B, T, Hv*Vd] in the model dtype: the output projection's input, updates fp32
+    [B, Hv, T, Kd + Vd + 1]: each token's update of the state, its key, delta and decay, for `keep`)."""
     if torch.compiler.is_compiling():
         return torch.ops.mtp.deltanet_decode(window, taps, b, a, A_log, dt_bias, z, norm_w, eps, ssm, k_heads)
     return _decode_step(window, taps, b, a, A_log, dt_bias, z, norm_w, eps, ssm, k_heads)
@@ -73,16 +73,16 @@ def step_in_place(window: torch.Tensor, taps: torch.Tensor, b: torch.Tensor, a: 
                   conv: torch.Tensor, k_heads: int) -> torch.Tensor:
     """`decode_step` of T tokens per row that every row keeps (a plain step; a prompt's chunk): the state ssm
     [B, Hv, Kd, Vd] and the conv inputs conv [B, C, kernel-1] are updated in place to what `keep` of n = T would
-    select, with the same arithmetic, and no per-token states are written or copied (~3x less state traffic for a
-    step; at real size the state is megabytes per layer). Eager only (contiguous ssm and conv). -> out [B, T, Hv*Vd]."""
+    select, with the same arithmetic, and no per-token updates are written or applied again. Eager only (contiguous
+    ssm and conv). -> out [B, T, Hv*Vd]."""
     if not (ssm.is_contiguous() and conv.is_contiguous()):
         raise ValueError("deltanet step in place: a contiguous state and conv inputs")
-    out, _ = _decode_step(window, taps, b, a, A_log, dt_bias, z, norm_w, eps, ssm, k_heads, states=ssm)
+    out, _ = _decode_step(window, taps, b, a, A_log, dt_bias, z, norm_w, eps, ssm, k_heads, updates=ssm)
     conv.copy_(window[..., -conv.shape[-1]:])
     return out
 
 
-def _decode_step(window, taps, b, a, A_log, dt_bias, z, norm_w, eps, ssm, k_heads, states=None):
+def _decode_step(window, taps, b, a, A_log, dt_bias, z, norm_w, eps, ssm, k_heads, updates=None):
     B, C, width = window.shape
     _, Hv, Kd, Vd = ssm.shape
     kernel = taps.shape[-1]
@@ -95,33 +95,37 @@ def _decode_step(window, taps, b, a, A_log, dt_bias, z, norm_w, eps, ssm, k_head
     A_log, dt_bias = A_log.float().contiguous(), dt_bias.float().contiguous()
     norm_w = norm_w.to(dtype).contiguous()
     out = torch.empty(B, T, Hv * Vd, dtype=dtype)
-    if states is None:
-        states = torch.empty(B, Hv, T, Kd, Vd, dtype=torch.float32)
+    if updates is None:
+        updates = torch.empty(B, Hv, T, Kd + Vd + 1, dtype=torch.float32)
     status = LIBRARY.lib().deltanet_decode(
         B, T, k_heads, Hv, Kd, Vd, kernel, int(dtype == torch.bfloat16), window.data_ptr(), taps.data_ptr(),
         b.data_ptr(), sb0, sb1, a.data_ptr(), sa0, sa1, A_log.data_ptr(), dt_bias.data_ptr(), z.data_ptr(), sz0, sz1,
-        norm_w.data_ptr(), eps, ssm.data_ptr(), states.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        norm_w.data_ptr(), eps, ssm.data_ptr(), updates.data_ptr(), out.data_ptr(), torch.get_num_threads())
     if status != 0:
         raise MemoryError("deltanet_decode: out of memory for its conv outputs")
-    return out, states
+    return out, updates
 
 
-def keep(ssm: torch.Tensor, conv: torch.Tensor, states: torch.Tensor, window: torch.Tensor, n: torch.Tensor) -> None:
-    """`DeltaState.keep_at` in place: row r of ssm [B, Hv, Kd, Vd] := states [B, Hv, T, Kd, Vd] at token n[r] - 1 and
-    of conv [B, C, kernel-1] := window [B, C, kernel-1+T] at n[r].. where n[r] > 0 (n [B] long): one copy of what is
-    kept, no read of the rest."""
+def keep(ssm: torch.Tensor, conv: torch.Tensor, updates: torch.Tensor, window: torch.Tensor, n: torch.Tensor) -> None:
+    """`DeltaState.keep_at` in place: row r of ssm [B, Hv, Kd, Vd] := its state after the first n[r] of the tokens'
+    updates [B, Hv, T, Kd + Vd + 1] (`decode_step`'s; the step's own arithmetic, so the plain steps' state bit for bit)
+    and of conv [B, C, kernel-1] := window [B, C, kernel-1+T] at n[r].. where n[r] > 0 (n [B] long): the state is read
+    and written once, whatever n."""
     if torch.compiler.is_compiling():
-        torch.ops.mtp.deltanet_keep(ssm, conv, states, window, n)
+        torch.ops.mtp.deltanet_keep(ssm, conv, updates, window, n)
     else:
-        _keep(ssm, conv, states, window, n)
+        _keep(ssm, conv, updates, window, n)
 
 
-def _keep(ssm, conv, states, window, n):
-    B, Hv, T, Kd, Vd = states.shape
-    if not all(t.is_contiguous() for t in (ssm, conv, states, window)) or conv.dtype != window.dtype:
+def _keep(ssm, conv, updates, window, n):
+    B, Hv, T, R = updates.shape
+    Kd, Vd = ssm.shape[-2:]
+    if not all(t.is_contiguous() for t in (ssm, conv, updates, window)) or conv.dtype != window.dtype:
         raise ValueError("deltanet_keep: the state, the conv inputs and the steps must be contiguous, conv as window")
+    if R != Kd + Vd + 1 or ssm.shape != (B, Hv, Kd, Vd):
+        raise ValueError(f"deltanet_keep: updates {list(updates.shape)} do not fit state {list(ssm.shape)}")
     n = n.to(torch.int64).contiguous()
-    LIBRARY.lib().deltanet_keep(B, Hv, T, Kd * Vd, n.data_ptr(), states.data_ptr(), ssm.data_ptr(), conv.shape[1],
+    LIBRARY.lib().deltanet_keep(B, Hv, T, Kd, Vd, n.data_ptr(), updates.data_ptr(), ssm.data_ptr(), conv.shape[1],
                                 conv.shape[2] + 1, conv.element_size(), window.data_ptr(), conv.data_ptr(),
                                 torch.get_num_threads())
 
@@ -131,15 +135,20 @@ def keep_program(kept: list, B: int) -> ctypes.Array | None:
     them cannot run so."""
     layers = (_Keep * len(kept))()
     for L, (state, steps) in zip(layers, kept):
-        ssm, conv, states, window = state.ssm, state.conv, steps.states, steps.window
-        tensors = (ssm, conv, states, window)
-        if (ssm.dtype != torch.float32 or states.dtype != torch.float32 or conv.dtype != window.dtype
-                or conv.dtype not in (torch.bfloat16, torch.float32) or states.dim() != 5 or states.shape[0] != B
+        ssm, conv, updates, window = state.ssm, state.conv, steps.updates, steps.window
+        if updates is None:
+            return None
+        tensors = (ssm, conv, updates, window)
+        Kd, Vd = ssm.shape[-2:]
+        if (ssm.dtype != torch.float32 or updates.dtype != torch.float32 or conv.dtype != window.dtype
+                or conv.dtype not in (torch.bfloat16, torch.float32) or updates.dim() != 4 or updates.shape[0] != B
+                or updates.shape[3] != Kd + Vd + 1 or updates.shape[1] != ssm.shape[1]
                 or not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)):
             return None
-        B, Hv, T, Kd, Vd = states.shape
-        L.B, L.Hv, L.T, L.KV, L.C, L.kernel, L.esize = B, Hv, T, Kd * Vd, conv.shape[1], conv.shape[2] + 1, conv.element_size()
-        L.states, L.ssm, L.window, L.conv = states.data_ptr(), ssm.data_ptr(), window.data_ptr(), conv.data_ptr()
+        B, Hv, T, _ = updates.shape
+        L.B, L.Hv, L.T, L.Kd, L.Vd, L.C, L.kernel, L.esize = (B, Hv, T, Kd, Vd, conv.shape[1], conv.shape[2] + 1,
+                                                             conv.element_size())
+        L.updates, L.ssm, L.window, L.conv = updates.data_ptr(), ssm.data_ptr(), window.data_ptr(), conv.data_ptr()
     return layers
 
 
@@ -167,14 +176,14 @@ def _decode_op(window: torch.Tensor, taps: torch.Tensor, b: torch.Tensor, a: tor
 def _(window, taps, b, a, A_log, dt_bias, z, norm_w, eps, ssm, k_heads):
     B, Hv, Kd, Vd = ssm.shape
     T = window.shape[-1] - taps.shape[-1] + 1
-    return window.new_empty(B, T, Hv * Vd), ssm.new_empty(B, Hv, T, Kd, Vd)
+    return window.new_empty(B, T, Hv * Vd), ssm.new_empty(B, Hv, T, Kd + Vd + 1)
 
 
 @torch.library.custom_op("mtp::deltanet_keep", mutates_args=("ssm", "conv"))
-def _keep_op(ssm: torch.Tensor, conv: torch.Tensor, states: torch.Tensor, window: torch.Tensor, n: torch.Tensor) -> None:
-    _keep(ssm, conv, states, window, n)
+def _keep_op(ssm: torch.Tensor, conv: torch.Tensor, updates: torch.Tensor, window: torch.Tensor, n: torch.Tensor) -> None:
+    _keep(ssm, conv, updates, window, n)
 
 
 @_keep_op.register_fake
-def _(ssm, conv, states, window, n):
+def _(ssm, conv, updates, window, n):
     return None

@@ -62,7 +62,8 @@ typedef struct {
     float* ssm;                     /* DeltaNet cache: state [B, Hv, Kd, Vd] */
     uint16_t* values;               /* attention: values [B, Hk, S, Vd] */
     uint16_t* window;               /* DeltaNet out: [B, C, kernel-1+T] */
-    float* states;                  /* DeltaNet out: [B, Hv, T, Kd, Vd]; NULL: a kept step, the cache updated in place */
+    float* updates;                 /* DeltaNet out: [B, Hv, T, Kd + Vd + 1], each token's update of the state; NULL: a
+                                     * kept step, the cache updated in place */
 } Layer;
 
 typedef struct {
@@ -124,9 +125,9 @@ static int deltanet(const Kernels* k, const Step* s, const Layer* l, const uint1
     /* y per token: qkv [C] at 0, z [V], b [Hv], a [Hv] at their offsets */
     if (k->deltanet_decode(B, T, l->Hk, l->Hv, l->Kd, l->Vd, l->kernel, 1, l->window, l->taps, y + l->off[2], T * Nin, Nin,
                            y + l->off[3], T * Nin, Nin, l->A_log, l->dt_bias, y + l->off[1], T * Nin, Nin, l->gnorm,
-                           l->geps, l->ssm, l->states ? l->states : l->ssm, o, nth))
+                           l->geps, l->ssm, l->updates ? l->updates : l->ssm, o, nth))
         return -1;
-    if (!l->states) /* kept in place: the conv inputs move on by the one token */
+    if (!l->updates) /* kept in place: the conv inputs move on by the one token */
         for (int64_t b = 0; b < B; b++)
             for (int64_t c = 0; c < C; c++)
                 memcpy(l->conv + (b * C + c) * kw, l->window + (b * C + c) * W + 1, sizeof(uint16_t) * (size_t)kw);
@@ -189,7 +190,7 @@ static int layer(const Kernels* k, const Step* s, const Layer* l, uint16_t* x, u
 
 /* The decode forward of T tokens per row through L layers (`Step`, `Layer`): embedding (or the given input), layers,
  * final norm. Writes
- * keys/values at the tokens' positions, each DeltaNet layer's window and states (or, kept in place, its cache).
+ * keys/values at the tokens' positions, each DeltaNet layer's window and updates (or, kept in place, its cache).
  * 0; -1 out of memory; -2 a token id outside the vocabulary; -3 a position outside the cache (nothing written). */
 int qwen35_decode(const Kernels* k, const Step* s, const Layer* layers, int64_t L, int nth) {
     const int64_t M = s->B * s->T, H = s->H;

@@ -62,7 +62,7 @@ class _Layer(ctypes.Structure):
                  ("off", i64 * 4)] + [(n, _Linear) for n in ("out", "gate_up", "down")] + [("I", i64), ("up", i64)]
                 + [(n, i64) for n in ("Hk", "Hv", "Kd", "Vd", "kernel")]
                 + [(n, p) for n in ("taps", "A_log", "dt_bias", "gnorm", "knorm")] + [("geps", f32), ("scale", f32)]
-                + [(n, p) for n in ("conv", "ssm", "values", "window", "states")])
+                + [(n, p) for n in ("conv", "ssm", "values", "window", "updates")])
 
 
 class _Step(ctypes.Structure):
@@ -444,7 +444,7 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 def _bind(prog: Program, B: int, T: int, states: list, commit: bool, R: int, alloc=_empty
           ) -> tuple[ctypes.Array, list, int, torch.Tensor | None] | None:
     """A copy of `prog`'s layers for one forward of T tokens in each of B rows over the layers' decode `states` (a
-    DeltaNet layer's window and per-token states in tensors from `alloc(shape, dtype)`; `commit`: updated in place,
+    DeltaNet layer's window and per-token updates in tensors from `alloc(shape, dtype)`; `commit`: updated in place,
     one conv window scratch for every layer) -> (layers, per layer `DeltaSteps` or None, cache slots S, the scratch
     window the layers point at), or None where they do not fit (R: the rotary dims)."""
     steps: list = []
@@ -467,13 +467,13 @@ def _bind(prog: Program, B: int, T: int, states: list, commit: bool, R: int, all
                     window = alloc((B, C, kw + 1), torch.bfloat16)
                 if window.shape != (B, C, kw + 1):
                     return None
-                L.window, L.states = window.data_ptr(), None
+                L.window, L.updates = window.data_ptr(), None
                 steps.append(None)
             else:
                 w = alloc((B, C, kw + T), torch.bfloat16)
-                st = alloc((B, L.Hv, T, L.Kd, L.Vd), torch.float32)
-                L.window, L.states = w.data_ptr(), st.data_ptr()
-                steps.append(DeltaSteps(w, st))
+                up = alloc((B, L.Hv, T, L.Kd + L.Vd + 1), torch.float32)
+                L.window, L.updates = w.data_ptr(), up.data_ptr()
+                steps.append(DeltaSteps(w, updates=up))
         else:
             if (type(state) is not KVCache or state.k.dtype != torch.bfloat16 or state.v.dtype != torch.bfloat16
                     or state.k.shape[:2] != (B, L.Hk) or state.k.shape[3] != L.Kd or state.v.shape != state.k.shape
@@ -709,7 +709,7 @@ def _scratch_bytes(prog: Program, B: int, T: int, commit: bool) -> int:
     for L, kind in zip(prog.layers, prog.kinds):
         if kind is GatedDeltaNet:
             C, kw = 2 * L.Hk * L.Kd + L.Hv * L.Vd, L.kernel - 1
-            window, states = B * C * (kw + T) * 2, 0 if commit else B * L.Hv * T * L.Kd * L.Vd * 4
+            window, states = B * C * (kw + T) * 2, 0 if commit else B * L.Hv * T * (L.Kd + L.Vd + 1) * 4
             need += -(-window // _ALIGN) * _ALIGN + -(-states // _ALIGN) * _ALIGN
             if commit:
                 break  # (one window for every layer)
@@ -736,7 +736,7 @@ def round_program(model, K: int, commit: bool, cache: Cache, mtp_caches: list | 
     """`model`'s greedy round of K drafts over the B rows of a round state (its backbone `cache`, MTP caches, pos [B]
     and the MTP's pending tensors; `vocab`: a reduced draft vocabulary's head and token ids) bound for round.c, or None
     where it cannot run so. `commit`: a plain step every row keeps (K = 0; the states updated in place). `scratch(n)`:
-    n bytes (uint8) that the DeltaNet layers' windows and per-token states may take (one round runs at a time, so the
+    n bytes (uint8) that the DeltaNet layers' windows and per-token updates may take (one round runs at a time, so the
     rounds of one state can share them: a verify of 9 tokens at real size keeps ~1 MB per token and layer); None:
     their own."""
     if torch.is_grad_enabled() or torch.compiler.is_compiling() or model.rotary is None or (commit and K):
