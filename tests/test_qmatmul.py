@@ -64,7 +64,7 @@ def test_int8_kernel_computes_the_scheme(shape):
     w = torch.randn(N, K, generator=g) * 0.05
     codes, scale = quantize_int8(w)
     bias = torch.randn(N, generator=g)
-    for M in (1, 3, 4, 9):
+    for M in (1, 3, 4, 6, 9):
         x = (torch.randn(M, K, generator=g) * 3).to(torch.bfloat16)
         assert close_to_bf16(qmatmul.q8_linear(x, codes, scale), reference_q8(x, codes, scale)), (shape, M)
         assert close_to_bf16(qmatmul.q8_linear(x, codes, scale, bias), reference_q8(x, codes, scale, bias)), (shape, M)

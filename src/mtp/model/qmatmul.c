@@ -117,13 +117,21 @@ static inline __m256i q8_dot_avx2(__m256i acc, __m256i w, __m256i x) {
 #define Q8_OFFSET 0
 #endif
 
+/* Rows a tile takes at once (one pass over the weights): 8 where AVX-512VL gives 32 vector registers (8 rows' sums
+ * fit beside the weights), else 4. A verify of up to 8 tokens then reads each weight once. */
+#if defined(__AVX512VL__)
+#define TILE_ROWS 8
+#else
+#define TILE_ROWS 4
+#endif
+
 static inline __m256i bcast4(const int8_t* p) {
     int32_t v;
     memcpy(&v, p, 4);
     return _mm256_set1_epi32(v);
 }
 
-/* R rows (<= 4) x GS groups of 8 outputs from group g0: out [R][GS][8] floats (before the output scale). Two integer
+/* R rows (<= TILE_ROWS) x GS groups of 8 outputs from group g0: out [R][GS][8] floats (before the output scale). Two integer
  * accumulators per (row, group) - even and odd chunks of a block - halve the chains of dependent products. */
 #define Q8_TILE(R, GS)                                                                                               \
     static void q8_tile_##R##_##GS(const uint8_t* w, int64_t g0, int64_t K, const int8_t* xq, const float* dx,       \
@@ -170,6 +178,12 @@ Q8_TILE(1, 1)
 Q8_TILE(2, 1)
 Q8_TILE(3, 1)
 Q8_TILE(4, 1)
+#if TILE_ROWS == 8
+Q8_TILE(5, 1)
+Q8_TILE(6, 1)
+Q8_TILE(7, 1)
+Q8_TILE(8, 1)
+#endif
 
 /* rows m0..m0+R-1 against group g -> y (bf16, the output scale and bias applied once) */
 static void q8_tile(const uint8_t* w, int64_t g, int64_t K, const QRows* q, int64_t m0, int64_t R, const float* sw,
@@ -178,12 +192,20 @@ static void q8_tile(const uint8_t* w, int64_t g, int64_t K, const QRows* q, int6
     const int8_t* xq = q->xq + m0 * K;
     const float* dx = q->dx + m0 * nb;
     const int32_t* xs = q->xs + m0 * nb;
-    float o[4 * 8];
+    float o[TILE_ROWS * 8];
     switch (R) {
         case 1: q8_tile_1_1(w, g, K, xq, dx, xs, nb, o); break;
         case 2: q8_tile_2_1(w, g, K, xq, dx, xs, nb, o); break;
         case 3: q8_tile_3_1(w, g, K, xq, dx, xs, nb, o); break;
+#if TILE_ROWS == 8
+        case 4: q8_tile_4_1(w, g, K, xq, dx, xs, nb, o); break;
+        case 5: q8_tile_5_1(w, g, K, xq, dx, xs, nb, o); break;
+        case 6: q8_tile_6_1(w, g, K, xq, dx, xs, nb, o); break;
+        case 7: q8_tile_7_1(w, g, K, xq, dx, xs, nb, o); break;
+        default: q8_tile_8_1(w, g, K, xq, dx, xs, nb, o);
+#else
         default: q8_tile_4_1(w, g, K, xq, dx, xs, nb, o);
+#endif
     }
     for (int64_t i = 0; i < R; i++)
         for (int64_t j = 0; j < 8; j++) {
@@ -261,6 +283,12 @@ Q4_TILE(1, "GCC unroll 4")
 Q4_TILE(2, "GCC unroll 1")
 Q4_TILE(3, "GCC unroll 1")
 Q4_TILE(4, "GCC unroll 1")
+#if TILE_ROWS == 8
+Q4_TILE(5, "GCC unroll 1")
+Q4_TILE(6, "GCC unroll 1")
+Q4_TILE(7, "GCC unroll 1")
+Q4_TILE(8, "GCC unroll 1")
+#endif
 
 /* rows m0..m0+R-1 against group g -> y (bf16, bias added once) */
 static void q4_tile(const uint8_t* w, const float* s, const float* lo, int64_t G, int64_t g, int64_t K, const QRows* q,
@@ -268,12 +296,20 @@ static void q4_tile(const uint8_t* w, const float* s, const float* lo, int64_t G
     const int64_t nb = K / 32, ng = K / G;
     const int8_t* xq = q->xq + m0 * K;
     const float *dx = q->dx + m0 * nb, *xr = xg + m0 * ng;
-    float o[4 * 8];
+    float o[TILE_ROWS * 8];
     switch (R) {
         case 1: q4_tile_1(w, s, lo, g, K, G, xq, dx, xr, nb, o); break;
         case 2: q4_tile_2(w, s, lo, g, K, G, xq, dx, xr, nb, o); break;
         case 3: q4_tile_3(w, s, lo, g, K, G, xq, dx, xr, nb, o); break;
+#if TILE_ROWS == 8
+        case 4: q4_tile_4(w, s, lo, g, K, G, xq, dx, xr, nb, o); break;
+        case 5: q4_tile_5(w, s, lo, g, K, G, xq, dx, xr, nb, o); break;
+        case 6: q4_tile_6(w, s, lo, g, K, G, xq, dx, xr, nb, o); break;
+        case 7: q4_tile_7(w, s, lo, g, K, G, xq, dx, xr, nb, o); break;
+        default: q4_tile_8(w, s, lo, g, K, G, xq, dx, xr, nb, o);
+#else
         default: q4_tile_4(w, s, lo, g, K, G, xq, dx, xr, nb, o);
+#endif
     }
     for (int64_t i = 0; i < R; i++)
         for (int64_t j = 0; j < 8; j++) {
@@ -285,7 +321,7 @@ static void q4_tile(const uint8_t* w, const float* s, const float* lo, int64_t G
 /* x bf16 [M, K], w int8 codes interleaved as above ([ceil(N/8)][K/4][8][4]), sw fp32 [N], bias fp32 [N] or NULL ->
  * y bf16 [M, N]. K % 32 == 0. 0 or -1 (memory). Threads split the output groups, one group at a time (one weight
  * stream: the prefetcher keeps up best; at the shipped model's widths 1.4x two or four streams, and two groups x 4 rows
- * ran out of registers, docs/decisions.md 2026-12-02), every row through it 4 at a time. */
+ * ran out of registers, docs/decisions.md 2026-12-02), every row through it TILE_ROWS at a time. */
 int q8_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const float* sw, const float* bias, int64_t N,
               uint16_t* y, int nthreads) {
     QRows q = {0}; /* free_rows frees it whatever failed */
@@ -296,14 +332,15 @@ int q8_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const f
     const int64_t G = (N + 7) / 8;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t g = 0; g < G; g++)
-        for (int64_t m0 = 0; m0 < M; m0 += 4) q8_tile(w, g, K, &q, m0, M - m0 < 4 ? M - m0 : 4, sw, bias, N, y);
+        for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS)
+            q8_tile(w, g, K, &q, m0, M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS, sw, bias, N, y);
     free_rows(&q);
     return 0;
 }
 
 /* x bf16 [M, K], w int4 codes interleaved as above ([ceil(N/8)][K/8][8][4], the last group padded), s and lo fp32
  * [ceil(N/8)][K/G][8], bias fp32 [N] or NULL -> y bf16 [M, N]. G % 32 == 0, K % G == 0. 0 or -1 (memory). Threads split the output groups
- * (one at a time, every row through it 4 at a time, as q8_linear). */
+ * (one at a time, every row through it TILE_ROWS at a time, as q8_linear). */
 int q4_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const float* s, const float* lo, int64_t G,
               const float* bias, int64_t N, uint16_t* y, int nthreads) {
     QRows q = {0}; /* free_rows frees it whatever failed */
@@ -323,7 +360,8 @@ int q4_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const f
     const int64_t NG = (N + 7) / 8;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t g = 0; g < NG; g++)
-        for (int64_t m0 = 0; m0 < M; m0 += 4) q4_tile(w, s, lo, G, g, K, &q, xg, m0, M - m0 < 4 ? M - m0 : 4, bias, N, y);
+        for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS)
+            q4_tile(w, s, lo, G, g, K, &q, xg, m0, M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS, bias, N, y);
     free(xg);
     free_rows(&q);
     return 0;
@@ -449,6 +487,16 @@ BF_ROWS(1, 1)
 BF_ROWS(2, 1)
 BF_ROWS(3, 1)
 BF_ROWS(4, 1)
+#if TILE_ROWS == 8
+BF_ROWS(5, 3)
+BF_ROWS(6, 3)
+BF_ROWS(7, 3)
+BF_ROWS(8, 3)
+BF_ROWS(5, 1)
+BF_ROWS(6, 1)
+BF_ROWS(7, 1)
+BF_ROWS(8, 1)
+#endif
 
 /* out [R][gs][8] floats of groups g0.. for rows m0.. -> y bf16 (+ bias), rounded once each as to_bf16 does */
 static void bf_store(const float* o, int64_t R, int64_t gs, int64_t g0, int64_t m0, const float* bias, int64_t N,
@@ -465,8 +513,34 @@ static void bf_store(const float* o, int64_t R, int64_t gs, int64_t g0, int64_t 
         }
 }
 
+/* the R-row tiles (R <= TILE_ROWS) of GS = 3 or 1 groups */
+static void bf_rows(int64_t R, int64_t GS, const uint16_t* w, int64_t g0, int64_t K, const bf_act* x, float* out, int ahead) {
+#if TILE_ROWS == 8
+#define BF_MORE(GS) case 4: bf_rows_4_##GS(w, g0, K, x, out, ahead); return; case 5: bf_rows_5_##GS(w, g0, K, x, out, ahead); \
+    return; case 6: bf_rows_6_##GS(w, g0, K, x, out, ahead); return; case 7: bf_rows_7_##GS(w, g0, K, x, out, ahead); return; \
+    default: bf_rows_8_##GS(w, g0, K, x, out, ahead);
+#else
+#define BF_MORE(GS) default: bf_rows_4_##GS(w, g0, K, x, out, ahead);
+#endif
+    if (GS == 3)
+        switch (R) {
+            case 1: bf_rows_1_3(w, g0, K, x, out, ahead); return;
+            case 2: bf_rows_2_3(w, g0, K, x, out, ahead); return;
+            case 3: bf_rows_3_3(w, g0, K, x, out, ahead); return;
+            BF_MORE(3)
+        }
+    else
+        switch (R) {
+            case 1: bf_rows_1_1(w, g0, K, x, out, ahead); return;
+            case 2: bf_rows_2_1(w, g0, K, x, out, ahead); return;
+            case 3: bf_rows_3_1(w, g0, K, x, out, ahead); return;
+            BF_MORE(1)
+        }
+#undef BF_MORE
+}
+
 /* x bf16 [M, K], w bf16 interleaved as above, bias fp32 [N] or NULL -> y bf16 [M, N]; 0 or -1 (memory). Threads split the
- * output groups, 4 at a time for one row, 3 for more (each set taking every row, 4 at a time). */
+ * output groups, 4 at a time for one row, 3 for more (each set taking every row, TILE_ROWS at a time). */
 int bf16_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, int64_t N, uint16_t* y,
                 int nthreads) {
     const int64_t XS = BF_ROW_LEN(K);
@@ -484,31 +558,19 @@ int bf16_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, cons
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t set = 0; set < sets; set++) {
         const int64_t g0 = set * GS, gs = G - g0 < GS ? G - g0 : GS;
-        float o[4 * 4 * 8];
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            const int64_t R = M - m0 < 4 ? M - m0 : 4;
+        float o[TILE_ROWS * 4 * 8];
+        for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
+            const int64_t R = M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS;
             const bf_act* xm = xf + m0 * XS;
             if (M == 1 && gs == 4) bf_row(w, g0, K, xm, o);
             else if (M == 1) /* the last groups of one row */
                 for (int64_t g = 0; g < gs; g++) bf_rows_1_1(w, g0 + g, K, xm, o + g * 8, 0);
-            else if (gs == 3) {
-                const int ahead = m0 + 4 >= M;
-                switch (R) {
-                    case 1: bf_rows_1_3(w, g0, K, xm, o, ahead); break;
-                    case 2: bf_rows_2_3(w, g0, K, xm, o, ahead); break;
-                    case 3: bf_rows_3_3(w, g0, K, xm, o, ahead); break;
-                    default: bf_rows_4_3(w, g0, K, xm, o, ahead);
-                }
-            }
+            else if (gs == 3)
+                bf_rows(R, 3, w, g0, K, xm, o, m0 + TILE_ROWS >= M);
             else { /* the last one or two groups: [R][gs][8] as the 3-group tile writes it */
-                float t[4 * 8];
+                float t[TILE_ROWS * 8];
                 for (int64_t g = 0; g < gs; g++) {
-                    switch (R) {
-                        case 1: bf_rows_1_1(w, g0 + g, K, xm, t, 0); break;
-                        case 2: bf_rows_2_1(w, g0 + g, K, xm, t, 0); break;
-                        case 3: bf_rows_3_1(w, g0 + g, K, xm, t, 0); break;
-                        default: bf_rows_4_1(w, g0 + g, K, xm, t, 0);
-                    }
+                    bf_rows(R, 1, w, g0 + g, K, xm, t, 0);
                     for (int64_t r = 0; r < R; r++) memcpy(o + (r * gs + g) * 8, t + r * 8, sizeof(float) * 8);
                 }
             }
