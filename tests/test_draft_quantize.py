@@ -13,6 +13,7 @@ from conftest import MOE, tiny_model, trained_tiny_model
 from mtp.bench.measure import Variant
 from mtp.cli_common import draft_precision
 from mtp.decode.decoder import Decoder
+from mtp.decode.draft_vocab import DraftVocab
 from mtp.decode.sampling import SamplingParams
 from mtp.decode.session import Session
 from mtp.model import qmatmul
@@ -95,6 +96,21 @@ def test_greedy_output_is_the_bf16_models_own(trained, bits):
     while not all(s.done for s in sessions):
         dec.step()
     assert [s.new_tokens for s in sessions] == want
+
+
+@pytest.mark.parametrize("bits", ["int8", "int4"])
+def test_a_reduced_draft_vocabulary_drafts_in_the_drafts_precision(trained, bits):
+    """`--draft-vocab` beside quantized drafts: the reduced head runs the drafts' precision too (int8 where int4 cannot
+    run its shape), and the output is still the bf16 model's."""
+    ref, model = bf16(trained), bf16(trained)
+    model.quantize_drafts(bits)
+    vocab = DraftVocab([0, 1, 2, 3, 5], model.config.vocab_size)
+    assert vocab.head(model, 1).kernel == "int8"  # (5 rows: the int4 kernel takes multiples of 16)
+    g = torch.Generator().manual_seed(2)
+    for n in (4, 9):
+        prompt = torch.randint(0, 8, (n,), generator=g).tolist()
+        want = mtp.generate(ref, prompt, max_new_tokens=30).tokens
+        assert mtp.generate(model, prompt, max_new_tokens=30, draft_tokens=3, draft_vocab=vocab).tokens == want
 
 
 def test_sampling_keeps_the_target_distribution():

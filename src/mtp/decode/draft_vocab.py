@@ -7,8 +7,9 @@ only be missed (a rejected or never-made draft), never emitted wrongly. For samp
 is the MTP's distribution restricted to the N tokens (shaped by temperature / top-k / top-p like p), which is
 exactly the law the drafts are drawn from, so the acceptance rule stays exact.
 
-On the CPU in bf16 the reduced head is a prepared "bf16-native" layer (`DraftVocab.head`), which the model's one-call
-draft chain reads too (`CausalLM.mtp_draft`), so the chain runs in C with the step-by-step chain's drafts.
+On the CPU in bf16 the reduced head is a prepared "bf16-native" layer (`DraftVocab.head`; int8 / int4 where the drafts
+are quantized, `CausalLM.quantize_drafts`), which the model's one-call draft chain reads too (`CausalLM.mtp_draft`),
+so the chain runs in C with the step-by-step chain's drafts.
 
 The counts come from `token_frequencies.json` beside the model (written by `mtp data` for its train split and
 copied into every model folder `mtp train` writes).
@@ -22,9 +23,16 @@ from pathlib import Path
 import torch
 
 from ..model.argmax_kernel import argmax
-from ..model.linear import FastLinear
+from ..model.linear import FastLinear, int4_fits
 
 FREQUENCIES = "token_frequencies.json"
+
+
+def _kernel(drafts: str | None, layer: torch.nn.Linear) -> str:
+    """The reduced head's kernel: the drafts' precision (int8 where the int4 kernel cannot run its shape), else bf16."""
+    if drafts == "int4" and not int4_fits(layer):
+        return "int8"
+    return drafts or "bf16-native"
 
 
 class DraftVocab:
@@ -97,7 +105,7 @@ class DraftVocab:
             layer = torch.nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
             with torch.inference_mode(False), torch.no_grad():
                 layer.weight = torch.nn.Parameter(rows, requires_grad=False)  # (the rows themselves: no second copy)
-                FastLinear.wrap(layer, "bf16-native")
+                FastLinear.wrap(layer, _kernel(model.draft_quantize, layer))
             self._heads[id(model.mtp_head_module(d))] = layer
         return layer
 

@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .cache import Cache, KVCache, Positions
-from .linear import FastLinear, Int4Sources, int4_group_for, int4_supported
+from .linear import FastLinear, Int4Sources, int4_fits, int4_supported
 from .linear import prepare_for_inference as prepare_linears
 from .moe import Experts, group_experts, split_experts
 from .rope import RotaryTable
@@ -242,7 +242,7 @@ class CausalLM(nn.Module, ABC):
 
         keep = tuple(self.keep_precision)
         if quantize == "int4":
-            unfit = [n for n, m in self.named_modules() if isinstance(m, nn.Linear) and not _int4_fits(m)
+            unfit = [n for n, m in self.named_modules() if isinstance(m, nn.Linear) and not int4_fits(m)
                      and not any(n.endswith(s) for s in keep)]
             prepare_linears(self, "int4", skip=keep + tuple(unfit), prepared=quantized, int4=int4)
             for name in unfit:
@@ -291,7 +291,7 @@ class CausalLM(nn.Module, ABC):
         linears = [(n, m) for n, m in self.mtp.named_modules(prefix=prefix) if isinstance(m, nn.Linear)]
         # heads (copied below), layers already quantized (their float weights may be gone) and layers kept precise
         skip = keep + tuple(n for n, m in linears if id(m) in heads or getattr(m, "kernel", None) in QUANTIZE)
-        unfit = tuple(n for n, m in linears if bits == "int4" and not _int4_fits(m))
+        unfit = tuple(n for n, m in linears if bits == "int4" and not int4_fits(m))
         prepare_linears(self.mtp, bits, skip=skip + unfit, prefix=prefix)
         if unfit:
             prepare_linears(self.mtp, "int8", skip=tuple(n for n, _ in linears if n not in unfit) + keep, prefix=prefix)
@@ -306,7 +306,7 @@ class CausalLM(nn.Module, ABC):
             copy = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None, device="meta")
             copy.weight = head.weight  # (one parameter: the copy holds only its codes)
             copy.bias = head.bias
-            copies[id(head)] = FastLinear.wrap(copy, bits if bits == "int8" or _int4_fits(head) else "int8")
+            copies[id(head)] = FastLinear.wrap(copy, bits if bits == "int8" or int4_fits(head) else "int8")
         self.__dict__["_draft_heads"] = copies
         self.__dict__["_draft_quantize"] = bits
 
@@ -319,7 +319,7 @@ class CausalLM(nn.Module, ABC):
         out = []
         for name, group in int4_groups.items():
             m = self.get_submodule(name)
-            if (type(m) is nn.Linear and id(m) not in heads and not any(name.endswith(s) for s in keep) and _int4_fits(m)
+            if (type(m) is nn.Linear and id(m) not in heads and not any(name.endswith(s) for s in keep) and int4_fits(m)
                     and int4_supported(m.out_features, m.in_features, group)):
                 out.append(name)
         return out
@@ -548,12 +548,6 @@ class CausalLM(nn.Module, ABC):
     def mtp_logits(self, ids: torch.Tensor, depth: int | None = None) -> list[torch.Tensor]:
         """List over d = 1..depth of [B, T-d, V]: position i predicts token i+d+1 (teacher forcing)."""
         return [self.mtp_head(h, d) for d, h in enumerate(self.mtp_hidden_states(ids, depth), start=1)]
-
-
-def _int4_fits(linear: nn.Linear) -> bool:
-    """Can the int4 kernel run this layer (`linear.int4_supported`)?"""
-    group = int4_group_for(linear.in_features)
-    return group is not None and int4_supported(linear.out_features, linear.in_features, group)
 
 
 def init_weights_(model: CausalLM, std: float | None = None, seed: int | None = None) -> None:

@@ -194,6 +194,12 @@ def int4_supported(out_features: int, in_features: int, group: int) -> bool:
     return out_features % 16 == 0 and in_features % group == 0 and _kernel_group(group) is not None
 
 
+def int4_fits(linear: nn.Linear) -> bool:
+    """Can the int4 kernel run this layer (`int4_supported` at its group size, `int4_group_for`)?"""
+    group = int4_group_for(linear.in_features)
+    return group is not None and int4_supported(linear.out_features, linear.in_features, group)
+
+
 def _kernel_group(group: int) -> int | None:
     """The kernel group size a checkpoint group splits into exactly (a 512-wide group is two 256-wide ones with the
     same scale), or None."""

@@ -528,7 +528,7 @@ def _bind_draft(prog: Program, table: tuple[torch.Tensor, torch.Tensor], K: int,
     where they do not fit."""
     head, ids = vocab if vocab is not None else (None, None)
     if head is not None:
-        if (head.kernel != "bf16-native" or head.bias is not None or head.in_features != prog.hidden
+        if (head.kernel not in ("bf16-native", "int8", "int4") or head.bias is not None or head.in_features != prog.hidden
                 or head.weight._version != head._version or ids.dtype != torch.int64 or not ids.is_contiguous()
                 or ids.shape != (head.out_features,) or head.out_features > prog.draft.V or ids.device.type != "cpu"):
             return None
