@@ -273,7 +273,7 @@ class CausalLM(nn.Module, ABC):
         depth drafts with a quantized copy of its head (`draft_head_module`; the copy shares the weight). The backbone
         and its head are untouched, so the output is too: every draft is verified by the backbone's own head; only
         the acceptance can move. What it buys: a draft step reads about half (int8) or a quarter (int4) of a bf16
-        one's bytes (the shipped model: docs/decisions.md, "int8 drafts"). A prepared bf16 model on the CPU with an
+        one's bytes (docs/decisions.md, 2026-12-04, second session). A prepared bf16 model on the CPU with an
         MTP module; an int4 layer the kernel cannot run gets int8."""
         if bits not in QUANTIZE:
             raise ValueError(f"draft quantization must be one of {', '.join(QUANTIZE)}, got {bits!r}")
@@ -289,19 +289,20 @@ class CausalLM(nn.Module, ABC):
         heads = {id(h) for h in self._output_heads()}
         keep = tuple(self.keep_precision)
         linears = [(n, m) for n, m in self.mtp.named_modules(prefix=prefix) if isinstance(m, nn.Linear)]
-        # heads (copied below), layers already quantized (their float weights may be gone) and layers kept precise
-        skip = keep + tuple(n for n, m in linears if id(m) in heads or getattr(m, "kernel", None) in QUANTIZE)
-        unfit = tuple(n for n, m in linears if bits == "int4" and not int4_fits(m))
-        prepare_linears(self.mtp, bits, skip=skip + unfit, prefix=prefix)
-        if unfit:
-            prepare_linears(self.mtp, "int8", skip=tuple(n for n, _ in linears if n not in unfit) + keep, prefix=prefix)
+        # not the heads (copied below), layers already quantized (their float weights may be gone), layers kept precise
+        todo = [n for n, m in linears if id(m) not in heads and not any(n.endswith(s) for s in keep)
+                and not (isinstance(m, FastLinear) and m.kernel in QUANTIZE)]
+        unfit = [n for n, m in linears if n in todo and bits == "int4" and not int4_fits(m)]
+        for kernel, names in ((bits, [n for n in todo if n not in unfit]), ("int8", unfit)):
+            if names:  # (skip: every other layer of the MTP, by its full name)
+                prepare_linears(self.mtp, kernel, skip=tuple(n for n, _ in linears if n not in names), prefix=prefix)
         for name, m in self.mtp.named_modules(prefix=prefix):
             if isinstance(m, Experts) and "_kernels" not in m.__dict__ and not any(name.endswith(s) for s in keep):
                 m.prepare(bits)
         copies = {}
         for d in range(1, self.mtp.num_layers + 1):
             head = self.mtp_head_module(d)
-            if id(head) in copies or getattr(head, "kernel", None) in QUANTIZE:
+            if id(head) in copies or (isinstance(head, FastLinear) and head.kernel in QUANTIZE):
                 continue
             copy = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None, device="meta")
             copy.weight = head.weight  # (one parameter: the copy holds only its codes)
@@ -505,8 +506,8 @@ class CausalLM(nn.Module, ABC):
         """A whole greedy round of K drafts (the draft chain, the verify forward, its head and argmax, the recurrent
         states' keep) bound to a round state's caches and tensors for decode/round.c, where the family runs its
         forwards as C programs (Qwen3.5: model/step.py `RoundProgram`); None: the round runs its steps. `commit`: a
-        plain step every row keeps; `scratch(n)`: n bytes its per-token DeltaNet updates may take (shared by the rounds of one
-        state)."""
+        plain step every row keeps; `scratch(n)`: n bytes its per-token DeltaNet updates may take (shared by the rounds
+        of one state)."""
         return None
 
     def mtp_step(self, d: int, hidden: torch.Tensor, next_ids: torch.Tensor | None, start: int | list[int] | Positions,
