@@ -101,8 +101,9 @@ def load_from_args(args):
 
 def draft_precision(choice: str, model) -> str | None:
     """--draft-quantize for `model` -> the `quantize_drafts` bits, or None. "auto": int8 where it is known to pay - a
-    bf16 model on the CPU with an MTP and qmatmul's kernels, whose layers are not quantized already (the shipped model:
-    2.1-2.4x plain instead of 1.6-2.0x, docs/decisions.md "int8 drafts") - else None."""
+    bf16 model on the CPU with an MTP and qmatmul's kernels, whose layers are not quantized already (the shipped model
+    at k = 3: 2.27-2.42x plain instead of 1.97-1.99x, generation only; docs/decisions.md, 2026-12-04, second session) -
+    else None."""
     if choice == "none":
         return None
     if choice != "auto":

@@ -53,7 +53,7 @@ class Variant:
                 compiled = True
             elif extra.startswith("vocab") and extra[5:].isdigit():
                 vocab = int(extra[5:])
-            elif extra.removeprefix("draft-") in ("none", "int8", "int4", "auto") and extra.startswith("draft-"):
+            elif extra.startswith("draft-") and extra.removeprefix("draft-") in ("none", "int8", "int4", "auto"):
                 drafts = extra.removeprefix("draft-")
             else:
                 raise ValueError(f"bench variant {spec!r}: '+{extra}' is none of '+vocabN', '+compile', "

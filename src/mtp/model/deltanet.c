@@ -230,7 +230,9 @@ int deltanet_decode(int64_t B, int64_t T, int64_t Hk, int64_t Hv, int64_t Kd, in
             if (p < 2 * Hk) l2norm(dst, n, p < Hk ? qscale : 1.0f);
         }
         /* 2: the recurrence and the gated norm, split over (row, value head) */
-        float* scratch = malloc(sizeof(float) * (size_t)(Kd * DN_COLS + T * Vd + Vd + 2 * T) + 3 * sizeof(float*) * (size_t)T);
+        /* per thread: q, k, v of each token (3T pointers, first: aligned as malloc aligns), then the floats */
+        const float** ptrs = malloc(3 * sizeof(float*) * (size_t)T + sizeof(float) * (size_t)(Kd * DN_COLS + T * Vd + Vd + 2 * T));
+        float* scratch = ptrs ? (float*)(ptrs + 3 * T) : NULL;
         if (!scratch) {
 #pragma omp atomic write
             failed = 1;
@@ -240,7 +242,6 @@ int deltanet_decode(int64_t B, int64_t T, int64_t Hk, int64_t Hv, int64_t Kd, in
             if (!scratch) continue;
             const int64_t r = w / Hv, h = w % Hv, hk = h / rep;
             float *o = scratch + Kd * DN_COLS, *gate = o + T * Vd, *g = gate + Vd, *beta = g + T;
-            const float** ptrs = (const float**)(beta + T); /* q, k, v of each token */
             const float neg_A = -expf(A_log[h]);
             for (int64_t t = 0; t < T; t++) {
                 const float* x = qkv + (r * T + t) * C;
@@ -271,7 +272,7 @@ int deltanet_decode(int64_t B, int64_t T, int64_t Hk, int64_t Hv, int64_t Kd, in
                 }
             }
         }
-        free(scratch);
+        free(ptrs);
     }
     free(qkv);
     return failed ? -1 : 0;
