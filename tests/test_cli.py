@@ -40,6 +40,28 @@ def test_generate_json_equals_the_library_for_plain_and_speculative(model_dir):
             assert out["stats"]["backbone_forwards"] <= len(want.tokens) - 1
 
 
+def test_quantized_drafts_from_the_command_line_keep_the_output(model_dir):
+    """--draft-quantize (default auto: int8 drafts for a bf16 model on qmatmul's kernels, none for fp32): the tokens
+    are the bf16 model's own plain decoding whatever the drafts run, and --json says what they ran."""
+    from mtp.model import qmatmul
+
+    model = mtp.load_model(model_dir, dtype="bfloat16")
+    prompt = "def add(a, b):"
+    want = mtp.generate(model, model.tokenizer.encode(prompt), max_new_tokens=24).tokens
+    cases = [(["--dtype", "bfloat16"], "int8" if qmatmul.available() else None), (["--dtype", "bfloat16", "--draft-quantize",
+             "none"], None), ([], None)]
+    if qmatmul.available():
+        cases.append((["--dtype", "bfloat16", "--draft-quantize", "int4"], "int4"))
+    for extra, drafts in cases:
+        proc = run_cli("generate", "--model", str(model_dir), "--prompt", prompt, "--max-new-tokens", "24",
+                       "--draft-tokens", "3", "--json", "--threads", "1", *extra)
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout)
+        assert out["draft_quantize"] == drafts, extra
+        if extra:  # (fp32: its own tokens)
+            assert out["tokens"] == want, extra
+
+
 def test_generate_prints_text(model_dir):
     proc = run_cli("generate", "--model", str(model_dir), "--prompt", "for i in", "--max-new-tokens", "8", "--threads", "1")
     assert proc.returncode == 0, proc.stderr

@@ -95,7 +95,8 @@ def cmd_serve(args) -> int:
     if args.host not in LOOPBACK:
         print(f"mtp serve: warning: binding {args.host} exposes the API beyond this machine"
               f"{'' if args.api_key else ' WITHOUT an API key'}", file=sys.stderr)
-    print(f"mtp serve: {name} (context {engine.context}, draft_tokens {engine.draft_tokens}) on "
+    drafts = f", drafts {model.draft_quantize}" if model.draft_quantize else ""
+    print(f"mtp serve: {name} (context {engine.context}, draft_tokens {engine.draft_tokens}{drafts}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     # uvicorn's own deadline comes after ours (the grace period, then the aborted requests answer; a request still
     # rendering its chat template then ends within the template's time limit)
