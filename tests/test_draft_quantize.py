@@ -123,6 +123,25 @@ def test_sampling_keeps_the_target_distribution():
     assert stats.chi2_of_counts(model, params, counts) > 1e-3
 
 
+def test_the_quantized_head_copy_is_renewed_with_the_model(trained):
+    """A weight changed in place (training, healing): `renew_prepared` (what a compiled decoder calls as it starts,
+    compiled graphs trusting prepared weights) prepares the drafts' head copy again too, not only the model's layers."""
+    model = bf16(trained)
+    model.quantize_drafts("int8")
+    copy_ = model.draft_head_module(1)
+    h = torch.randn(2, model.config.hidden_size).to(torch.bfloat16)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1)  # (the same parameter the copy holds)
+    assert copy_._version != copy_.weight._version
+    assert model.renew_prepared() >= 2  # the model's head and the copy
+    assert copy_._version == copy_.weight._version
+    fresh = FastLinear.wrap(torch.nn.Linear(h.shape[1], model.config.vocab_size, bias=False), "int8")
+    with torch.no_grad():
+        fresh.weight.copy_(model.lm_head.weight)
+        fresh.prepare("int8")
+        assert torch.equal(copy_(h), fresh(h))
+
+
 def test_refused_where_it_cannot_run(trained):
     with pytest.raises(ValueError, match="bfloat16 model on the CPU"):
         copy.deepcopy(trained).quantize_drafts("int8")  # fp32

@@ -86,7 +86,7 @@ def register(subparsers) -> None:
     p.add_argument("--max-prompts", type=int, default=None, help="use at most this many prompts of each kind")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for report.json, report.md and plots")
     add_draft_args(p)
-    p.add_argument("--variants", type=lambda v: [Variant.parse(x) for x in v.split(",")], default=[],
+    p.add_argument("--variants", type=_variants, default=[],
                    help="more variants measured beside the default one, interleaved: comma list of fp32, bf16, fp16, int8, int4, "
                         "each optionally +vocabN, +compile, +draft-none|int8|int4 (the drafts' precision; default: "
                         "--draft-quantize's), "
@@ -99,6 +99,14 @@ def register(subparsers) -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), default=None,
                    help="only measure the cost model on a random-weight model of this shape (no --model needed)")
     p.set_defaults(func=cmd_bench)
+
+
+def _variants(spec: str) -> list[Variant]:
+    """--variants' comma list -> Variants; a bad one is argparse's error with `Variant.parse`'s message."""
+    try:
+        return [Variant.parse(x) for x in spec.split(",")]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def machine_info() -> dict:

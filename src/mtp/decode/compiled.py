@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 from ..io.files import cache_root
-from ..model.linear import renew_prepared
 from . import round as rnd
 
 # one compiled graph per (function, K, batch bucket, sampling flags): allow many before dynamo falls back to eager
@@ -85,7 +84,7 @@ class Runner:
     def for_model(cls, model, compiled: bool) -> Runner:
         """The model's runner (called as each decoder starts)."""
         if compiled:  # compiled steps trust the prepared weights (model/linear.py): renew what changed since
-            renew_prepared(model)
+            model.renew_prepared()
         runners = model.__dict__.setdefault("_runners", {})
         if compiled not in runners:
             runners[compiled] = cls(compiled, model.device)

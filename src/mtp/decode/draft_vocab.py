@@ -23,16 +23,9 @@ from pathlib import Path
 import torch
 
 from ..model.argmax_kernel import argmax
-from ..model.linear import FastLinear, int4_fits
+from ..model.linear import FastLinear, quantized_kernel
 
 FREQUENCIES = "token_frequencies.json"
-
-
-def _kernel(drafts: str | None, layer: torch.nn.Linear) -> str:
-    """The reduced head's kernel: the drafts' precision (int8 where the int4 kernel cannot run its shape), else bf16."""
-    if drafts == "int4" and not int4_fits(layer):
-        return "int8"
-    return drafts or "bf16-native"
 
 
 class DraftVocab:
@@ -105,7 +98,7 @@ class DraftVocab:
             layer = torch.nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
             with torch.inference_mode(False), torch.no_grad():
                 layer.weight = torch.nn.Parameter(rows, requires_grad=False)  # (the rows themselves: no second copy)
-                FastLinear.wrap(layer, _kernel(model.draft_quantize, layer))
+                FastLinear.wrap(layer, quantized_kernel(model.draft_quantize, layer) if model.draft_quantize else "bf16-native")
             self._heads[id(model.mtp_head_module(d))] = layer
         return layer
 

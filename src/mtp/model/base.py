@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .cache import Cache, KVCache, Positions
-from .linear import FastLinear, Int4Sources, int4_fits, int4_supported
+from .linear import FastLinear, Int4Sources, int4_fits, int4_supported, quantized_kernel, renew_prepared
 from .linear import prepare_for_inference as prepare_linears
 from .moe import Experts, group_experts, split_experts
 from .rope import RotaryTable
@@ -262,6 +262,11 @@ class CausalLM(nn.Module, ABC):
         if self.__dict__.get("masks") is not None:
             self.masks.unfuse(self)
 
+    def renew_prepared(self) -> int:
+        """`linear.renew_prepared` of the model and of its quantized draft heads (copies, not modules of the model):
+        what changed in place since it was prepared is prepared again. Returns how many were renewed."""
+        return renew_prepared(self) + sum(renew_prepared(h) for h in self.__dict__.get("_draft_heads", {}).values())
+
     @property
     def draft_quantize(self) -> str | None:
         """The precision `quantize_drafts` set ("int8" / "int4"), or None."""
@@ -285,17 +290,18 @@ class CausalLM(nn.Module, ABC):
             raise ValueError(f"the drafts are already quantized ({self.draft_quantize})")
         if not self.prepared:
             self.prepare_for_inference()
-        prefix = next(name for name, m in self.named_modules() if m is self.mtp)
+        prefix = "mtp"  # (the attribute's name: the full names `keep_precision` is written in start with it)
         heads = {id(h) for h in self._output_heads()}
         keep = tuple(self.keep_precision)
         linears = [(n, m) for n, m in self.mtp.named_modules(prefix=prefix) if isinstance(m, nn.Linear)]
         # not the heads (copied below), layers already quantized (their float weights may be gone), layers kept precise
-        todo = [n for n, m in linears if id(m) not in heads and not any(n.endswith(s) for s in keep)
-                and not (isinstance(m, FastLinear) and m.kernel in QUANTIZE)]
-        unfit = [n for n, m in linears if n in todo and bits == "int4" and not int4_fits(m)]
-        for kernel, names in ((bits, [n for n in todo if n not in unfit]), ("int8", unfit)):
-            if names:  # (skip: every other layer of the MTP, by its full name)
-                prepare_linears(self.mtp, kernel, skip=tuple(n for n, _ in linears if n not in names), prefix=prefix)
+        todo: dict[str, list[str]] = {}  # kernel -> the names of the layers that get it
+        for n, m in linears:
+            if (id(m) not in heads and not any(n.endswith(s) for s in keep)
+                    and not (isinstance(m, FastLinear) and m.kernel in QUANTIZE)):
+                todo.setdefault(quantized_kernel(bits, m), []).append(n)
+        for kernel, names in todo.items():  # (skip: every other layer of the MTP, by its full name)
+            prepare_linears(self.mtp, kernel, skip=tuple(n for n, _ in linears if n not in names), prefix=prefix)
         for name, m in self.mtp.named_modules(prefix=prefix):
             if isinstance(m, Experts) and "_kernels" not in m.__dict__ and not any(name.endswith(s) for s in keep):
                 m.prepare(bits)
@@ -307,7 +313,7 @@ class CausalLM(nn.Module, ABC):
             copy = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None, device="meta")
             copy.weight = head.weight  # (one parameter: the copy holds only its codes)
             copy.bias = head.bias
-            copies[id(head)] = FastLinear.wrap(copy, bits if bits == "int8" or int4_fits(head) else "int8")
+            copies[id(head)] = FastLinear.wrap(copy, quantized_kernel(bits, head))
         self.__dict__["_draft_heads"] = copies
         self.__dict__["_draft_quantize"] = bits
 

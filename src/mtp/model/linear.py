@@ -200,6 +200,11 @@ def int4_fits(linear: nn.Linear) -> bool:
     return group is not None and int4_supported(linear.out_features, linear.in_features, group)
 
 
+def quantized_kernel(bits: str, linear: nn.Linear) -> str:
+    """The kernel `bits` ("int8" / "int4") gives this layer: int8 where the int4 kernel cannot run its shape."""
+    return "int8" if bits == "int4" and not int4_fits(linear) else bits
+
+
 def _kernel_group(group: int) -> int | None:
     """The kernel group size a checkpoint group splits into exactly (a 512-wide group is two 256-wide ones with the
     same scale), or None."""

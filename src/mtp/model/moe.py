@@ -20,7 +20,7 @@ from torch import nn
 
 from ..io.safetensors_mmap import CheckpointError
 from .layer import MLP
-from .linear import FastLinear, int4_group_for, int4_supported, linear_rows
+from .linear import FastLinear, linear_rows, quantized_kernel
 from .rowwise import rowwise
 
 
@@ -73,9 +73,7 @@ class Experts(nn.Module):
         def layer(w: torch.Tensor) -> FastLinear:
             lin = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
             lin.weight = nn.Parameter(w, requires_grad=False)
-            group = int4_group_for(w.shape[1])
-            fits = group is not None and int4_supported(w.shape[0], w.shape[1], group)
-            return FastLinear.wrap(lin, "int8" if kernel == "int4" and not fits else kernel)  # as the linears do
+            return FastLinear.wrap(lin, quantized_kernel(kernel, lin))  # as the linears do
 
         self.__dict__["_kernels"] = [(layer(self.gate_up_proj[e]), layer(self.down_proj[e])) for e in range(self.num_experts)]
 
