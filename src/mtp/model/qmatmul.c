@@ -178,14 +178,7 @@ Q8_TILE(5, 1)
 Q8_TILE(6, 1)
 Q8_TILE(7, 1)
 Q8_TILE(8, 1)
-#define MORE_ROWS(f, s) , f##5##s, f##6##s, f##7##s, f##8##s
-#else
-#define MORE_ROWS(f, s)
 #endif
-/* the tile of R rows at [R - 1] */
-static void (*const Q8_TILES[TILE_ROWS])(const uint8_t*, int64_t, int64_t, const int8_t*, const float*, const int32_t*,
-                                         int64_t, float*) = {q8_tile_1_1, q8_tile_2_1, q8_tile_3_1,
-                                                             q8_tile_4_1 MORE_ROWS(q8_tile_, _1)};
 
 /* rows m0..m0+R-1 against group g -> y (bf16, the output scale and bias applied once) */
 static void q8_tile(const uint8_t* w, int64_t g, int64_t K, const QRows* q, int64_t m0, int64_t R, const float* sw,
@@ -195,7 +188,20 @@ static void q8_tile(const uint8_t* w, int64_t g, int64_t K, const QRows* q, int6
     const float* dx = q->dx + m0 * nb;
     const int32_t* xs = q->xs + m0 * nb;
     float o[TILE_ROWS * 8];
-    Q8_TILES[R - 1](w, g, K, xq, dx, xs, nb, o);
+    switch (R) {
+        case 1: q8_tile_1_1(w, g, K, xq, dx, xs, nb, o); break;
+        case 2: q8_tile_2_1(w, g, K, xq, dx, xs, nb, o); break;
+        case 3: q8_tile_3_1(w, g, K, xq, dx, xs, nb, o); break;
+#if TILE_ROWS == 8
+        case 4: q8_tile_4_1(w, g, K, xq, dx, xs, nb, o); break;
+        case 5: q8_tile_5_1(w, g, K, xq, dx, xs, nb, o); break;
+        case 6: q8_tile_6_1(w, g, K, xq, dx, xs, nb, o); break;
+        case 7: q8_tile_7_1(w, g, K, xq, dx, xs, nb, o); break;
+        default: q8_tile_8_1(w, g, K, xq, dx, xs, nb, o);
+#else
+        default: q8_tile_4_1(w, g, K, xq, dx, xs, nb, o);
+#endif
+    }
     for (int64_t i = 0; i < R; i++)
         for (int64_t j = 0; j < 8; j++) {
             const int64_t n = g * 8 + j;
@@ -278,9 +284,6 @@ Q4_TILE(6, "GCC unroll 1")
 Q4_TILE(7, "GCC unroll 1")
 Q4_TILE(8, "GCC unroll 1")
 #endif
-static void (*const Q4_TILES[TILE_ROWS])(const uint8_t*, const float*, const float*, int64_t, int64_t, int64_t,
-                                         const int8_t*, const float*, const float*, int64_t, float*) = {
-    q4_tile_1, q4_tile_2, q4_tile_3, q4_tile_4 MORE_ROWS(q4_tile_, )};
 
 /* rows m0..m0+R-1 against group g -> y (bf16, bias added once) */
 static void q4_tile(const uint8_t* w, const float* s, const float* lo, int64_t G, int64_t g, int64_t K, const QRows* q,
@@ -289,7 +292,20 @@ static void q4_tile(const uint8_t* w, const float* s, const float* lo, int64_t G
     const int8_t* xq = q->xq + m0 * K;
     const float *dx = q->dx + m0 * nb, *xr = xg + m0 * ng;
     float o[TILE_ROWS * 8];
-    Q4_TILES[R - 1](w, s, lo, g, K, G, xq, dx, xr, nb, o);
+    switch (R) {
+        case 1: q4_tile_1(w, s, lo, g, K, G, xq, dx, xr, nb, o); break;
+        case 2: q4_tile_2(w, s, lo, g, K, G, xq, dx, xr, nb, o); break;
+        case 3: q4_tile_3(w, s, lo, g, K, G, xq, dx, xr, nb, o); break;
+#if TILE_ROWS == 8
+        case 4: q4_tile_4(w, s, lo, g, K, G, xq, dx, xr, nb, o); break;
+        case 5: q4_tile_5(w, s, lo, g, K, G, xq, dx, xr, nb, o); break;
+        case 6: q4_tile_6(w, s, lo, g, K, G, xq, dx, xr, nb, o); break;
+        case 7: q4_tile_7(w, s, lo, g, K, G, xq, dx, xr, nb, o); break;
+        default: q4_tile_8(w, s, lo, g, K, G, xq, dx, xr, nb, o);
+#else
+        default: q4_tile_4(w, s, lo, g, K, G, xq, dx, xr, nb, o);
+#endif
+    }
     for (int64_t i = 0; i < R; i++)
         for (int64_t j = 0; j < 8; j++) {
             const int64_t n = g * 8 + j;
@@ -492,10 +508,31 @@ static void bf_store(const float* o, int64_t R, int64_t gs, int64_t g0, int64_t 
         }
 }
 
-typedef void (*bf_tile)(const uint16_t*, int64_t, int64_t, const bf_act*, float*, int);
-/* the tiles of R rows x 3 groups and x 1 group at [R - 1] */
-static const bf_tile BF_TILES3[TILE_ROWS] = {bf_rows_1_3, bf_rows_2_3, bf_rows_3_3, bf_rows_4_3 MORE_ROWS(bf_rows_, _3)};
-static const bf_tile BF_TILES1[TILE_ROWS] = {bf_rows_1_1, bf_rows_2_1, bf_rows_3_1, bf_rows_4_1 MORE_ROWS(bf_rows_, _1)};
+/* the R-row tiles (R <= TILE_ROWS) of GS = 3 or 1 groups */
+static void bf_rows(int64_t R, int64_t GS, const uint16_t* w, int64_t g0, int64_t K, const bf_act* x, float* out, int ahead) {
+#if TILE_ROWS == 8
+#define BF_MORE(GS) case 4: bf_rows_4_##GS(w, g0, K, x, out, ahead); return; case 5: bf_rows_5_##GS(w, g0, K, x, out, ahead); \
+    return; case 6: bf_rows_6_##GS(w, g0, K, x, out, ahead); return; case 7: bf_rows_7_##GS(w, g0, K, x, out, ahead); return; \
+    default: bf_rows_8_##GS(w, g0, K, x, out, ahead);
+#else
+#define BF_MORE(GS) default: bf_rows_4_##GS(w, g0, K, x, out, ahead);
+#endif
+    if (GS == 3)
+        switch (R) {
+            case 1: bf_rows_1_3(w, g0, K, x, out, ahead); return;
+            case 2: bf_rows_2_3(w, g0, K, x, out, ahead); return;
+            case 3: bf_rows_3_3(w, g0, K, x, out, ahead); return;
+            BF_MORE(3)
+        }
+    else
+        switch (R) {
+            case 1: bf_rows_1_1(w, g0, K, x, out, ahead); return;
+            case 2: bf_rows_2_1(w, g0, K, x, out, ahead); return;
+            case 3: bf_rows_3_1(w, g0, K, x, out, ahead); return;
+            BF_MORE(1)
+        }
+#undef BF_MORE
+}
 
 /* x bf16 [M, K], w bf16 interleaved as above, bias fp32 [N] or NULL -> y bf16 [M, N]; 0 or -1 (memory). Threads split the
  * output groups, 4 at a time for one row, 3 for more (each set taking every row, TILE_ROWS at a time). */
@@ -524,11 +561,11 @@ int bf16_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, cons
             else if (M == 1) /* the last groups of one row */
                 for (int64_t g = 0; g < gs; g++) bf_rows_1_1(w, g0 + g, K, xm, o + g * 8, 0);
             else if (gs == 3)
-                BF_TILES3[R - 1](w, g0, K, xm, o, m0 + TILE_ROWS >= M);
+                bf_rows(R, 3, w, g0, K, xm, o, m0 + TILE_ROWS >= M);
             else { /* the last one or two groups: [R][gs][8] as the 3-group tile writes it */
                 float t[TILE_ROWS * 8];
                 for (int64_t g = 0; g < gs; g++) {
-                    BF_TILES1[R - 1](w, g0 + g, K, xm, t, 0);
+                    bf_rows(R, 1, w, g0 + g, K, xm, t, 0);
                     for (int64_t r = 0; r < R; r++) memcpy(o + (r * gs + g) * 8, t + r * 8, sizeof(float) * 8);
                 }
             }
