@@ -74,7 +74,8 @@ def test_only_the_drafts_are_quantized(trained, bits, moe):
     assert head is not model.lm_head and head.weight is model.lm_head.weight and head.kernel == expected(head, bits)
     assert model.lm_head.kernel not in ("int8", "int4")
     assert not torch.equal(drafted, mtp_logits)  # the drafts really read the quantized copy
-    assert (drafted.argmax(-1) == mtp_logits.argmax(-1)).float().mean() > 0.8
+    # the same head in other precision: mostly the same argmax (1.0 and 0.94 here; a wrong head would agree ~1/64)
+    assert (drafted.argmax(-1) == mtp_logits.argmax(-1)).float().mean() > 0.5
 
 
 @pytest.mark.parametrize("bits", ["int8", "int4"])
