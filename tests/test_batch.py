@@ -274,3 +274,33 @@ def test_a_batch_size_not_measured_yet_starts_with_a_plain_round():
     assert pol.next_k(5) == 0  # 5 rows, never measured: the baseline first
     pol.update(5, 0, [(0, 0)] * 5, flat(5, 0))
     assert pol.next_k(5) >= 2  # then the fit says drafting pays there too
+
+
+def test_compiled_cuda_runner_marks_the_round_state_static(monkeypatch):
+    """CUDA graphs skip a graph that writes an ordinary input: a compiled runner on CUDA marks every tensor of the
+    round's state (backbone and MTP caches, positions, pending buffers, seen tokens) as living at a fixed address
+    (decode/compiled.py, `static_state`; docs/decisions.md, the first GPU check), and leaves them alone on CPU or with
+    MTP_CUDA_STATIC=0. Checked on CPU: marking is a tensor attribute, and torch.compile compiles nothing until called."""
+    from mtp.decode.compiled import Runner, _tensors
+    from mtp.decode.round import RoundState
+
+    model = tiny_model(mtp_num_hidden_layers=2)
+
+    def marked(device: str, env: str | None) -> tuple[int, int]:
+        if env is None:
+            monkeypatch.delenv("MTP_CUDA_STATIC", raising=False)
+        else:
+            monkeypatch.setenv("MTP_CUDA_STATIC", env)
+        st = RoundState.allocate(model, 2, 64, mtp=True, penalty=True)
+        runner = Runner(True, torch.device(device))
+        runner.static_state(st)
+        tensors = list(_tensors(st, set()))
+        return sum(getattr(t, "_dynamo_static_input_type", None) == "unguarded" for t in tensors), len(tensors)
+
+    n, total = marked("cuda", None)
+    # every layer's cache (k/v or conv/ssm), each MTP layer's k/v, and pos, last, mtp_pos, pend_h/next/n, seen
+    layers = model.config.num_hidden_layers
+    assert total == 2 * layers + 2 * 2 + 7
+    assert n == total
+    assert marked("cuda", "0")[0] == 0
+    assert marked("cpu", None)[0] == 0

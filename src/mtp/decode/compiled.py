@@ -59,12 +59,30 @@ def configure_compiler() -> None:
                                                                4 * RECOMPILE_LIMIT)
 
 
+def _tensors(obj, seen: set[int]):
+    """Every tensor reachable from a round's state (dataclass fields, lists, a `Cache`'s layers)."""
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors(x, seen)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for name in obj.__dataclass_fields__:
+            yield from _tensors(getattr(obj, name), seen)
+    elif hasattr(obj, "layers"):  # a Cache
+        yield from _tensors(obj.layers, seen)
+
+
 class Runner:
     """The round's steps for one model: eager, or compiled (one per model and mode, shared by its decoders, so a
     graph compiled for one generation serves the next)."""
 
     def __init__(self, compiled: bool, device: torch.device):
         self.compiled = compiled
+        self.device = device
         self.called: set[tuple] = set()  # the graph keys called so far (decoder.py: a first call compiles)
         if not compiled:  # looked up at each call (tests wrap them)
             self.draft = lambda *a, **kw: rnd.draft(*a, **kw)
@@ -79,6 +97,26 @@ class Runner:
         self.draft = torch.compile(rnd.draft, dynamic=False, **opts)
         self.verify = torch.compile(rnd.verify, dynamic=False, **opts)
         self.catch_up = torch.compile(rnd.catch_up, dynamic=False, **opts)
+
+    def begin_round(self) -> None:
+        """A round starts: on CUDA, a new generation of cudagraph trees. The round's graphs (catch-up, draft, verify)
+        then replay as one path whose outputs feed each other, and the last round's outputs, all read by now, may be
+        overwritten. Without it a draft's output was overwritten before the verify read it (the first GPU check,
+        docs/decisions.md)."""
+        if self.compiled and self.device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
+
+    def static_state(self, st) -> None:
+        """A CUDA graph replays at fixed addresses: the round's state (caches, positions, pending buffers), which the
+        steps write in place, is marked as living at a fixed address so that cudagraph trees record it rather than
+        skip the graph for its mutated inputs. Set MTP_CUDA_STATIC=0 to leave it unmarked (a measurement's control;
+        scripts/gpu_bench.py)."""
+        if not self.compiled or self.device.type != "cuda" or os.environ.get("MTP_CUDA_STATIC", "1") != "1":
+            return
+        import torch._dynamo
+
+        for t in _tensors(st, set()):
+            torch._dynamo.mark_static_address(t, guard=False)
 
     @classmethod
     def for_model(cls, model, compiled: bool) -> Runner:

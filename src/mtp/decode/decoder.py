@@ -286,6 +286,7 @@ class Decoder:
             view = RoundState(cache, st.pos[:B], st.last[:B], None if st.mtp_cache is None else
                               [c.rows(0, B) for c in st.mtp_cache], sl(st.mtp_pos), sl(st.pend_h), sl(st.pend_next),
                               sl(st.pend_n), sl(st.seen))
+            self.runner.static_state(view)
             self._views[B] = view
         return view
 
@@ -354,6 +355,7 @@ class Decoder:
         model = self.model
         seqs = self.rows[:D]
         t0 = time.perf_counter()
+        self.runner.begin_round()
         B = bucket(D)
         st = self._view(B)
         k = self.policy.next_k(D) if self.use_mtp or self.masks is not None else 0
