@@ -82,14 +82,15 @@ def deltanet_layer(dtype, k_heads, v_heads, seed=0):
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads", [(2, 2), (2, 4)])
+@pytest.mark.parametrize("T", [4, 19])  # 19: two blocks of 8 tokens through deltanet.c's conv_block8, then 3 one by one
 @torch.no_grad()  # not inference_mode: prepared layers track their weights' versions
-def test_deltanet_step_matches_its_torch_form_and_is_row_invariant(dtype, heads, monkeypatch):
+def test_deltanet_step_matches_its_torch_form_and_is_row_invariant(dtype, heads, T, monkeypatch):
     ref_layer, ref_state, layer, state = deltanet_layer(dtype, *heads)
     # the projections prepared as a decoder prepares them (row by row in fp32 within row_invariant): through plain
     # nn.Linear layers the batch-row check below tested the BLAS, and MKL blocks 12 rows differently from 4 on an
     # AMX Xeon
     prepare_for_inference(layer, "fp32" if dtype == torch.float32 else "bf16")
-    x = torch.randn(3, 4, 64).to(dtype)
+    x = torch.randn(3, T, 64).to(dtype)
     with row_invariant():
         ref, ref_steps = ref_layer.decode(x.double(), ref_state)  # torch form, fp64 but for the fp32 recurrence
         out, steps = layer.decode(x, state)
@@ -98,23 +99,23 @@ def test_deltanet_step_matches_its_torch_form_and_is_row_invariant(dtype, heads,
             eager, eager_steps = layer.decode(x, state)
     tol = 2e-6 if dtype == torch.float32 else 2e-2
     assert steps.updates is not None and ref_steps.states is not None  # (the C step's form, the torch form's)
-    assert rel(out, ref) < tol and rel(states_after(state, steps, 4), ref_steps.states) < tol
+    assert rel(out, ref) < tol and rel(states_after(state, steps, T), ref_steps.states) < tol
     assert rel(out, ref) <= 1.5 * rel(eager, ref) + 1e-7  # no less accurate than the torch form in this dtype
     with row_invariant():  # a block is its plain steps, and a batch row its row alone
         one = copy.deepcopy(state)
         outs = []
-        for t in range(4):
+        for t in range(T):
             o, st = layer.decode(x[:, t : t + 1], one)
             outs.append(o)
             one.keep_at(st, torch.ones(3, dtype=torch.long))
         alone = layer.decode(x[1:2], state.rows(1, 2))[0]
     assert torch.equal(torch.cat(outs, 1), out)
     whole = copy.deepcopy(state)
-    whole.keep_at(steps, torch.full((3,), 4))
+    whole.keep_at(steps, torch.full((3,), T))
     assert torch.equal(whole.ssm, one.ssm) and torch.equal(whole.conv, one.conv)
     assert torch.equal(alone, out[1:2])
     kept, in_place = copy.deepcopy(state), copy.deepcopy(state)  # a plain step every row keeps: in place, same bits
-    for t in range(4):
+    for t in range(T):
         o, st = layer.decode(x[:, t : t + 1], kept)
         kept.keep_at(st, torch.ones(3, dtype=torch.long))
         o2, none = layer.decode(x[:, t : t + 1], in_place, commit=True)
@@ -122,7 +123,7 @@ def test_deltanet_step_matches_its_torch_form_and_is_row_invariant(dtype, heads,
         assert torch.equal(in_place.ssm, kept.ssm) and torch.equal(in_place.conv, kept.conv), t
     chunk = copy.deepcopy(state)  # a prompt's chunk: in bf16 its T plain steps at once (same bits), in fp32 the
     with row_invariant():  # chunked form (close)
-        o3, none = layer(x, Positions(0, 4), chunk)
+        o3, none = layer(x, Positions(0, T), chunk)
     assert none is None
     if dtype == torch.bfloat16:
         assert torch.equal(o3, out) and torch.equal(chunk.ssm, kept.ssm) and torch.equal(chunk.conv, kept.conv)
@@ -131,7 +132,7 @@ def test_deltanet_step_matches_its_torch_form_and_is_row_invariant(dtype, heads,
     mixed = copy.deepcopy(state)
     mixed.keep_at(steps, torch.tensor([0, 2, 4]))  # keep nothing / two tokens / all
     assert torch.equal(mixed.ssm[0], state.ssm[0]) and torch.equal(mixed.conv[0], state.conv[0])
-    after = states_after(state, steps, 4)
+    after = states_after(state, steps, T)
     assert torch.equal(mixed.ssm[1], after[1, :, 1]) and torch.equal(mixed.conv[1], steps.window[1, :, 2:5])
     assert torch.equal(mixed.ssm[2], after[2, :, 3]) and torch.equal(mixed.conv[2], steps.window[2, :, 4:7])
     replayed = copy.deepcopy(state)  # the keep's arithmetic in torch (where the C keep cannot run): the same bits

@@ -68,6 +68,56 @@ static void conv_silu(const Shape* s, const void* window, const void* taps, int6
         for (int64_t c = 0; c < c1 - c0; c++) out[c] = round_bf16(out[c]);
 }
 
+/* round_bf16 on 8 lanes (to_bf16's rule: nearest even, NaN kept a NaN) */
+static inline __m256 round_bf16x8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i rounded = _mm256_and_si256(
+        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
+                         _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))),
+        _mm256_set1_epi32((int)0xffff0000u));
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    const __m256i quiet = _mm256_or_si256(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u)), _mm256_set1_epi32(0x400000));
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(rounded, quiet, nan));
+}
+
+/* Conv, SiLU and (norm: q and k) the L2 norm of 8 consecutive tokens t0..t0+7 of one row, channels [c0, c0 + n) (one
+ * head), a vector holding one channel of the 8 tokens. Each lane does conv_silu's and l2norm's arithmetic for its
+ * token in their order (the conv's taps in order from 0, the norm's sum over channels in order, IEEE sqrt and
+ * division), so the values are bit for bit the token-at-a-time path's, which short forwards (a plain step, a verify)
+ * and a chunk's last T % 8 tokens take. A prompt's chunk spent most of a layer's time in that path's scalar
+ * per-channel sums. dst: the first token's channel c0 in qkv (rows of C floats); cm: scratch [n][8]. */
+static void conv_block8(const Shape* s, const void* window, const void* taps, int64_t t0, int64_t c0, int64_t n,
+                        int norm, float scale, float* dst, int64_t C, float* cm) {
+    const int64_t W = s->kernel - 1 + s->T;
+    for (int64_t c = c0; c < c0 + n; c++) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t j = 0; j < s->kernel; j++) {
+            const int64_t at = c * W + t0 + j;
+            const __m256 w = s->bf16 ? bf16x8_to_f((const uint16_t*)window + at) : _mm256_loadu_ps((const float*)window + at);
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(w, _mm256_set1_ps(load(taps, c * s->kernel + j, s->bf16))));
+        }
+        if (s->bf16) acc = round_bf16x8(acc);
+        acc = _mm256_div_ps(acc, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), acc))));
+        if (s->bf16) acc = round_bf16x8(acc);
+        _mm256_storeu_ps(cm + (c - c0) * 8, acc);
+    }
+    if (norm) {
+        __m256 ss = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; i++) {
+            const __m256 x = _mm256_loadu_ps(cm + i * 8);
+            ss = _mm256_add_ps(ss, _mm256_mul_ps(x, x));
+        }
+        const __m256 r = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_sqrt_ps(_mm256_add_ps(ss, _mm256_set1_ps(1e-6f))));
+        for (int64_t i = 0; i < n; i++) {
+            __m256 x = _mm256_mul_ps(_mm256_loadu_ps(cm + i * 8), r);
+            if (scale != 1.0f) x = _mm256_mul_ps(x, _mm256_set1_ps(scale));
+            _mm256_storeu_ps(cm + i * 8, x);
+        }
+    }
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t l = 0; l < 8; l++) dst[l * C + i] = cm[i * 8 + l];
+}
+
 static void l2norm(float* x, int64_t n, float scale) {
     float ss = 0.0f;
     for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
@@ -218,14 +268,23 @@ int deltanet_decode(int64_t B, int64_t T, int64_t Hk, int64_t Hv, int64_t Kd, in
     const int in_place = updates == ssm;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
-        /* 1: conv, SiLU and norms, split over (row, token, head) */
-        const int64_t parts = 2 * Hk + Hv;
+        /* 1: conv, SiLU and norms, split over (row, token, head): blocks of 8 tokens, then the rest one by one */
+        const int64_t parts = 2 * Hk + Hv, TB = T / 8, tail = T - 8 * TB;
 #pragma omp for schedule(static)
-        for (int64_t w = 0; w < B * T * parts; w++) {
-            const int64_t bt = w / parts, p = w % parts, r = bt / T, t = bt % T;
+        for (int64_t w = 0; w < B * TB * parts; w++) {
+            const int64_t rb = w / parts, p = w % parts, r = rb / TB, t0 = rb % TB * 8;
             const int64_t c0 = p < 2 * Hk ? p * Kd : 2 * Hk * Kd + (p - 2 * Hk) * Vd;
             const int64_t n = p < 2 * Hk ? Kd : Vd;
-            float* dst = qkv + bt * C + c0;
+            float cm[n * 8];
+            conv_block8(&s, (const char*)window + (size_t)(r * C * W) * esize, taps, t0, c0, n, p < 2 * Hk,
+                        p < Hk ? qscale : 1.0f, qkv + (r * T + t0) * C + c0, C, cm);
+        }
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < B * tail * parts; w++) {
+            const int64_t bt = w / parts, p = w % parts, r = bt / tail, t = 8 * TB + bt % tail;
+            const int64_t c0 = p < 2 * Hk ? p * Kd : 2 * Hk * Kd + (p - 2 * Hk) * Vd;
+            const int64_t n = p < 2 * Hk ? Kd : Vd;
+            float* dst = qkv + (r * T + t) * C + c0;
             conv_silu(&s, (const char*)window + (size_t)(r * C * W) * esize, taps, t, c0, c0 + n, dst);
             if (p < 2 * Hk) l2norm(dst, n, p < Hk ? qscale : 1.0f);
         }
