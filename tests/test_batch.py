@@ -304,3 +304,32 @@ def test_compiled_cuda_runner_marks_the_round_state_static(monkeypatch):
     assert n == total
     assert marked("cuda", "0")[0] == 0
     assert marked("cpu", None)[0] == 0
+
+
+def test_compiled_decoders_share_a_free_state_and_decode_alike():
+    """A compiled decoder takes a free decode state of the model's (the same tensors, so captured CUDA graphs replay
+    at the addresses they recorded, docs/decisions.md) and hands it back when collected; two live decoders never share
+    one, and eager decoders allocate their own. A reused state decodes as a new one: each row is reset as it is taken
+    (checked by eager rounds over a pooled state, one sequence after another)."""
+    import gc
+
+    model = trained_tiny_model(depth=2)
+    first = Decoder(model, 1, 64, 2, compile=True)
+    state = first.state
+    second = Decoder(model, 1, 64, 2, compile=True)
+    assert second.state is not state
+    assert Decoder(model, 1, 64, 2).state is not state
+    del first
+    gc.collect()
+    assert Decoder(model, 1, 64, 2, compile=True).state is state  # (collected at once: the state is free again)
+
+    prompts = ([1, 2, 3, 1, 2], [4, 5, 6, 7], [7, 1, 7, 1, 7, 1])
+    want = [mtp.generate(model, p, max_new_tokens=20, draft_tokens=2).tokens for p in prompts]
+    dec = Decoder(model, 1, 64, 2)
+    dec.state = Decoder(model, 1, 64, 2, compile=True).state  # a state from the pool: used, freed, taken again
+    for p, w in zip(prompts, want):
+        seq = dec.add(Session(model, p, 20, SamplingParams(), None, None, model.tokenizer))
+        while not seq.finished:
+            dec.step()
+        dec.step()  # (frees the row)
+        assert seq.session.result().tokens == w

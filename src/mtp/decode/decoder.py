@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -115,7 +116,7 @@ class Decoder:
         slots = cache_slots(self.max_len, compile, model.context_length)
         model.prepare_decode(slots)
         self.max_batch = max_batch
-        self.state = RoundState.allocate(model, bucket(max_batch), slots, use_mtp, penalty=False)
+        self.state = self._take_state(bucket(max_batch), slots, use_mtp, pooled=compile)
         self.masks = MaskDrafter(model, self.state.pos.shape[0]) if use_masks else None
         self.vocab = draft_vocab
         if draft_vocab is not None and use_mtp:
@@ -132,6 +133,19 @@ class Decoder:
         self.pend_n: list[int] = [0] * self.state.pos.shape[0]
         self._views: dict[int, RoundState] = {}
         self._sampling: tuple[tuple, RowSampling | None] | None = None
+
+    def _take_state(self, rows: int, slots: int, use_mtp: bool, pooled: bool) -> RoundState:
+        """The decode state: new, or for a compiled decoder a free one of the model's with the same shape (returned to
+        the model when this decoder is collected). A captured CUDA graph reads and writes its state at the addresses
+        it was recorded with: a new state for every generation made cudagraph trees record every graph again on its
+        first round (and give up on graphs after a limit of such re-recordings). A row's state is reset as a sequence
+        takes it (`_reset_row`), as the server's rows are between requests."""
+        if not pooled:
+            return RoundState.allocate(self.model, rows, slots, use_mtp, penalty=False)
+        free = self.model.__dict__.setdefault("_free_states", {}).setdefault((rows, slots, use_mtp), [])
+        state = free.pop() if free else RoundState.allocate(self.model, rows, slots, use_mtp, penalty=False)
+        weakref.finalize(self, free.append, state)
+        return state
 
     @property
     def use_mtp(self) -> bool:
