@@ -84,7 +84,7 @@ static inline __m256 round_bf16x8(__m256 v) {
  * head), a vector holding one channel of the 8 tokens. Each lane does conv_silu's and l2norm's arithmetic for its
  * token in their order (the conv's taps in order from 0, the norm's sum over channels in order, IEEE sqrt and
  * division), so the values are bit for bit the token-at-a-time path's, which short forwards (a plain step, a verify)
- * and a chunk's last T % 8 tokens take. A prompt's chunk spent most of a layer's time in that path's scalar
+ * and a chunk's last T % 8 tokens take. A prompt's chunk spent much of a layer's time in that path's scalar
  * per-channel sums. dst: the first token's channel c0 in qkv (rows of C floats); cm: scratch [n][8]. */
 static void conv_block8(const Shape* s, const void* window, const void* taps, int64_t t0, int64_t c0, int64_t n,
                         int norm, float scale, float* dst, int64_t C, float* cm) {
