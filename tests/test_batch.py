@@ -294,7 +294,7 @@ def test_compiled_cuda_runner_marks_the_round_state_static(monkeypatch):
         st = RoundState.allocate(model, 2, 64, mtp=True, penalty=True)
         runner = Runner(True, torch.device(device))
         runner.static_state(st)
-        tensors = list(_tensors(st, set()))
+        tensors = list(_tensors(st))
         return sum(getattr(t, "_dynamo_static_input_type", None) == "unguarded" for t in tensors), len(tensors)
 
     n, total = marked("cuda", None)
@@ -326,7 +326,8 @@ def test_compiled_decoders_share_a_free_state_and_decode_alike():
     prompts = ([1, 2, 3, 1, 2], [4, 5, 6, 7], [7, 1, 7, 1, 7, 1])
     want = [mtp.generate(model, p, max_new_tokens=20, draft_tokens=2).tokens for p in prompts]
     dec = Decoder(model, 1, 64, 2)
-    dec.state = Decoder(model, 1, 64, 2, compile=True).state  # a state from the pool: used, freed, taken again
+    lender = Decoder(model, 1, 64, 2, compile=True)  # the pool's state (used above, freed, taken again)
+    dec.state = lender.state
     for p, w in zip(prompts, want):
         seq = dec.add(Session(model, p, 20, SamplingParams(), None, None, model.tokenizer))
         while not seq.finished:

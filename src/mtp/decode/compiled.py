@@ -12,6 +12,7 @@ Eager execution stays the default where compiling does not pay (a short command 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..io.files import cache_root
+from ..model.cache import Cache
 from . import round as rnd
 
 # one compiled graph per (function, K, batch bucket, sampling flags): allow many before dynamo falls back to eager
@@ -59,21 +61,18 @@ def configure_compiler() -> None:
                                                                4 * RECOMPILE_LIMIT)
 
 
-def _tensors(obj, seen: set[int]):
-    """Every tensor reachable from a round's state (dataclass fields, lists, a `Cache`'s layers)."""
-    if id(obj) in seen:
-        return
-    seen.add(id(obj))
+def _tensors(obj):
+    """Every tensor of a round's state: its fields, the backbone's `Cache` layers, the MTP caches (lists of them)."""
     if isinstance(obj, torch.Tensor):
         yield obj
-    elif isinstance(obj, (list, tuple)):
+    elif isinstance(obj, Cache):
+        yield from _tensors(obj.layers)
+    elif isinstance(obj, list):
         for x in obj:
-            yield from _tensors(x, seen)
-    elif hasattr(obj, "__dataclass_fields__"):
-        for name in obj.__dataclass_fields__:
-            yield from _tensors(getattr(obj, name), seen)
-    elif hasattr(obj, "layers"):  # a Cache
-        yield from _tensors(obj.layers, seen)
+            yield from _tensors(x)
+    elif dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            yield from _tensors(getattr(obj, f.name))
 
 
 class Runner:
@@ -115,7 +114,7 @@ class Runner:
             return
         import torch._dynamo
 
-        for t in _tensors(st, set()):
+        for t in _tensors(st):
             torch._dynamo.mark_static_address(t, guard=False)
 
     @classmethod
