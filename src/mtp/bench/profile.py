@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 
 from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from ..decode import generate
 from ..decode.decoder import Decoder
@@ -30,39 +30,49 @@ from ..model import native
 # the kernels of the linear layers (model/linear.py: FastLinear's prepared kernels and the plain ones)
 LINEAR_KERNELS = ("mtp::prepared_linear", "mkldnn::_linear_pointwise", "aten::_weight_int8pack_mm", "aten::addmm",
                   "aten::mm", "aten::bmm", "aten::linear", "aten::matmul")
+OPS = ("aten::", "mtp::", "mkldnn::", "quantized::")  # what the host dispatches
 GRAPH_CALL = ("Torch-Compiled Region", "CompiledFxGraph")
+ROUND = "decode round"  # the profiler range each round runs in while profiled (not an operation: no `mtp::`)
 
 
-def _is_op(name: str) -> bool:
-    return name.startswith(("aten::", "mtp::", "mkldnn::", "quantized::"))
+def _in_round(e) -> bool:
+    parent = e.cpu_parent
+    while parent is not None and parent.name != ROUND:
+        parent = parent.cpu_parent
+    return parent is not None
 
 
-def _outermost_ops(events) -> list:
-    """Operations not nested in another operation (what the host dispatches)."""
+def _outermost(events, names: tuple[str, ...]) -> list:
+    """Events inside a decode round whose name starts with one of `names` and that are not nested in another such
+    event. Counting inside the rounds (rather than subtracting a prompt-only run) keeps the prefill out exactly: a
+    difference of two timed runs is noise where a round's share is small."""
     out = []
     for e in events:
-        if e.device_type != DeviceType.CPU or not _is_op(e.name):
+        if e.device_type != DeviceType.CPU or not e.name.startswith(names):
             continue
         parent = e.cpu_parent
-        while parent is not None and not _is_op(parent.name):
+        while parent is not None and not parent.name.startswith(names):
             parent = parent.cpu_parent
-        if parent is None:
+        if parent is None and _in_round(e):
             out.append(e)
     return out
 
 
-def _outermost_linear_us(events) -> float:
-    """Total time in linear kernels, each counted once (the outermost linear call of a nest)."""
-    total = 0.0
-    for e in events:
-        if e.device_type != DeviceType.CPU or not e.name.startswith(LINEAR_KERNELS):
-            continue
-        parent = e.cpu_parent
-        while parent is not None and not parent.name.startswith(LINEAR_KERNELS):
-            parent = parent.cpu_parent
-        if parent is None:
-            total += e.cpu_time_total
-    return total
+def _profiled_rounds(model, ids: list[int], kw: dict) -> tuple[list, int]:
+    """One generation under torch's profiler, each round in a `ROUND` range -> (events, rounds)."""
+    real = Decoder._round
+
+    def named_round(self, D):
+        with record_function(ROUND):
+            return real(self, D)
+
+    Decoder._round = named_round
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            r = generate(model, ids, **kw)
+    finally:
+        Decoder._round = real
+    return prof.events(), max(1, r.stats.backbone_forwards)
 
 
 def _rounds_in_c(model, ids: list[int], kw: dict, linear_ms: float) -> tuple[float, float, float]:
@@ -100,17 +110,10 @@ def round_profile(model, ids: list[int], draft_tokens: int | str | None, compile
     wall = time.perf_counter() - t0
     decode_s = r.stats.time_total - r.stats.time_prefill
     rounds = max(1, r.stats.backbone_forwards)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        rp = generate(model, ids, **kw)
-    events = prof.events()
-    # the prefill's operations are counted out by running the prompt alone through the same profiler
-    with profile(activities=[ProfilerActivity.CPU]) as prefill_prof:
-        generate(model, ids, **{**kw, "max_new_tokens": 1})
-    ops = len(_outermost_ops(events)) - len(_outermost_ops(prefill_prof.events()))
-    graphs = sum(1 for e in events if e.name.startswith(GRAPH_CALL)) - sum(
-        1 for e in prefill_prof.events() if e.name.startswith(GRAPH_CALL))
-    linear_us = _outermost_linear_us(events) - _outermost_linear_us(prefill_prof.events())
-    prounds = max(1, rp.stats.backbone_forwards)
+    events, prounds = _profiled_rounds(model, ids, kw)
+    ops = len(_outermost(events, OPS))
+    graphs = sum(1 for e in events if e.name.startswith(GRAPH_CALL) and _in_round(e))
+    linear_us = sum(e.cpu_time_total for e in _outermost(events, LINEAR_KERNELS))
     ms_round = decode_s / rounds * 1e3
     linear_ms = max(0.0, linear_us / prounds / 1e3)
     c_ms, c_calls, host_ms = _rounds_in_c(model, ids, kw, linear_ms)
