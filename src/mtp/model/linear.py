@@ -8,13 +8,13 @@ runs one of these kernels, each row-invariant (tests/test_precision.py checks ev
 that runs it):
 
 - "bf16-native": bf16 weights through `qmatmul.bf16_linear` (fp32 sums in one fixed order per output: fp32
-  multiply-adds, the same bits on every AVX2 CPU, or `vdpbf16ps` on AVX-512 BF16 CPUs, their own bits): every bf16
+  multiply-adds, the same bits on every AVX2 CPU, or `vdpbf16ps` on AVX-512 BF16 CPUs, or the AMX tiles' `tdpbf16ps`
+  on AMX CPUs, each their own bits): every bf16
   layer wherever qmatmul runs (`bf16_kernel`), so a bf16 model decodes through step.c's one call, and always the kept
   bf16 layers a family's one-call draft reads (`CausalLM.native_bf16`: Qwen3.5's MTP `fc`), so that step.c runs them
   with the eager path's bits. Without qmatmul it is "bf16".
 - "bf16": oneDNN's packed weight layout (`mkldnn._linear_pointwise`) where oneDNN packs bf16 (AVX-512 bw/vl/dq or
-  AVX-NE-CONVERT), else `F.linear`: where qmatmul cannot run, or asked for by MTP_BF16=torch (on an AMX CPU oneDNN's
-  prompts may be faster than ours; its decode steps are not: docs/decisions.md, 2026-12-04).
+  AVX-NE-CONVERT), else `F.linear`: where qmatmul cannot run, or asked for by MTP_BF16=torch.
 - "int8": int8 weights with per-output-channel scales. On x86 CPUs with AVX2 `qmatmul.q8_linear` (activations
   quantized to int8 in blocks of 32, integer products: 2-3x torch's kernel, docs/decisions.md), else torch's
   weight-only `_weight_int8pack_mm` (bf16 activations).
@@ -86,8 +86,8 @@ def bf16_kernel() -> str:
     else oneDNN's "bf16". On an AVX2-only CPU torch's bf16 product is 2.5-6x slower than ours at 1 to 128 rows; on an
     AVX-512 BF16 one (Zen 4) ours is level with oneDNN's over a prompt's rows and faster at decode's few, and a model
     whose layers all run it decodes through the one-call program (model/step.py): 2x the tokens/s of oneDNN's
-    layers there (docs/decisions.md, 2026-12-03 and 2026-12-04). MTP_BF16=torch keeps oneDNN (an AMX CPU's prompts,
-    say); MTP_BF16=native asks for ours (the default where it runs)."""
+    layers there (docs/decisions.md, 2026-12-03 and 2026-12-04); on an AMX CPU ours runs on the tiles (2026-12-05).
+    MTP_BF16=torch keeps oneDNN; MTP_BF16=native asks for ours (the default where it runs)."""
     choice = os.environ.get("MTP_BF16", "")
     if choice not in ("", "native", "torch"):
         raise ValueError(f"MTP_BF16 must be 'native' or 'torch', got {choice!r}")
@@ -480,7 +480,8 @@ class FusedProjections:
     row-major int8 codes, and qmatmul's codes interleaved by groups of 8 outputs (int8 parts padded to a group in the
     fused layer: `padded`). torch's CPU int4 packing does not, so there the fused packing is built from the parts'
     unpacked codes (`int4`) and each part keeps its own. "bf16-native" parts are fused from their packed weights as
-    qmatmul's int8 codes are (groups of 8 outputs, the parts' views); bf16 / fp32 parts from their weights."""
+    qmatmul's int8 codes are (groups of 8 outputs, 16 in the AMX build; the parts' views); bf16 / fp32 parts from their
+    weights."""
 
     def __init__(self, parts: list[FastLinear], int4: list[Int4Weight] | None = None):
         self.parts = parts
@@ -512,11 +513,12 @@ class FusedProjections:
         f, parts = self.fused, self.parts
         f.kernel = parts[0].kernel
         f._native, f._pad = parts[0]._native, parts[0]._pad
-        # qmatmul's int8 codes (and bf16 weights) come in groups of 8 outputs: each part starts at a group, its last one
-        # padded with zero codes (and zero scales), so the parts stay views of the fused codes; the fused outputs then
-        # hold the pads
+        # qmatmul's int8 codes (and bf16 weights) come in groups of 8 outputs (bf16 in the AMX build: 16): each part
+        # starts at a group, its last one padded with zero codes (and zero scales), so the parts stay views of the fused
+        # codes; the fused outputs then hold the pads
         grouped = f.kernel in ("int8", "bf16-native") and f._native
-        self.padded = [-(-n // 8) * 8 for n in self.sizes] if grouped else list(self.sizes)
+        unit = qmatmul.bf16_group() if f.kernel == "bf16-native" else 8
+        self.padded = [-(-n // unit) * unit for n in self.sizes] if grouped else list(self.sizes)
         f.out_features = sum(self.padded)
         f.__dict__["_released"] = None
         f.weight = nn.Parameter(torch.empty(f.out_features, f.in_features, dtype=parts[0].weight.dtype, device="meta"),
@@ -528,7 +530,7 @@ class FusedProjections:
         # the fused tensors the parts then view, and how many outputs one of their rows holds (qmatmul codes: 8)
         if f.kernel == "bf16-native":
             f._packed = cat("_packed")
-            views = {"_packed": 8}
+            views = {"_packed": unit}
         elif grouped:
             f._packed = cat("_packed")
             f._scale = torch.cat([F.pad(p._scale, (0, m - n)) for p, n, m in zip(parts, self.sizes, self.padded)])

@@ -57,6 +57,7 @@ class Isa:
     name: str
     flags: tuple[str, ...]
     cpu_flags: tuple[str, ...]
+    ready: str | None = None  # a function of the library that returns 0 when this process may run the build
 
 
 # AVX-512 VNNI (Intel since Cascade Lake, AMD since Zen 4): qmatmul.c's u8 x s8 products in one instruction. 256-bit
@@ -66,6 +67,12 @@ AVX512_VNNI = Isa("avx512vnni", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx
 # AVX-512 BF16 (AMD Zen 4 on, Intel Cooper Lake and Sapphire Rapids on; all with VNNI): the VNNI build plus qmatmul.c's
 # bf16 products by `vdpbf16ps`, half the instructions of fp32 multiply-adds (their own bits, not the AVX2 build's).
 AVX512_BF16 = Isa("avx512bf16", AVX512_VNNI.flags + ("-mavx512bf16",), AVX512_VNNI.cpu_flags + ("avx512_bf16",))
+# AMX (Intel Sapphire Rapids on): the AVX-512 BF16 build plus tile registers, qmatmul.c's bf16 products by `tdpbf16ps`
+# (their own bits again). The kernel asks Linux for the tiles' state when loaded (`ready`); where it is refused, the
+# next build is taken.
+AMX = Isa("amx", AVX512_BF16.flags + ("-mamx-tile", "-mamx-bf16"), AVX512_BF16.cpu_flags + ("amx_tile", "amx_bf16"),
+          ready="qmatmul_ready")
+ISA_NAMES = ("avx2", AVX512_VNNI.name, AVX512_BF16.name, AMX.name)
 
 
 def cpu_flags() -> list[str]:
@@ -87,16 +94,16 @@ def cpu_problem() -> str:
     return f"CPU lacks {', '.join(missing)}" if missing else ""
 
 
-def pick_isa(isas: tuple[Isa, ...]) -> Isa | None:
-    """The first of `isas` this CPU runs (None: the baseline AVX2 build). MTP_NATIVE_ISA names the build to take
-    instead, where the CPU runs it ("avx2": the baseline; tests compare the builds)."""
+def pick_isas(isas: tuple[Isa, ...]) -> list[Isa | None]:
+    """The builds of `isas` this CPU runs, best first, then the baseline AVX2 build (None). MTP_NATIVE_ISA names the
+    build to take instead, where the CPU runs it ("avx2": the baseline; tests compare the builds)."""
     asked = os.environ.get("MTP_NATIVE_ISA", "")
-    if asked not in ("", "avx2", AVX512_VNNI.name, AVX512_BF16.name):
-        raise ValueError(f"MTP_NATIVE_ISA must be avx2, {AVX512_VNNI.name} or {AVX512_BF16.name}, got {asked!r}")
+    if asked not in ("",) + ISA_NAMES:
+        raise ValueError(f"MTP_NATIVE_ISA must be one of {', '.join(ISA_NAMES)}, got {asked!r}")
     if asked == "avx2":
-        return None
+        return [None]
     flags = cpu_flags()
-    return next((isa for isa in isas if all(f in flags for f in isa.cpu_flags) and asked in ("", isa.name)), None)
+    return [isa for isa in isas if all(f in flags for f in isa.cpu_flags) and asked in ("", isa.name)] + [None]
 
 
 def kernels_dir() -> Path:
@@ -156,15 +163,22 @@ class NativeLibrary:
         if why := cpu_problem():
             self._why = why
             return
-        self.isa = pick_isa(self.isas)
-        try:
-            lib = ctypes.CDLL(str(build(self.source, self.isa)))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            self._why = str(e).splitlines()[0]
-            log.warning("%s: %s", self.fallback, self._why)
+        for isa in pick_isas(self.isas):
+            try:
+                lib = ctypes.CDLL(str(build(self.source, isa)))
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                if isa is not None:  # (a compiler too old for the build's flags, say): the next build
+                    log.info("%s: no %s build (%s); taking the next", self.source.name, isa.name, str(e).splitlines()[0])
+                    continue
+                self._why = str(e).splitlines()[0]
+                log.warning("%s: %s", self.fallback, self._why)
+                return
+            if isa is not None and isa.ready and getattr(lib, isa.ready)() != 0:
+                log.info("%s: the %s build cannot run in this process; taking the next", self.source.name, isa.name)
+                continue
+            self.declare(lib)
+            self.isa, self._lib, self._why = isa, lib, ""
             return
-        self.declare(lib)
-        self._lib, self._why = lib, ""
 
     def available(self) -> bool:
         """Can this process run the library's kernels (built and loaded on the first call)?"""

@@ -22,8 +22,11 @@
 /* The build: AVX-512 VNNI's vpdpbusd where native.py builds for it (the CPU has it), else AVX2's vpmaddubsw +
  * vpmaddwd; the kernels below give the same integers either way (Q8_DOT, Q4_DOT), so the int8 / int4 outputs of
  * every build are bit for bit the same. The AVX-512 BF16 build (VNNI too) also multiplies bf16 by `vdpbf16ps`: its
- * bf16 products have their own bits (bf16_linear). */
-#if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+ * bf16 products have their own bits (bf16_linear). The AMX build (Intel since Sapphire Rapids: the AVX-512 BF16 build
+ * plus tile registers) multiplies bf16 by `tdpbf16ps` instead, bits of its own again (bf16_linear below). */
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#define QMATMUL_ISA "amx"
+#elif defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define QMATMUL_ISA "avx512bf16"
 #elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define QMATMUL_ISA "avx512vnni"
@@ -534,6 +537,96 @@ static void bf_rows(int64_t R, int64_t GS, const uint16_t* w, int64_t g0, int64_
 #undef BF_MORE
 }
 
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Linux hands a process the tile registers' state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA):
+ * 0 when granted (qmatmul.py loads another build otherwise). */
+int qmatmul_ready(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 0 : -1; }
+
+/* bf16 products on the AMX tiles. w in pack_bf16's AMX layout: [ceil(N/16)][ceil(K/32)][16][16][2] bf16, one 1 KiB
+ * tile per 16 outputs x 32 inputs, element (b, c, p, j, e) = output 16b+j's weight for input 32c+2p+e (zeros past N
+ * and K). Per output, one fixed order whatever the rows and the threads (row-invariant): `tdpbf16ps` adds the 16 pairs
+ * of a 32-input chunk to the fp32 sum in order (each pair's two exact products, round to nearest, denormals as zero),
+ * chunk after chunk; then bias + sum rounded once to bf16. A row's outputs do not depend on the other rows of its tile
+ * (each element of the result tile reads its own row of A only), so 1 row and 16 rows give the same bits.
+ * Tiles: 0-3 the sums of 4 x 16 outputs for up to 16 rows, 4 the rows' 32-input chunk, 5-7 the weights' tiles.
+ * A 1-row product streams the weights at memory speed as the vector kernels do; several rows cost about what one row
+ * does (a verify block, decode batches), and a prompt's rows run at the tiles' rate. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) amx_config;
+
+static void amx_configure(int rows) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 5; t++) c.rows[t] = (uint8_t)rows, c.colsb[t] = 64; /* sums [rows][16] fp32, chunk [rows][32] bf16 */
+    for (int t = 5; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;             /* weights [16 pairs][16 outputs][2] */
+    _tile_loadconfig(&c);
+}
+
+/* the weights tile of output block b's chunk c times the rows' chunk (tile 4), into sums tile s via tile t */
+#define AMX_MAC(s, t, b, c) do { _tile_loadd(t, w + ((b) * KC + (c)) * 512, 64); _tile_dpbf16ps(s, 4, t); } while (0)
+
+int bf16_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, int64_t N, uint16_t* y,
+                int nthreads) {
+    const int64_t KC = (K + 31) / 32, XS = KC * 32, NB = (N + 15) / 16, sets = (NB + 3) / 4;
+    uint16_t* xp = NULL; /* rows padded to whole chunks with zeros (only when K is not a multiple of 32) */
+    if (K % 32) {
+        if (!(xp = calloc((size_t)(M * XS), sizeof(uint16_t)))) return -1;
+        for (int64_t m = 0; m < M; m++) memcpy(xp + m * XS, x + m * K, sizeof(uint16_t) * (size_t)K);
+    }
+    const uint16_t* xa = xp ? xp : x;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int configured = 0; /* rows the tiles are configured for (each thread configures its own) */
+        float o[16 * 64];
+#pragma omp for schedule(static)
+        for (int64_t set = 0; set < sets; set++) {
+            const int64_t b0 = set * 4, nb = NB - b0 < 4 ? NB - b0 : 4;
+            for (int64_t m0 = 0; m0 < M; m0 += 16) {
+                const int rows = (int)(M - m0 < 16 ? M - m0 : 16);
+                if (rows != configured) amx_configure(configured = rows);
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t c = 0; c < KC; c++) {
+                    _tile_loadd(4, xa + m0 * XS + c * 32, XS * 2);
+                    AMX_MAC(0, 5, b0, c);
+                    if (nb > 1) AMX_MAC(1, 6, b0 + 1, c);
+                    if (nb > 2) AMX_MAC(2, 7, b0 + 2, c);
+                    if (nb > 3) AMX_MAC(3, 5, b0 + 3, c);
+                }
+                _tile_stored(0, o, 256); /* [rows][64] floats */
+                _tile_stored(1, o + 16, 256);
+                _tile_stored(2, o + 32, 256);
+                _tile_stored(3, o + 48, 256);
+                for (int r = 0; r < rows; r++)
+                    for (int64_t j = 0; j < nb * 16; j += 8) {
+                        const int64_t n = b0 * 16 + j;
+                        const float* v = o + r * 64 + j;
+                        uint16_t* yr = y + (m0 + r) * N + n;
+                        if (n + 8 <= N)
+                            f_to_bf16x8(yr, bias ? _mm256_add_ps(_mm256_loadu_ps(bias + n), _mm256_loadu_ps(v)) : _mm256_loadu_ps(v));
+                        else
+                            for (int64_t i = 0; n + i < N; i++) yr[i] = to_bf16(bias ? bias[n + i] + v[i] : v[i]);
+                    }
+            }
+        }
+        if (configured) _tile_release();
+    }
+    free(xp);
+    return 0;
+}
+#undef AMX_MAC
+#else
+int qmatmul_ready(void) { return 0; }
+
 /* x bf16 [M, K], w bf16 interleaved as above, bias fp32 [N] or NULL -> y bf16 [M, N]; 0 or -1 (memory). Threads split the
  * output groups, 4 at a time for one row, 3 for more (each set taking every row, TILE_ROWS at a time). */
 int bf16_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, int64_t N, uint16_t* y,
@@ -575,3 +668,4 @@ int bf16_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, cons
     free(xf);
     return 0;
 }
+#endif

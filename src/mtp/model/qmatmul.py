@@ -24,7 +24,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from .native import AVX512_BF16, AVX512_VNNI, NativeLibrary
+from .native import AMX, AVX512_BF16, AVX512_VNNI, NativeLibrary
 
 BLOCK = 32  # activation block, and the granularity of K and of int4 groups
 
@@ -37,10 +37,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.bf16_linear.argtypes = [p, i64, i64, p, p, i64, p, i32]
     lib.bf16_linear.restype = i32
     lib.qmatmul_isa.restype = ctypes.c_char_p
+    lib.qmatmul_ready.restype = i32
 
 
 LIBRARY = NativeLibrary("qmatmul.c", "MTP_QMATMUL", "int8/int4 layers use torch's kernels", _declare,
-                        (AVX512_BF16, AVX512_VNNI))
+                        (AMX, AVX512_BF16, AVX512_VNNI))
 
 
 def available() -> bool:
@@ -54,8 +55,8 @@ def reason() -> str:
 
 
 def isa() -> str:
-    """The instruction set the loaded kernels were built for ("avx2", "avx512vnni" or "avx512bf16"; "" when not
-    loaded)."""
+    """The instruction set the loaded kernels were built for ("avx2", "avx512vnni", "avx512bf16" or "amx"; "" when
+    not loaded)."""
     return _library().qmatmul_isa().decode() if available() else ""
 
 
@@ -96,13 +97,25 @@ def pack_int4_groups(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(N // 8, 8, ng).transpose(1, 2).reshape(N // 8, ng * 8).contiguous()
 
 
+def bf16_group() -> int:
+    """How many outputs one row (dimension 0) of `pack_bf16`'s layout holds: 16 in the AMX build, 8 in the others."""
+    return 16 if isa() == AMX.name else 8
+
+
 def pack_bf16(w: torch.Tensor) -> torch.Tensor:
-    """bf16 weight [N, K] -> [ceil(N/8), ceil(K/2), 8, 2], the bf16 kernel's interleaved layout: element (g, p, j, e)
-    is output 8g+j's weight for input 2p+e (the last group and an odd K's last input padded with zeros)."""
+    """bf16 weight [N, K] -> the loaded build's layout for `bf16_linear`:
+    - vector builds: [ceil(N/8), ceil(K/2), 8, 2], element (g, p, j, e) is output 8g+j's weight for input 2p+e;
+    - the AMX build: [ceil(N/16), ceil(K/32), 16, 16, 2], one tile per 16 outputs x 32 inputs, element (b, c, p, j, e)
+      is output 16b+j's weight for input 32c+2p+e.
+    Outputs and inputs past the weight's are zeros."""
     N, K = w.shape
-    if N % 8 or K % 2:  # (only then: a pad is a copy, and an output head's weight is the largest there is)
-        w = F.pad(w, (0, K % 2, 0, -N % 8))
-    return w.reshape(-1, 8, (K + 1) // 2, 2).transpose(1, 2).contiguous()
+    n = bf16_group()
+    k = 32 if n == 16 else 2
+    if N % n or K % k:  # (only then: a pad is a copy, and an output head's weight is the largest there is)
+        w = F.pad(w, (0, -K % k, 0, -N % n))
+    if k == 2:
+        return w.reshape(-1, 8, (K + 1) // 2, 2).transpose(1, 2).contiguous()
+    return w.reshape(-1, 16, (K + 31) // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
 def _library() -> ctypes.CDLL:
