@@ -215,11 +215,14 @@ def test_vnni_and_avx2_builds_compute_the_same_bits(tmp_path):
 
 
 @needs_kernels
-@pytest.mark.skipif(not cpu_runs(native.AVX512_BF16), reason="this CPU has no AVX-512 BF16")
-def test_bf16_build_keeps_the_integer_bits_and_rounds_bf16_its_own_way(tmp_path):
-    """The AVX-512 BF16 build: int8 / int4 outputs bit for bit the AVX2 build's; its bf16 products (`vdpbf16ps`)
-    within the bf16 kernel's bound of the AVX2 build's, and not all equal to them (the build really runs)."""
-    bf, avx2 = run_build("avx512bf16", tmp_path / "bf16"), run_build("avx2", tmp_path / "avx2")
+@pytest.mark.parametrize("isa", [native.AVX512_BF16, native.AMX], ids=lambda isa: isa.name)
+def test_bf16_build_keeps_the_integer_bits_and_rounds_bf16_its_own_way(tmp_path, isa):
+    """The AVX-512 BF16 and AMX builds: int8 / int4 outputs bit for bit the AVX2 build's; their bf16 products
+    (`vdpbf16ps`, the tiles' `tdpbf16ps`) within the bf16 kernel's bound of the AVX2 build's, and not all equal to them
+    (the build really runs)."""
+    if not cpu_runs(isa):
+        pytest.skip(f"this CPU cannot run the {isa.name} build")
+    bf, avx2 = run_build(isa.name, tmp_path / "bf16"), run_build("avx2", tmp_path / "avx2")
     assert avx2.keys() == bf.keys()
     differ = 0
     for k, y in avx2.items():
@@ -310,3 +313,22 @@ def test_an_unknown_build_name_is_refused(monkeypatch):
         native.pick_isas((native.AVX512_BF16, native.AVX512_VNNI))
     monkeypatch.setenv("MTP_NATIVE_ISA", "avx2")
     assert native.pick_isas((native.AMX, native.AVX512_BF16, native.AVX512_VNNI)) == [None]
+
+
+def test_a_build_that_cannot_run_gives_way_to_the_next(tmp_path, monkeypatch):
+    """A build whose flags the compiler refuses, or whose `ready` function says no (AMX where Linux withholds the
+    tiles), is passed over for the next one the CPU runs; the baseline is the last."""
+    source = tmp_path / "probe.c"
+    source.write_text("int refuse(void) { return -1; }\nint accept(void) { return 0; }\nint which(void) { return WHICH; }\n")
+    monkeypatch.setenv("MTP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("MTP_NATIVE_ISA", raising=False)
+    bad_flag = native.Isa("bad-flag", ("-DWHICH=1", "-mno-such-flag-at-all"), ())
+    refused = native.Isa("refused", ("-DWHICH=2",), (), ready="refuse")
+    accepted = native.Isa("accepted", ("-DWHICH=3",), (), ready="accept")
+    declare = lambda lib: None  # noqa: E731
+    lib = native.NativeLibrary(source, None, "probe", declare, (bad_flag, refused, accepted))
+    assert lib.available() and lib.isa is accepted and lib.handle().which() == 3
+    native_flags = native.FLAGS
+    monkeypatch.setattr(native, "FLAGS", native_flags + ("-DWHICH=0",))
+    lib = native.NativeLibrary(source, None, "probe", declare, (bad_flag, refused))
+    assert lib.available() and lib.isa is None and lib.handle().which() == 0  # the baseline
