@@ -41,17 +41,17 @@ def test_generate_json_equals_the_library_for_plain_and_speculative(model_dir):
 
 
 def test_quantized_drafts_from_the_command_line_keep_the_output(model_dir):
-    """--draft-quantize (default auto: int8 drafts for a bf16 model on qmatmul's kernels, none for fp32): the tokens
+    """--draft-quantize (default auto: int4 drafts for a bf16 model on qmatmul's kernels, none for fp32): the tokens
     are the bf16 model's own plain decoding whatever the drafts run, and --json says what they ran."""
     from mtp.model import qmatmul
 
     model = mtp.load_model(model_dir, dtype="bfloat16")
     prompt = "def add(a, b):"
     want = mtp.generate(model, model.tokenizer.encode(prompt), max_new_tokens=24).tokens
-    cases = [(["--dtype", "bfloat16"], "int8" if qmatmul.available() else None), (["--dtype", "bfloat16", "--draft-quantize",
+    cases = [(["--dtype", "bfloat16"], "int4" if qmatmul.available() else None), (["--dtype", "bfloat16", "--draft-quantize",
              "none"], None), ([], None)]
     if qmatmul.available():
-        cases.append((["--dtype", "bfloat16", "--draft-quantize", "int4"], "int4"))
+        cases.append((["--dtype", "bfloat16", "--draft-quantize", "int8"], "int8"))
     for extra, drafts in cases:
         proc = run_cli("generate", "--model", str(model_dir), "--prompt", prompt, "--max-new-tokens", "24",
                        "--draft-tokens", "3", "--json", "--threads", "1", *extra)

@@ -159,13 +159,13 @@ def test_refused_where_it_cannot_run(trained):
 
 
 def test_auto_quantizes_the_drafts_of_a_bf16_model_only(trained):
-    """--draft-quantize auto: int8 for a bf16 model on qmatmul's kernels, nothing for an fp32 model or one whose layers
+    """--draft-quantize auto: int4 for a bf16 model on qmatmul's kernels, nothing for an fp32 model or one whose layers
     are quantized already; the explicit choices are taken as they are."""
-    assert draft_precision("auto", bf16(trained)) == ("int8" if qmatmul.available() else None)
+    assert draft_precision("auto", bf16(trained)) == ("int4" if qmatmul.available() else None)
     assert draft_precision("auto", trained) is None
     assert draft_precision("auto", bf16(trained, "int8")) is None
     assert draft_precision("none", bf16(trained)) is None
-    assert draft_precision("int4", trained) == "int4"
+    assert draft_precision("int4", trained) == "int4" and draft_precision("int8", trained) == "int8"
 
 
 def test_bench_variants_name_the_drafts_precision():

@@ -100,10 +100,12 @@ def load_from_args(args):
 
 
 def draft_precision(choice: str, model) -> str | None:
-    """--draft-quantize for `model` -> the `quantize_drafts` bits, or None. "auto": int8 where it is known to pay - a
+    """--draft-quantize for `model` -> the `quantize_drafts` bits, or None. "auto": int4 where it is known to pay - a
     bf16 model on the CPU with an MTP and qmatmul's kernels, whose layers are not quantized already (the shipped model
-    at k = 3: 2.27-2.42x plain instead of 1.97-1.99x, generation only; docs/decisions.md, 2026-12-04, second session) -
-    else None."""
+    at k = 3, generation only: on a Zen 4 int8 drafts gave 2.27-2.42x plain instead of 1.97-1.99x and int4 the same as
+    int8; on an AMX Xeon int4 2.00-2.02x, int8 1.85-1.89x, bf16 1.57x, at 3.14 tokens a round against 3.19:
+    a draft step is mostly its head's bytes; docs/decisions.md, 2026-12-04 second session and 2026-12-05) - else
+    None."""
     if choice == "none":
         return None
     if choice != "auto":
@@ -115,7 +117,7 @@ def draft_precision(choice: str, model) -> str | None:
 
     quantized = any(isinstance(m, FastLinear) and m.kernel in ("int8", "int4") for m in model.modules())
     fits = model.has_mtp and model.device.type == "cpu" and model.dtype == torch.bfloat16 and qmatmul.available()
-    return "int8" if fits and not quantized else None
+    return "int4" if fits and not quantized else None
 
 
 def auto_threads() -> int:
