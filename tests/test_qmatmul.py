@@ -179,7 +179,7 @@ BUILDS = textwrap.dedent("""
         wq = Int4Weight.quantize(w, group)
         s = wq.scale.float().contiguous()
         packed, low = qmatmul.pack_int4(wq.codes), (-wq.zero.float() * s).contiguous()
-        for M in (1, 2, 3, 4, 6):
+        for M in (1, 2, 3, 4, 6, 13, 40):  # (13, 40: the AMX build's int8 / int4 tiles, 16 rows at a time)
             x = (torch.randn(M, K, generator=g) * 3).to(torch.bfloat16)
             out[f"q8 {N} {K} {M}"] = qmatmul.q8_linear(x, codes, scale)
             out[f"q4 {N} {K} {group} {M}"] = qmatmul.q4_linear(x, packed, s, low, group)
@@ -217,7 +217,8 @@ def test_vnni_and_avx2_builds_compute_the_same_bits(tmp_path):
 @needs_kernels
 @pytest.mark.parametrize("isa", [native.AVX512_BF16, native.AMX], ids=lambda isa: isa.name)
 def test_bf16_build_keeps_the_integer_bits_and_rounds_bf16_its_own_way(tmp_path, isa):
-    """The AVX-512 BF16 and AMX builds: int8 / int4 outputs bit for bit the AVX2 build's; their bf16 products
+    """The AVX-512 BF16 and AMX builds: int8 / int4 outputs bit for bit the AVX2 build's (the AMX build's tiles for 12+
+    rows included); their bf16 products
     (`vdpbf16ps`, the tiles' `tdpbf16ps`) within the bf16 kernel's bound of the AVX2 build's, and not all equal to them
     (the build really runs)."""
     if not cpu_runs(isa):

@@ -68,10 +68,11 @@ AVX512_VNNI = Isa("avx512vnni", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx
 # bf16 products by `vdpbf16ps`, half the instructions of fp32 multiply-adds (their own bits, not the AVX2 build's).
 AVX512_BF16 = Isa("avx512bf16", AVX512_VNNI.flags + ("-mavx512bf16",), AVX512_VNNI.cpu_flags + ("avx512_bf16",))
 # AMX (Intel Sapphire Rapids on): the AVX-512 BF16 build plus tile registers, qmatmul.c's bf16 products by `tdpbf16ps`
-# (their own bits again). The kernel asks Linux for the tiles' state when loaded (`ready`); where it is refused, the
-# next build is taken.
-AMX = Isa("amx", AVX512_BF16.flags + ("-mamx-tile", "-mamx-bf16"), AVX512_BF16.cpu_flags + ("amx_tile", "amx_bf16"),
-          ready="qmatmul_ready")
+# (their own bits again) and its int8 / int4 products of a prompt's many rows by `tdpbsud` (the same bits as the
+# other builds). The kernel asks Linux for the tiles' state when loaded (`ready`); where it is refused, the next build
+# is taken.
+AMX = Isa("amx", AVX512_BF16.flags + ("-mamx-tile", "-mamx-bf16", "-mamx-int8"),
+          AVX512_BF16.cpu_flags + ("amx_tile", "amx_bf16", "amx_int8"), ready="qmatmul_ready")
 ISA_NAMES = ("avx2", AVX512_VNNI.name, AVX512_BF16.name, AMX.name)
 
 

@@ -36,6 +36,24 @@
 
 const char* qmatmul_isa(void) { return QMATMUL_ISA; }
 
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Linux hands a process the tile registers' state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA):
+ * 0 when granted (qmatmul.py loads another build otherwise). */
+int qmatmul_ready(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 0 : -1; }
+
+/* a tile configuration (palette 1): rows and bytes per row of tiles 0-7 */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) amx_config;
+#else
+int qmatmul_ready(void) { return 0; }
+#endif
+
 /* One row of K bf16 values -> codes xq [K], block scales dx [K/32], block sums of the codes xs [K/32]. */
 static void quantize_row(const uint16_t* x, int64_t K, int8_t* xq, float* dx, int32_t* xs) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -316,6 +334,145 @@ static void q4_tile(const uint8_t* w, const float* s, const float* lo, int64_t G
         }
 }
 
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#define QMATMUL_AMX_INT 1
+/* The int8 and int4 products of several rows on the AMX tiles, bit for bit the vector kernels' above: `tdpbsud` (s8
+ * activations x u8 weight codes) gives each 32-input block's exact integer dot product for up to 16 rows x 8 outputs
+ * at once, and the float work after it is the vector kernels' own, lane for lane in the same order (q8: acc =
+ * fma(dx[b], p[b], acc) over the blocks; q4: the group sums, scales and offsets as q4_tile). The weights are read in
+ * their vector layouts: a group's block is 8 rows of 32 bytes (8 outputs x 4 inputs), int4 unpacked to that first.
+ * Fewer than 12 rows stay on the vector kernels: each block's sums leave the tiles through memory for their scale, and
+ * below ~12 rows that costs more than it saves (code-small's widths, one thread: 2 rows 1.8-2.0x slower, 8 level,
+ * 16 rows 1.2-1.4x faster, 64 rows 1.2-1.4x; docs/decisions.md, 2026-12-05): a prompt's chunks gain, verifies do not.
+ * Tiles: 0-3 the block sums of 4 groups [rows][8] int32, 4 the rows' block [rows][32] s8, 5-7 weights [8][32] u8. */
+#define AMX_MIN_ROWS 12
+
+static void amx_configure_int(int rows) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 5; t++) c.rows[t] = (uint8_t)rows, c.colsb[t] = 32;
+    for (int t = 5; t < 8; t++) c.rows[t] = 8, c.colsb[t] = 32;
+    _tile_loadconfig(&c);
+}
+
+/* block sums of groups t (tile t) from weights at `wt` (8 x 32 bytes) via tile u, stored into c[r][8t..8t+7] */
+#define AMX_BLOCK(t, u, wt) do { _tile_zero(t); _tile_loadd(u, wt, 32); _tile_dpbsud(t, 4, u); } while (0)
+#define AMX_BLOCKS(ng, wt_of)                                                                                       \
+    do {                                                                                                            \
+        AMX_BLOCK(0, 5, wt_of(0));                                                                                  \
+        if (ng > 1) AMX_BLOCK(1, 6, wt_of(1));                                                                      \
+        if (ng > 2) AMX_BLOCK(2, 7, wt_of(2));                                                                      \
+        if (ng > 3) AMX_BLOCK(3, 5, wt_of(3));                                                                      \
+        _tile_stored(0, c[0], 128);                                                                                    \
+        if (ng > 1) _tile_stored(1, c[0] + 8, 128);                                                                    \
+        if (ng > 2) _tile_stored(2, c[0] + 16, 128);                                                                   \
+        if (ng > 3) _tile_stored(3, c[0] + 24, 128);                                                                   \
+    } while (0)
+
+/* rows m0..m0+rows-1 (<= 16) x groups g0..g0+ng-1 (ng <= 4) of int8 codes -> y, as q8_tile computes them */
+static void q8_amx(const uint8_t* w, int64_t g0, int64_t ng, int64_t K, const QRows* q, int64_t m0, int rows,
+                   const float* sw, const float* bias, int64_t N, uint16_t* y) {
+    const int64_t nb = K / 32, KC = K / 4;
+    float acc[16][32];
+    int32_t c[16][32];
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < 32; j++) acc[r][j] = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        _tile_loadd(4, q->xq + m0 * K + b * 32, K);
+#define Q8_WT(t) (w + ((g0 + (t)) * KC + b * 8) * 32)
+        AMX_BLOCKS(ng, Q8_WT);
+#undef Q8_WT
+        for (int r = 0; r < rows; r++) {
+            const __m256 d = _mm256_set1_ps(q->dx[(m0 + r) * nb + b]);
+            const __m256i corr = _mm256_set1_epi32(Q8_OFFSET * q->xs[(m0 + r) * nb + b]);
+            for (int j = 0; j < ng * 8; j += 8) {
+                const __m256i p = _mm256_sub_epi32(_mm256_loadu_si256((const __m256i*)(c[r] + j)), corr);
+                _mm256_storeu_ps(acc[r] + j, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), _mm256_loadu_ps(acc[r] + j)));
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int64_t j = 0; j < ng * 8; j++) {
+            const int64_t n = g0 * 8 + j;
+            if (n < N) y[(m0 + r) * N + n] = to_bf16(bias ? acc[r][j] * sw[n] + bias[n] : acc[r][j] * sw[n]);
+        }
+}
+
+/* rows m0..m0+rows-1 (<= 16) x groups g0..g0+ng-1 (ng <= 4) of int4 codes -> y, as q4_tile computes them */
+static void q4_amx(const uint8_t* w, const float* s, const float* lo, int64_t g0, int64_t ng, int64_t K, int64_t G,
+                   const QRows* q, const float* xg, int64_t m0, int rows, const float* bias, int64_t N, uint16_t* y) {
+    const int64_t nb = K / 32, bpg = G / 32, nq = K / G, KP = K / 8;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    float out[16][32], offs[16][32], ga[16][32];
+    int32_t c[16][32];
+    uint8_t bt[4][8][32] __attribute__((aligned(64))); /* a block's codes of 4 groups, one byte each */
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < 32; j++) out[r][j] = offs[r][j] = 0.0f;
+    for (int64_t qg = 0; qg < nq; qg++) {
+        for (int r = 0; r < rows; r++)
+            for (int j = 0; j < 32; j++) ga[r][j] = 0.0f;
+        for (int64_t b = qg * bpg; b < (qg + 1) * bpg; b++) {
+            for (int64_t t = 0; t < ng; t++)
+                for (int k = 0; k < 4; k++) { /* inputs 8k..8k+3 in the low nibbles, 8k+4..8k+7 in the high ones */
+                    const __m256i v = _mm256_loadu_si256((const __m256i*)(w + (g0 + t) * KP * 32 + (b * 4 + k) * 32));
+                    _mm256_store_si256((__m256i*)bt[t][2 * k], _mm256_and_si256(v, low));
+                    _mm256_store_si256((__m256i*)bt[t][2 * k + 1], _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+                }
+            _tile_loadd(4, q->xq + m0 * K + b * 32, K);
+#define Q4_WT(t) (&bt[t][0][0])
+            AMX_BLOCKS(ng, Q4_WT);
+#undef Q4_WT
+            for (int r = 0; r < rows; r++) {
+                const __m256 d = _mm256_set1_ps(q->dx[(m0 + r) * nb + b]);
+                for (int j = 0; j < ng * 8; j += 8)
+                    _mm256_storeu_ps(ga[r] + j, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i*)(c[r] + j))),
+                                                                _mm256_loadu_ps(ga[r] + j)));
+            }
+        }
+        for (int64_t t = 0; t < ng; t++) {
+            const __m256 sv = _mm256_loadu_ps(s + ((g0 + t) * nq + qg) * 8), lv = _mm256_loadu_ps(lo + ((g0 + t) * nq + qg) * 8);
+            for (int r = 0; r < rows; r++) {
+                float* o = out[r] + t * 8;
+                float* f = offs[r] + t * 8;
+                _mm256_storeu_ps(o, _mm256_fmadd_ps(sv, _mm256_loadu_ps(ga[r] + t * 8), _mm256_loadu_ps(o)));
+                _mm256_storeu_ps(f, _mm256_add_ps(_mm256_loadu_ps(f), _mm256_mul_ps(lv, _mm256_set1_ps(xg[(m0 + r) * nq + qg]))));
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int64_t j = 0; j < ng * 8; j += 8) {
+            const __m256 o = _mm256_add_ps(_mm256_loadu_ps(out[r] + j), _mm256_loadu_ps(offs[r] + j));
+            float v[8];
+            _mm256_storeu_ps(v, o);
+            for (int i = 0; i < 8; i++) {
+                const int64_t n = g0 * 8 + j + i;
+                if (n < N) y[(m0 + r) * N + n] = to_bf16(bias ? v[i] + bias[n] : v[i]);
+            }
+        }
+}
+#undef AMX_BLOCKS
+#undef AMX_BLOCK
+
+/* every row through the tiles: threads split sets of 4 groups of outputs, each set taking every row 16 at a time */
+#define AMX_ROWS(G, CALL)                                                                                           \
+    do {                                                                                                            \
+        const int64_t sets = ((G) + 3) / 4;                                                                         \
+        _Pragma("omp parallel num_threads(nthreads)") {                                                             \
+            int configured = 0;                                                                                     \
+            _Pragma("omp for schedule(static)") for (int64_t set = 0; set < sets; set++) {                          \
+                const int64_t g0 = set * 4, ng = (G) - g0 < 4 ? (G) - g0 : 4;                                       \
+                for (int64_t m0 = 0; m0 < M; m0 += 16) {                                                            \
+                    const int rows = (int)(M - m0 < 16 ? M - m0 : 16);                                              \
+                    if (rows != configured) amx_configure_int(configured = rows);                                   \
+                    CALL;                                                                                           \
+                }                                                                                                   \
+            }                                                                                                       \
+            if (configured) _tile_release();                                                                        \
+        }                                                                                                           \
+    } while (0)
+#endif
+
 /* x bf16 [M, K], w int8 codes interleaved as above ([ceil(N/8)][K/4][8][4]), sw fp32 [N], bias fp32 [N] or NULL ->
  * y bf16 [M, N]. K % 32 == 0. 0 or -1 (memory). Threads split the output groups, one group at a time (one weight
  * stream: the prefetcher keeps up best; at the shipped model's widths 1.4x two or four streams, and two groups x 4 rows
@@ -328,6 +485,13 @@ int q8_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const f
         return -1;
     }
     const int64_t G = (N + 7) / 8;
+#ifdef QMATMUL_AMX_INT
+    if (M >= AMX_MIN_ROWS) {
+        AMX_ROWS(G, q8_amx(w, g0, ng, K, &q, m0, rows, sw, bias, N, y));
+        free_rows(&q);
+        return 0;
+    }
+#endif
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t g = 0; g < G; g++)
         for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS)
@@ -356,6 +520,14 @@ int q4_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const f
             xg[m * ng + g] = t;
         }
     const int64_t NG = (N + 7) / 8;
+#ifdef QMATMUL_AMX_INT
+    if (M >= AMX_MIN_ROWS) {
+        AMX_ROWS(NG, q4_amx(w, s, lo, g0, ng, K, G, &q, xg, m0, rows, bias, N, y));
+        free(xg);
+        free_rows(&q);
+        return 0;
+    }
+#endif
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t g = 0; g < NG; g++)
         for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS)
@@ -538,13 +710,6 @@ static void bf_rows(int64_t R, int64_t GS, const uint16_t* w, int64_t g0, int64_
 }
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
-/* Linux hands a process the tile registers' state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA):
- * 0 when granted (qmatmul.py loads another build otherwise). */
-int qmatmul_ready(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 0 : -1; }
-
 /* bf16 products on the AMX tiles. w in pack_bf16's AMX layout: [ceil(N/16)][ceil(K/32)][16][16][2] bf16, one 1 KiB
  * tile per 16 outputs x 32 inputs, element (b, c, p, j, e) = output 16b+j's weight for input 32c+2p+e (zeros past N
  * and K). Per output, one fixed order whatever the rows and the threads (row-invariant): `tdpbf16ps` adds the 16 pairs
@@ -554,12 +719,6 @@ int qmatmul_ready(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 0 : 
  * Tiles: 0-3 the sums of 4 x 16 outputs for up to 16 rows, 4 the rows' 32-input chunk, 5-7 the weights' tiles.
  * A 1-row product streams the weights at memory speed as the vector kernels do; several rows cost about what one row
  * does (a verify block, decode batches), and a prompt's rows run at the tiles' rate. */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) amx_config;
-
 static void amx_configure(int rows) {
     amx_config c;
     memset(&c, 0, sizeof c);
@@ -625,8 +784,6 @@ int bf16_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, cons
 }
 #undef AMX_MAC
 #else
-int qmatmul_ready(void) { return 0; }
-
 /* x bf16 [M, K], w bf16 interleaved as above, bias fp32 [N] or NULL -> y bf16 [M, N]; 0 or -1 (memory). Threads split the
  * output groups, 4 at a time for one row, 3 for more (each set taking every row, TILE_ROWS at a time). */
 int bf16_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, int64_t N, uint16_t* y,
