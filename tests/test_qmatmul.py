@@ -316,6 +316,7 @@ def test_an_unknown_build_name_is_refused(monkeypatch):
     assert native.pick_isas((native.AMX, native.AVX512_BF16, native.AVX512_VNNI)) == [None]
 
 
+@needs_kernels  # (an x86-64 Linux with a compiler)
 def test_a_build_that_cannot_run_gives_way_to_the_next(tmp_path, monkeypatch):
     """A build whose flags the compiler refuses, or whose `ready` function says no (AMX where Linux withholds the
     tiles), is passed over for the next one the CPU runs; the baseline is the last."""

@@ -115,7 +115,7 @@ def round_profile(model, ids: list[int], draft_tokens: int | str | None, compile
     graphs = sum(1 for e in events if e.name.startswith(GRAPH_CALL) and _in_round(e))
     linear_us = sum(e.cpu_time_total for e in _outermost(events, LINEAR_KERNELS))
     ms_round = decode_s / rounds * 1e3
-    linear_ms = max(0.0, linear_us / prounds / 1e3)
+    linear_ms = linear_us / prounds / 1e3
     c_ms, c_calls, host_ms = _rounds_in_c(model, ids, kw, linear_ms)
     return {"rounds": rounds, "tokens_per_round": round((r.stats.new_tokens - 1) / rounds, 3),
             "wall_s": round(wall, 4), "ms_per_round": round(ms_round, 3), "ops_per_round": round(ops / prounds, 1),

@@ -201,7 +201,18 @@ Q8_TILE(7, 1)
 Q8_TILE(8, 1)
 #endif
 
-/* rows m0..m0+R-1 against group g -> y (bf16, the output scale and bias applied once) */
+/* R rows x W outputs of int8 sums o (row stride ldo) for outputs n0.. of rows m0.. -> y (bf16, the output scale and bias
+ * applied once; outputs past N left out) */
+static void q8_store(const float* o, int64_t R, int64_t W, int64_t ldo, int64_t n0, int64_t m0, const float* sw,
+                     const float* bias, int64_t N, uint16_t* y) {
+    for (int64_t i = 0; i < R; i++)
+        for (int64_t j = 0; j < W && n0 + j < N; j++) {
+            const int64_t n = n0 + j;
+            y[(m0 + i) * N + n] = to_bf16(bias ? o[i * ldo + j] * sw[n] + bias[n] : o[i * ldo + j] * sw[n]);
+        }
+}
+
+/* rows m0..m0+R-1 against group g -> y */
 static void q8_tile(const uint8_t* w, int64_t g, int64_t K, const QRows* q, int64_t m0, int64_t R, const float* sw,
                     const float* bias, int64_t N, uint16_t* y) {
     const int64_t nb = K / 32;
@@ -223,11 +234,7 @@ static void q8_tile(const uint8_t* w, int64_t g, int64_t K, const QRows* q, int6
         default: q8_tile_4_1(w, g, K, xq, dx, xs, nb, o);
 #endif
     }
-    for (int64_t i = 0; i < R; i++)
-        for (int64_t j = 0; j < 8; j++) {
-            const int64_t n = g * 8 + j;
-            if (n < N) y[(m0 + i) * N + n] = to_bf16(bias ? o[i * 8 + j] * sw[n] + bias[n] : o[i * 8 + j] * sw[n]);
-        }
+    q8_store(o, R, 8, 8, g * 8, m0, sw, bias, N, y);
 }
 
 /* int4 codes (pack_int4 in qmatmul.py), interleaved as the int8 ones: groups of 8 outputs, [N/8][K/8][8][4] bytes,
@@ -306,7 +313,16 @@ Q4_TILE(7, "GCC unroll 1")
 Q4_TILE(8, "GCC unroll 1")
 #endif
 
-/* rows m0..m0+R-1 against group g -> y (bf16, bias added once) */
+/* R rows x W outputs of int4 sums o (row stride ldo) for outputs n0.. of rows m0.. -> y (bf16, bias added once; outputs
+ * past N left out) */
+static void q4_store(const float* o, int64_t R, int64_t W, int64_t ldo, int64_t n0, int64_t m0, const float* bias,
+                     int64_t N, uint16_t* y) {
+    for (int64_t i = 0; i < R; i++)
+        for (int64_t j = 0; j < W && n0 + j < N; j++)
+            y[(m0 + i) * N + n0 + j] = to_bf16(bias ? o[i * ldo + j] + bias[n0 + j] : o[i * ldo + j]);
+}
+
+/* rows m0..m0+R-1 against group g -> y */
 static void q4_tile(const uint8_t* w, const float* s, const float* lo, int64_t G, int64_t g, int64_t K, const QRows* q,
                     const float* xg, int64_t m0, int64_t R, const float* bias, int64_t N, uint16_t* y) {
     const int64_t nb = K / 32, ng = K / G;
@@ -327,11 +343,7 @@ static void q4_tile(const uint8_t* w, const float* s, const float* lo, int64_t G
         default: q4_tile_4(w, s, lo, g, K, G, xq, dx, xr, nb, o);
 #endif
     }
-    for (int64_t i = 0; i < R; i++)
-        for (int64_t j = 0; j < 8; j++) {
-            const int64_t n = g * 8 + j;
-            if (n < N) y[(m0 + i) * N + n] = to_bf16(bias ? o[i * 8 + j] + bias[n] : o[i * 8 + j]);
-        }
+    q4_store(o, R, 8, 8, g * 8, m0, bias, N, y);
 }
 
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
@@ -364,10 +376,10 @@ static void amx_configure_int(int rows) {
         if (ng > 1) AMX_BLOCK(1, 6, wt_of(1));                                                                      \
         if (ng > 2) AMX_BLOCK(2, 7, wt_of(2));                                                                      \
         if (ng > 3) AMX_BLOCK(3, 5, wt_of(3));                                                                      \
-        _tile_stored(0, c[0], 128);                                                                                    \
-        if (ng > 1) _tile_stored(1, c[0] + 8, 128);                                                                    \
-        if (ng > 2) _tile_stored(2, c[0] + 16, 128);                                                                   \
-        if (ng > 3) _tile_stored(3, c[0] + 24, 128);                                                                   \
+        _tile_stored(0, c[0], 128);                                                                                 \
+        if (ng > 1) _tile_stored(1, c[0] + 8, 128);                                                                 \
+        if (ng > 2) _tile_stored(2, c[0] + 16, 128);                                                                \
+        if (ng > 3) _tile_stored(3, c[0] + 24, 128);                                                                \
     } while (0)
 
 /* rows m0..m0+rows-1 (<= 16) x groups g0..g0+ng-1 (ng <= 4) of int8 codes -> y, as q8_tile computes them */
@@ -392,11 +404,7 @@ static void q8_amx(const uint8_t* w, int64_t g0, int64_t ng, int64_t K, const QR
             }
         }
     }
-    for (int r = 0; r < rows; r++)
-        for (int64_t j = 0; j < ng * 8; j++) {
-            const int64_t n = g0 * 8 + j;
-            if (n < N) y[(m0 + r) * N + n] = to_bf16(bias ? acc[r][j] * sw[n] + bias[n] : acc[r][j] * sw[n]);
-        }
+    q8_store(acc[0], rows, ng * 8, 32, g0 * 8, m0, sw, bias, N, y);
 }
 
 /* rows m0..m0+rows-1 (<= 16) x groups g0..g0+ng-1 (ng <= 4) of int4 codes -> y, as q4_tile computes them */
@@ -441,15 +449,9 @@ static void q4_amx(const uint8_t* w, const float* s, const float* lo, int64_t g0
         }
     }
     for (int r = 0; r < rows; r++)
-        for (int64_t j = 0; j < ng * 8; j += 8) {
-            const __m256 o = _mm256_add_ps(_mm256_loadu_ps(out[r] + j), _mm256_loadu_ps(offs[r] + j));
-            float v[8];
-            _mm256_storeu_ps(v, o);
-            for (int i = 0; i < 8; i++) {
-                const int64_t n = g0 * 8 + j + i;
-                if (n < N) y[(m0 + r) * N + n] = to_bf16(bias ? v[i] + bias[n] : v[i]);
-            }
-        }
+        for (int64_t j = 0; j < ng * 8; j += 8)
+            _mm256_storeu_ps(out[r] + j, _mm256_add_ps(_mm256_loadu_ps(out[r] + j), _mm256_loadu_ps(offs[r] + j)));
+    q4_store(out[0], rows, ng * 8, 32, g0 * 8, m0, bias, N, y);
 }
 #undef AMX_BLOCKS
 #undef AMX_BLOCK
@@ -761,20 +763,12 @@ int bf16_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, cons
                     if (nb > 2) AMX_MAC(2, 7, b0 + 2, c);
                     if (nb > 3) AMX_MAC(3, 5, b0 + 3, c);
                 }
-                _tile_stored(0, o, 256); /* [rows][64] floats */
-                _tile_stored(1, o + 16, 256);
-                _tile_stored(2, o + 32, 256);
-                _tile_stored(3, o + 48, 256);
-                for (int r = 0; r < rows; r++)
-                    for (int64_t j = 0; j < nb * 16; j += 8) {
-                        const int64_t n = b0 * 16 + j;
-                        const float* v = o + r * 64 + j;
-                        uint16_t* yr = y + (m0 + r) * N + n;
-                        if (n + 8 <= N)
-                            f_to_bf16x8(yr, bias ? _mm256_add_ps(_mm256_loadu_ps(bias + n), _mm256_loadu_ps(v)) : _mm256_loadu_ps(v));
-                        else
-                            for (int64_t i = 0; n + i < N; i++) yr[i] = to_bf16(bias ? bias[n + i] + v[i] : v[i]);
-                    }
+                /* [rows][nb x 16] floats: [rows][2 nb][8] as the vector tiles write them */
+                _tile_stored(0, o, nb * 64);
+                if (nb > 1) _tile_stored(1, o + 16, nb * 64);
+                if (nb > 2) _tile_stored(2, o + 32, nb * 64);
+                if (nb > 3) _tile_stored(3, o + 48, nb * 64);
+                bf_store(o, rows, 2 * nb, 2 * b0, m0, bias, N, y);
             }
         }
         if (configured) _tile_release();
