@@ -201,14 +201,21 @@ Q8_TILE(7, 1)
 Q8_TILE(8, 1)
 #endif
 
-/* R rows x W outputs of int8 sums o (row stride ldo) for outputs n0.. of rows m0.. -> y (bf16, the output scale and bias
- * applied once; outputs past N left out) */
+/* R rows x W outputs (W % 8 == 0) of int8 sums o (row stride ldo) for outputs n0.. of rows m0.. -> y (bf16, the output
+ * scale and bias applied once, the multiply and the add each rounded; outputs past N left out). 8 at a time in vectors
+ * (a scalar loop made 4-8 rows 20% slower), as to_bf16 rounds. */
 static void q8_store(const float* o, int64_t R, int64_t W, int64_t ldo, int64_t n0, int64_t m0, const float* sw,
                      const float* bias, int64_t N, uint16_t* y) {
     for (int64_t i = 0; i < R; i++)
-        for (int64_t j = 0; j < W && n0 + j < N; j++) {
+        for (int64_t j = 0; j < W && n0 + j < N; j += 8) {
             const int64_t n = n0 + j;
-            y[(m0 + i) * N + n] = to_bf16(bias ? o[i * ldo + j] * sw[n] + bias[n] : o[i * ldo + j] * sw[n]);
+            const float* v = o + i * ldo + j;
+            uint16_t* yr = y + (m0 + i) * N + n;
+            if (n + 8 <= N) {
+                const __m256 t = _mm256_mul_ps(_mm256_loadu_ps(v), _mm256_loadu_ps(sw + n));
+                f_to_bf16x8(yr, bias ? _mm256_add_ps(t, _mm256_loadu_ps(bias + n)) : t);
+            } else
+                for (int64_t k = 0; n + k < N; k++) yr[k] = to_bf16(bias ? v[k] * sw[n + k] + bias[n + k] : v[k] * sw[n + k]);
         }
 }
 
@@ -313,13 +320,20 @@ Q4_TILE(7, "GCC unroll 1")
 Q4_TILE(8, "GCC unroll 1")
 #endif
 
-/* R rows x W outputs of int4 sums o (row stride ldo) for outputs n0.. of rows m0.. -> y (bf16, bias added once; outputs
- * past N left out) */
+/* R rows x W outputs (W % 8 == 0) of int4 sums o (row stride ldo) for outputs n0.. of rows m0.. -> y (bf16, bias added
+ * once; outputs past N left out), 8 at a time as q8_store */
 static void q4_store(const float* o, int64_t R, int64_t W, int64_t ldo, int64_t n0, int64_t m0, const float* bias,
                      int64_t N, uint16_t* y) {
     for (int64_t i = 0; i < R; i++)
-        for (int64_t j = 0; j < W && n0 + j < N; j++)
-            y[(m0 + i) * N + n0 + j] = to_bf16(bias ? o[i * ldo + j] + bias[n0 + j] : o[i * ldo + j]);
+        for (int64_t j = 0; j < W && n0 + j < N; j += 8) {
+            const int64_t n = n0 + j;
+            const float* v = o + i * ldo + j;
+            uint16_t* yr = y + (m0 + i) * N + n;
+            if (n + 8 <= N)
+                f_to_bf16x8(yr, bias ? _mm256_add_ps(_mm256_loadu_ps(v), _mm256_loadu_ps(bias + n)) : _mm256_loadu_ps(v));
+            else
+                for (int64_t k = 0; n + k < N; k++) yr[k] = to_bf16(bias ? v[k] + bias[n + k] : v[k]);
+        }
 }
 
 /* rows m0..m0+R-1 against group g -> y */
