@@ -31,13 +31,6 @@ static inline void store8(uint16_t* p, __m256 v, int64_t n) {
     memcpy(p, h, sizeof(uint16_t) * (size_t)n);
 }
 
-/* round to bf16 and back, 8 lanes (the same rounding as to_bf16, NaN kept) */
-static inline __m256 round8(__m256 v) {
-    uint16_t h[8];
-    f_to_bf16x8(h, v);
-    return bf16x8_to_f(h);
-}
-
 static inline __m256 sigmoid8(__m256 v) {
     const __m256 one = _mm256_set1_ps(1.0f);
     return _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), v))));
@@ -53,7 +46,7 @@ void silu_mul(int64_t rows, int64_t N, const uint16_t* gate, int64_t sg, const u
             const int64_t n = N - i < 8 ? N - i : 8;
             const __m256 g = load8(gate + r * sg + i, n);
             const __m256 d = _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)));
-            const __m256 s = round8(_mm256_div_ps(g, d)); /* as deltanet.c's silu_n */
+            const __m256 s = round_bf16x8(_mm256_div_ps(g, d)); /* as deltanet.c's silu_n */
             store8(out + r * N + i, _mm256_mul_ps(s, load8(up + r * su + i, n)), n);
         }
 }
@@ -65,7 +58,7 @@ void sigmoid_mul(int64_t rows, int64_t N, const uint16_t* x, int64_t sx, const u
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < N; i += 8) {
             const int64_t n = N - i < 8 ? N - i : 8;
-            const __m256 s = round8(sigmoid8(load8(gate + r * sg + i, n)));
+            const __m256 s = round_bf16x8(sigmoid8(load8(gate + r * sg + i, n)));
             store8(out + r * N + i, _mm256_mul_ps(load8(x + r * sx + i, n), s), n);
         }
 }

@@ -68,18 +68,6 @@ static void conv_silu(const Shape* s, const void* window, const void* taps, int6
         for (int64_t c = 0; c < c1 - c0; c++) out[c] = round_bf16(out[c]);
 }
 
-/* round_bf16 on 8 lanes (to_bf16's rule: nearest even, NaN kept a NaN) */
-static inline __m256 round_bf16x8(__m256 v) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i rounded = _mm256_and_si256(
-        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
-                         _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))),
-        _mm256_set1_epi32((int)0xffff0000u));
-    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
-    const __m256i quiet = _mm256_or_si256(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u)), _mm256_set1_epi32(0x400000));
-    return _mm256_castsi256_ps(_mm256_blendv_epi8(rounded, quiet, nan));
-}
-
 /* Conv, SiLU and (norm: q and k) the L2 norm of 8 consecutive tokens t0..t0+7 of one row, channels [c0, c0 + n) (one
  * head), a vector holding one channel of the 8 tokens. Each lane does conv_silu's and l2norm's arithmetic for its
  * token in their order (the conv's taps in order from 0, the norm's sum over channels in order, IEEE sqrt and
@@ -315,15 +303,32 @@ int deltanet_decode(int64_t B, int64_t T, int64_t Hk, int64_t Hv, int64_t Kd, in
             recurrence(&rec);
             for (int64_t t = 0; t < T; t++) { /* gated RMSNorm: w * rmsnorm(o) * silu(z), with the eager step's roundings */
                 float* ot = o + t * Vd;
-                float ss = 0.0f;
-                if (bf16)
-                    for (int64_t j = 0; j < Vd; j++) ot[j] = round_bf16(ot[j]);
+                const int64_t zo = r * sz0 + t * sz1 + h * Vd, oo = (r * T + t) * Hv * Vd + h * Vd, V8 = Vd / 8 * 8;
+                if (bf16) {
+                    for (int64_t j = 0; j < V8; j += 8) _mm256_storeu_ps(ot + j, round_bf16x8(_mm256_loadu_ps(ot + j)));
+                    for (int64_t j = V8; j < Vd; j++) ot[j] = round_bf16(ot[j]);
+                }
+                float ss = 0.0f; /* (in order: the eager step's sum) */
                 for (int64_t j = 0; j < Vd; j++) ss += ot[j] * ot[j];
                 const float rr = 1.0f / sqrtf(ss / (float)Vd + eps);
-                const int64_t zo = r * sz0 + t * sz1 + h * Vd, oo = (r * T + t) * Hv * Vd + h * Vd;
-                for (int64_t j = 0; j < Vd; j++) gate[j] = load(z, zo + j, bf16);
+                if (bf16) {
+                    for (int64_t j = 0; j < V8; j += 8) _mm256_storeu_ps(gate + j, bf16x8_to_f((const uint16_t*)z + zo + j));
+                    for (int64_t j = V8; j < Vd; j++) gate[j] = load(z, zo + j, 1);
+                } else
+                    memcpy(gate, (const float*)z + zo, sizeof(float) * (size_t)Vd);
                 silu_n(gate, Vd);
-                for (int64_t j = 0; j < Vd; j++) {
+                const __m256 r8 = _mm256_set1_ps(rr);
+                for (int64_t j = 0; j < V8; j += 8) { /* the scalar loop's arithmetic, 8 lanes at a time */
+                    __m256 y = _mm256_mul_ps(_mm256_loadu_ps(ot + j), r8);
+                    if (bf16) {
+                        y = round_bf16x8(_mm256_mul_ps(round_bf16x8(y), bf16x8_to_f((const uint16_t*)norm_w + j)));
+                        f_to_bf16x8((uint16_t*)out + oo + j, _mm256_mul_ps(y, _mm256_loadu_ps(gate + j)));
+                    } else
+                        _mm256_storeu_ps((float*)out + oo + j,
+                                         _mm256_mul_ps(_mm256_mul_ps(y, _mm256_loadu_ps((const float*)norm_w + j)),
+                                                       _mm256_loadu_ps(gate + j)));
+                }
+                for (int64_t j = V8; j < Vd; j++) {
                     float y = ot[j] * rr;
                     if (bf16) y = round_bf16(round_bf16(y) * load(norm_w, j, 1));
                     else y = y * load(norm_w, j, 0);

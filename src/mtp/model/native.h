@@ -50,6 +50,18 @@ static inline __m256 bf16x8_to_f(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 
+/* round_bf16 on 8 lanes (to_bf16's rule: nearest even, NaN kept a NaN) */
+static inline __m256 round_bf16x8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i rounded = _mm256_and_si256(
+        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
+                         _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))),
+        _mm256_set1_epi32((int)0xffff0000u));
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    const __m256i quiet = _mm256_or_si256(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u)), _mm256_set1_epi32(0x400000));
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(rounded, quiet, nan));
+}
+
 /* 8 floats -> 8 bf16 as to_bf16 rounds them (nearest even, NaN kept a NaN) */
 static inline void f_to_bf16x8(uint16_t* p, __m256 v) {
     const __m256i u = _mm256_castps_si256(v);
@@ -62,5 +74,19 @@ static inline void f_to_bf16x8(uint16_t* p, __m256 v) {
     const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
     _mm_storeu_si128((__m128i*)p, packed);
 }
+
+#if defined(__AVX512F__)
+/* 16 floats -> 16 bf16 as to_bf16 rounds them, the lanes not in `keep` left unwritten (f_to_bf16x8 on 16 lanes) */
+static inline void f_to_bf16x16(uint16_t* p, __m512 v, __mmask16 keep) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                         _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    const __m512i h = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    _mm512_mask_cvtepi32_storeu_epi16(p, keep, h);
+}
+#endif
 
 #endif

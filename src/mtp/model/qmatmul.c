@@ -735,6 +735,22 @@ static void bf_rows(int64_t R, int64_t GS, const uint16_t* w, int64_t g0, int64_
  * Tiles: 0-3 the sums of 4 x 16 outputs for up to 16 rows, 4 the rows' 32-input chunk, 5-7 the weights' tiles.
  * A 1-row product streams the weights at memory speed as the vector kernels do; several rows cost about what one row
  * does (a verify block, decode batches), and a prompt's rows run at the tiles' rate. */
+
+/* o [rows][16 nb] floats (tile sums of outputs 16 b0 ..) -> y rows m0.., bias + sum rounded once to bf16 (bf_store's
+ * arithmetic, 16 outputs at a time: the tiles' 1 KiB blocks are cheap to fill, so a 384-input product spent more time
+ * here than in `tdpbf16ps` at 8 outputs a step) */
+static void amx_store(const float* o, int rows, int64_t nb, int64_t b0, int64_t m0, const float* bias, int64_t N,
+                      uint16_t* y) {
+    for (int r = 0; r < rows; r++)
+        for (int64_t j = 0; j < nb; j++) {
+            const int64_t n = (b0 + j) * 16, left = N - n;
+            const __mmask16 keep = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+            __m512 v = _mm512_loadu_ps(o + (r * nb + j) * 16);
+            if (bias) v = _mm512_add_ps(_mm512_maskz_loadu_ps(keep, bias + n), v);
+            f_to_bf16x16(y + (m0 + r) * N + n, v, keep);
+        }
+}
+
 static void amx_configure(int rows) {
     amx_config c;
     memset(&c, 0, sizeof c);
@@ -782,7 +798,7 @@ int bf16_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, cons
                 if (nb > 1) _tile_stored(1, o + 16, nb * 64);
                 if (nb > 2) _tile_stored(2, o + 32, nb * 64);
                 if (nb > 3) _tile_stored(3, o + 48, nb * 64);
-                bf_store(o, rows, 2 * nb, 2 * b0, m0, bias, N, y);
+                amx_store(o, rows, nb, b0, m0, bias, N, y);
             }
         }
         if (configured) _tile_release();
@@ -791,6 +807,7 @@ int bf16_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, cons
     return 0;
 }
 #undef AMX_MAC
+
 #else
 /* x bf16 [M, K], w bf16 interleaved as above, bias fp32 [N] or NULL -> y bf16 [M, N]; 0 or -1 (memory). Threads split the
  * output groups, 4 at a time for one row, 3 for more (each set taking every row, TILE_ROWS at a time). */
