@@ -793,7 +793,7 @@ int bf16_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, cons
                     if (nb > 2) AMX_MAC(2, 7, b0 + 2, c);
                     if (nb > 3) AMX_MAC(3, 5, b0 + 3, c);
                 }
-                /* [rows][nb x 16] floats: [rows][2 nb][8] as the vector tiles write them */
+                /* [rows][nb x 16] floats, amx_store's input */
                 _tile_stored(0, o, nb * 64);
                 if (nb > 1) _tile_stored(1, o + 16, nb * 64);
                 if (nb > 2) _tile_stored(2, o + 32, nb * 64);
