@@ -218,9 +218,8 @@ def test_vnni_and_avx2_builds_compute_the_same_bits(tmp_path):
 @pytest.mark.parametrize("isa", [native.AVX512_BF16, native.AMX], ids=lambda isa: isa.name)
 def test_bf16_build_keeps_the_integer_bits_and_rounds_bf16_its_own_way(tmp_path, isa):
     """The AVX-512 BF16 and AMX builds: int8 / int4 outputs bit for bit the AVX2 build's (the AMX build's tiles for 12+
-    rows included); their bf16 products
-    (`vdpbf16ps`, the tiles' `tdpbf16ps`) within the bf16 kernel's bound of the AVX2 build's, and not all equal to them
-    (the build really runs)."""
+    rows included); their bf16 products (`vdpbf16ps`, the tiles' `tdpbf16ps`) within the bf16 kernel's bound of the
+    AVX2 build's, and not all equal to them (the build really runs)."""
     if not cpu_runs(isa):
         pytest.skip(f"this CPU cannot run the {isa.name} build")
     bf, avx2 = run_build(isa.name, tmp_path / "bf16"), run_build("avx2", tmp_path / "avx2")

@@ -8,7 +8,6 @@
 
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "native.h"
 

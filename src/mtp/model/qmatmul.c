@@ -320,9 +320,9 @@ Q4_TILE(7, "GCC unroll 1")
 Q4_TILE(8, "GCC unroll 1")
 #endif
 
-/* R rows x W outputs (W % 8 == 0) of int4 sums o (row stride ldo) for outputs n0.. of rows m0.. -> y (bf16, bias added
- * once; outputs past N left out), 8 at a time as q8_store */
-static void q4_store(const float* o, int64_t R, int64_t W, int64_t ldo, int64_t n0, int64_t m0, const float* bias,
+/* R rows x W outputs (W % 8 == 0) of float sums o (row stride ldo) for outputs n0.. of rows m0.. -> y (bf16, bias added
+ * once; outputs past N left out), 8 at a time as q8_store: the int4 products' store, and the bf16 products' */
+static void sum_store(const float* o, int64_t R, int64_t W, int64_t ldo, int64_t n0, int64_t m0, const float* bias,
                      int64_t N, uint16_t* y) {
     for (int64_t i = 0; i < R; i++)
         for (int64_t j = 0; j < W && n0 + j < N; j += 8) {
@@ -357,7 +357,7 @@ static void q4_tile(const uint8_t* w, const float* s, const float* lo, int64_t G
         default: q4_tile_4(w, s, lo, g, K, G, xq, dx, xr, nb, o);
 #endif
     }
-    q4_store(o, R, 8, 8, g * 8, m0, bias, N, y);
+    sum_store(o, R, 8, 8, g * 8, m0, bias, N, y);
 }
 
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
@@ -465,7 +465,7 @@ static void q4_amx(const uint8_t* w, const float* s, const float* lo, int64_t g0
     for (int r = 0; r < rows; r++)
         for (int64_t j = 0; j < ng * 8; j += 8)
             _mm256_storeu_ps(out[r] + j, _mm256_add_ps(_mm256_loadu_ps(out[r] + j), _mm256_loadu_ps(offs[r] + j)));
-    q4_store(out[0], rows, ng * 8, 32, g0 * 8, m0, bias, N, y);
+    sum_store(out[0], rows, ng * 8, 32, g0 * 8, m0, bias, N, y);
 }
 #undef AMX_BLOCKS
 #undef AMX_BLOCK
@@ -684,21 +684,6 @@ BF_ROWS(7, 1)
 BF_ROWS(8, 1)
 #endif
 
-/* out [R][gs][8] floats of groups g0.. for rows m0.. -> y bf16 (+ bias), rounded once each as to_bf16 does */
-static void bf_store(const float* o, int64_t R, int64_t gs, int64_t g0, int64_t m0, const float* bias, int64_t N,
-                     uint16_t* y) {
-    for (int64_t r = 0; r < R; r++)
-        for (int64_t g = 0; g < gs; g++) {
-            const float* v = o + (r * gs + g) * 8;
-            const int64_t n = (g0 + g) * 8;
-            uint16_t* yr = y + (m0 + r) * N + n;
-            if (n + 8 <= N)
-                f_to_bf16x8(yr, bias ? _mm256_add_ps(_mm256_loadu_ps(bias + n), _mm256_loadu_ps(v)) : _mm256_loadu_ps(v));
-            else
-                for (int64_t j = 0; n + j < N; j++) yr[j] = to_bf16(bias ? bias[n + j] + v[j] : v[j]);
-        }
-}
-
 /* the R-row tiles (R <= TILE_ROWS) of GS = 3 or 1 groups */
 static void bf_rows(int64_t R, int64_t GS, const uint16_t* w, int64_t g0, int64_t K, const bf_act* x, float* out, int ahead) {
 #if TILE_ROWS == 8
@@ -736,7 +721,7 @@ static void bf_rows(int64_t R, int64_t GS, const uint16_t* w, int64_t g0, int64_
  * A 1-row product streams the weights at memory speed as the vector kernels do; several rows cost about what one row
  * does (a verify block, decode batches), and a prompt's rows run at the tiles' rate. */
 
-/* o [rows][16 nb] floats (tile sums of outputs 16 b0 ..) -> y rows m0.., bias + sum rounded once to bf16 (bf_store's
+/* o [rows][16 nb] floats (tile sums of outputs 16 b0 ..) -> y rows m0.., bias + sum rounded once to bf16 (sum_store's
  * arithmetic, 16 outputs at a time: the tiles' 1 KiB blocks are cheap to fill, so a 384-input product spent more time
  * here than in `tdpbf16ps` at 8 outputs a step) */
 static void amx_store(const float* o, int rows, int64_t nb, int64_t b0, int64_t m0, const float* bias, int64_t N,
@@ -844,7 +829,7 @@ int bf16_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, cons
                     for (int64_t r = 0; r < R; r++) memcpy(o + (r * gs + g) * 8, t + r * 8, sizeof(float) * 8);
                 }
             }
-            bf_store(o, R, gs, g0, m0, bias, N, y);
+            sum_store(o, R, gs * 8, gs * 8, g0 * 8, m0, bias, N, y);
         }
     }
     free(xf);
