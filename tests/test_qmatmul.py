@@ -173,7 +173,8 @@ BUILDS = textwrap.dedent("""
     print("isa:", qmatmul.isa())
     g = torch.Generator().manual_seed(5)
     out = {}
-    for N, K, group in ((40, 1024, 128), (24, 96, 32), (32, 288, 96), (16, 352, 32)):
+    # (136 outputs: 17 groups of 8, the AMX tiles' sets of 8 groups and a last set of one)
+    for N, K, group in ((40, 1024, 128), (24, 96, 32), (32, 288, 96), (16, 352, 32), (136, 256, 64)):
         w = torch.randn(N, K, generator=g) * 0.05
         codes, scale = quantize_int8(w)
         wq = Int4Weight.quantize(w, group)

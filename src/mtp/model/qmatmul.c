@@ -13,6 +13,7 @@
 
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -288,8 +289,8 @@ typedef __m256i q4_acc;
 #define Q4_ZERO _mm256_setzero_si256()
 #define Q4_STEP 1
 #define Q4_CHUNKS(p)                                                                                                 \
-    const __m256i v_ = _mm256_loadu_si256((const __m256i*)(p)), w0 = _mm256_and_si256(v_, low),                    \
-                  w1 = _mm256_and_si256(_mm256_srli_epi16(v_, 4), low)
+    const __m256i v_ = _mm256_loadu_si256((const __m256i*)(p)), low_ = _mm256_set1_epi8(0x0F),                      \
+                  w0 = _mm256_and_si256(v_, low_), w1 = _mm256_and_si256(_mm256_srli_epi16(v_, 4), low_)
 #define Q4_ROW(a, b, x) (a = _mm256_add_epi16(a, _mm256_maddubs_epi16(w0, bcast4(x))),                              \
                          a = _mm256_add_epi16(a, _mm256_maddubs_epi16(w1, bcast4((x) + 4))))
 #define Q4_SUM(a, b) _mm256_madd_epi16(a, _mm256_set1_epi16(1))
@@ -304,7 +305,6 @@ typedef __m256i q4_acc;
     __attribute__((noinline)) static void q4_tile_##R(const uint8_t* w, const float* s, const float* lo, int64_t g0, \
                                                       int64_t K, int64_t G, const int8_t* xq, const float* dx,      \
                                                       const float* xg, int64_t nb, float* out) {                    \
-        const __m256i low = _mm256_set1_epi8(0x0F);                                                                  \
         const int64_t ng = K / G, bpg = G / 32, KP = K / 8;                                                          \
         const uint8_t* wg = w + g0 * KP * 32;                                                                        \
         float offs[R * 8];                                                                                           \
@@ -390,119 +390,155 @@ static void q4_tile(const uint8_t* w, const float* s, const float* lo, int64_t G
 /* The int8 and int4 products of several rows on the AMX tiles, bit for bit the vector kernels' above: `tdpbsud` (s8
  * activations x u8 weight codes) gives each 32-input block's exact integer dot product for up to 16 rows x 8 outputs
  * at once, and the float work after it is the vector kernels' own, lane for lane in the same order (q8: acc =
- * fma(dx[b], p[b], acc) over the blocks; q4: the group sums, scales and offsets as q4_tile). The weights are read in
- * their vector layouts: a group's block is 8 rows of 32 bytes (8 outputs x 4 inputs), int4 unpacked to that first.
- * Fewer than 12 rows stay on the vector kernels: each block's sums leave the tiles through memory for their scale, and
- * below ~12 rows that costs more than it saves (code-small's widths, one thread: 2 rows 1.8-2.0x slower, 8 level,
- * 16 rows 1.2-1.4x faster, 64 rows 1.2-1.4x; docs/decisions.md, 2026-12-05): a prompt's chunks gain, verifies do not.
+ * fma(dx[b], p[b], acc) over the blocks; q4: the group sums, scales and offsets as q4_tile), 16 lanes a vector. The
+ * weights are read in their vector layouts: a group's block is 8 rows of 32 bytes (8 outputs x 4 inputs), int4
+ * unpacked to that once per 4 groups of outputs (amx_unpack), whatever the number of rows.
+ * The block sums leave the tiles through memory: AMX_BLOCKS blocks' at a time, then each row's 32 running sums stay
+ * in two registers across them (the sums had been loaded and stored again for every block: 110-145 GMAC/s at 256
+ * rows, a quarter of the bf16 tiles' rate; docs/decisions.md, 2026-12-05, third session).
+ * Fewer than 12 rows stay on the vector kernels (code-small's widths, one thread: 2 rows 1.8-2.0x slower, 8 level,
+ * 16 rows 1.2-1.4x faster with the per-block sums; docs/decisions.md, 2026-12-05): a prompt's chunks gain, verifies
+ * do not.
  * Tiles: 0-3 the block sums of 4 groups [rows][8] int32, 4 the rows' block [rows][32] s8, 5-7 weights [8][32] u8. */
 #define AMX_MIN_ROWS 12
+#define AMX_BLOCKS 4 /* blocks whose sums leave the tiles together */
+#define AMX_SET 8    /* groups of 8 outputs a thread takes through the tiles at once (4 sum tiles of 16 outputs) */
 
 static void amx_configure_int(int rows) {
     amx_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    for (int t = 0; t < 5; t++) c.rows[t] = (uint8_t)rows, c.colsb[t] = 32;
-    for (int t = 5; t < 8; t++) c.rows[t] = 8, c.colsb[t] = 32;
+    for (int t = 0; t < 4; t++) c.rows[t] = (uint8_t)rows, c.colsb[t] = 64;
+    c.rows[4] = (uint8_t)rows, c.colsb[4] = 32;
+    for (int t = 5; t < 8; t++) c.rows[t] = 8, c.colsb[t] = 64;
     _tile_loadconfig(&c);
 }
 
-/* block sums of groups t (tile t) from weights at `wt` (8 x 32 bytes) via tile u, stored into c[r][8t..8t+7] */
-#define AMX_BLOCK(t, u, wt) do { _tile_zero(t); _tile_loadd(u, wt, 32); _tile_dpbsud(t, 4, u); } while (0)
-#define AMX_BLOCKS(ng, wt_of)                                                                                       \
-    do {                                                                                                            \
-        AMX_BLOCK(0, 5, wt_of(0));                                                                                  \
-        if (ng > 1) AMX_BLOCK(1, 6, wt_of(1));                                                                      \
-        if (ng > 2) AMX_BLOCK(2, 7, wt_of(2));                                                                      \
-        if (ng > 3) AMX_BLOCK(3, 5, wt_of(3));                                                                      \
-        _tile_stored(0, c[0], 128);                                                                                 \
-        if (ng > 1) _tile_stored(1, c[0] + 8, 128);                                                                 \
-        if (ng > 2) _tile_stored(2, c[0] + 16, 128);                                                                \
-        if (ng > 3) _tile_stored(3, c[0] + 24, 128);                                                                \
-    } while (0)
-
-/* rows m0..m0+rows-1 (<= 16) x groups g0..g0+ng-1 (ng <= 4) of int8 codes -> y, as q8_tile computes them */
-static void q8_amx(const uint8_t* w, int64_t g0, int64_t ng, int64_t K, const QRows* q, int64_t m0, int rows,
-                   const float* sw, const float* bias, int64_t N, uint16_t* y) {
-    const int64_t nb = K / 32, KC = K / 4;
-    float acc[16][32];
-    int32_t c[16][32];
-    for (int r = 0; r < rows; r++)
-        for (int j = 0; j < 32; j++) acc[r][j] = 0.0f;
-    for (int64_t b = 0; b < nb; b++) {
-        _tile_loadd(4, q->xq + m0 * K + b * 32, K);
-#define Q8_WT(t) (w + ((g0 + (t)) * KC + b * 8) * 32)
-        AMX_BLOCKS(ng, Q8_WT);
-#undef Q8_WT
-        for (int r = 0; r < rows; r++) {
-            const __m256 d = _mm256_set1_ps(q->dx[(m0 + r) * nb + b]);
-            const __m256i corr = _mm256_set1_epi32(Q8_OFFSET * q->xs[(m0 + r) * nb + b]);
-            for (int j = 0; j < ng * 8; j += 8) {
-                const __m256i p = _mm256_sub_epi32(_mm256_loadu_si256((const __m256i*)(c[r] + j)), corr);
-                _mm256_storeu_ps(acc[r] + j, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), _mm256_loadu_ps(acc[r] + j)));
-            }
-        }
-    }
-    q8_store(acc[0], rows, ng * 8, 32, g0 * 8, m0, sw, bias, N, y);
+/* A set's weights as the tiles take them, u [K/32][AMX_SET/2][8][64]: block b of groups 2p and 2p+1 side by side,
+ * input quad i's 16 outputs x 4 codes in row i (u8 codes, int4 unpacked). 0..ng groups filled. */
+static void amx_pack8(const uint8_t* w, int64_t g0, int64_t ng, int64_t K, uint8_t* u) {
+    const int64_t KC = K / 4;
+    for (int64_t b = 0; b < K / 32; b++)
+        for (int64_t t = 0; t < ng; t++)
+            for (int i = 0; i < 8; i++)
+                memcpy(u + ((b * (AMX_SET / 2) + t / 2) * 8 + i) * 64 + (t % 2) * 32, w + ((g0 + t) * KC + b * 8 + i) * 32, 32);
 }
 
-/* rows m0..m0+rows-1 (<= 16) x groups g0..g0+ng-1 (ng <= 4) of int4 codes -> y, as q4_tile computes them */
-static void q4_amx(const uint8_t* w, const float* s, const float* lo, int64_t g0, int64_t ng, int64_t K, int64_t G,
-                   const QRows* q, const float* xg, int64_t m0, int rows, const float* bias, int64_t N, uint16_t* y) {
-    const int64_t nb = K / 32, bpg = G / 32, nq = K / G, KP = K / 8;
+static void amx_unpack4(const uint8_t* w, int64_t g0, int64_t ng, int64_t K, uint8_t* u) {
+    const int64_t KP = K / 8;
     const __m256i low = _mm256_set1_epi8(0x0F);
-    float out[16][32], offs[16][32], ga[16][32];
-    int32_t c[16][32];
-    uint8_t bt[4][8][32] __attribute__((aligned(64))); /* a block's codes of 4 groups, one byte each */
-    for (int r = 0; r < rows; r++)
-        for (int j = 0; j < 32; j++) out[r][j] = offs[r][j] = 0.0f;
-    for (int64_t qg = 0; qg < nq; qg++) {
-        for (int r = 0; r < rows; r++)
-            for (int j = 0; j < 32; j++) ga[r][j] = 0.0f;
-        for (int64_t b = qg * bpg; b < (qg + 1) * bpg; b++) {
-            for (int64_t t = 0; t < ng; t++)
-                for (int k = 0; k < 4; k++) { /* inputs 8k..8k+3 in the low nibbles, 8k+4..8k+7 in the high ones */
-                    const __m256i v = _mm256_loadu_si256((const __m256i*)(w + (g0 + t) * KP * 32 + (b * 4 + k) * 32));
-                    _mm256_store_si256((__m256i*)bt[t][2 * k], _mm256_and_si256(v, low));
-                    _mm256_store_si256((__m256i*)bt[t][2 * k + 1], _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
-                }
-            _tile_loadd(4, q->xq + m0 * K + b * 32, K);
-#define Q4_WT(t) (&bt[t][0][0])
-            AMX_BLOCKS(ng, Q4_WT);
-#undef Q4_WT
-            for (int r = 0; r < rows; r++) {
-                const __m256 d = _mm256_set1_ps(q->dx[(m0 + r) * nb + b]);
-                for (int j = 0; j < ng * 8; j += 8)
-                    _mm256_storeu_ps(ga[r] + j, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i*)(c[r] + j))),
-                                                                _mm256_loadu_ps(ga[r] + j)));
+    for (int64_t b = 0; b < K / 32; b++)
+        for (int64_t t = 0; t < ng; t++)
+            for (int k = 0; k < 4; k++) { /* inputs 8k..8k+3 in the low nibbles, 8k+4..8k+7 in the high ones */
+                const __m256i v = _mm256_loadu_si256((const __m256i*)(w + (g0 + t) * KP * 32 + (b * 4 + k) * 32));
+                uint8_t* o = u + ((b * (AMX_SET / 2) + t / 2) * 8 + 2 * k) * 64 + (t % 2) * 32;
+                _mm256_storeu_si256((__m256i*)o, _mm256_and_si256(v, low));
+                _mm256_storeu_si256((__m256i*)(o + 64), _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
             }
+}
+
+#define AMX_PAIR(p, t) do { _tile_zero(p); _tile_loadd(t, u + ((b * (AMX_SET / 2) + (p)) * 8) * 64, 64); _tile_dpbsud(p, 4, t); } while (0)
+
+/* blocks b0..b0+n-1 of rows xq.. (the configured row count, row stride K) x ng (<= AMX_SET) groups of u ->
+ * c[i][row][8t..8t+7] (columns past ng groups: whatever) */
+static void amx_sums(const uint8_t* u, int64_t ng, const int8_t* xq, int64_t K, int64_t b0, int64_t n,
+                     int32_t c[][16][AMX_SET * 8]) {
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t b = b0 + i;
+        _tile_loadd(4, xq + b * 32, K);
+        AMX_PAIR(0, 5);
+        if (ng > 2) AMX_PAIR(1, 6);
+        if (ng > 4) AMX_PAIR(2, 7);
+        if (ng > 6) AMX_PAIR(3, 5);
+        _tile_stored(0, c[i][0], AMX_SET * 32);
+        if (ng > 2) _tile_stored(1, c[i][0] + 16, AMX_SET * 32);
+        if (ng > 4) _tile_stored(2, c[i][0] + 32, AMX_SET * 32);
+        if (ng > 6) _tile_stored(3, c[i][0] + 48, AMX_SET * 32);
+    }
+}
+#undef AMX_PAIR
+
+/* acc[0..8 ng) = fma(dx[i], float(c[i][r] - offset * xs[i]), acc) over i < n (xs NULL: no offset), 16 lanes a
+ * vector */
+static inline void amx_accumulate(float* acc, int32_t c[][16][AMX_SET * 8], int r, int64_t ng, int64_t n,
+                                  const float* dx, const int32_t* xs, int32_t offset) {
+    for (int64_t j = 0; j < ng * 8; j += 32) { /* two vectors at a time: two chains */
+        __m512 a0 = _mm512_loadu_ps(acc + j), a1 = _mm512_loadu_ps(acc + j + 16);
+        for (int64_t i = 0; i < n; i++) {
+            const __m512 d = _mm512_set1_ps(dx[i]);
+            const __m512i corr = _mm512_set1_epi32(xs ? offset * xs[i] : 0);
+            a0 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(c[i][r] + j), corr)), a0);
+            a1 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(c[i][r] + j + 16), corr)), a1);
+        }
+        _mm512_storeu_ps(acc + j, a0);
+        _mm512_storeu_ps(acc + j + 16, a1);
+    }
+}
+
+/* rows m0..m0+rows-1 (<= 16) x groups g0..g0+ng-1 (ng <= AMX_SET) of int8 codes (u: amx_pack8) -> y, as q8_tile
+ * computes them */
+static void q8_amx(const uint8_t* u, int64_t g0, int64_t ng, int64_t K, const QRows* q, int64_t m0, int rows,
+                   const float* sw, const float* bias, int64_t N, uint16_t* y) {
+    const int64_t nb = K / 32;
+    float acc[16][AMX_SET * 8];
+    int32_t c[AMX_BLOCKS][16][AMX_SET * 8];
+    memset(acc, 0, sizeof acc);
+    for (int64_t b0 = 0; b0 < nb; b0 += AMX_BLOCKS) {
+        const int64_t n = nb - b0 < AMX_BLOCKS ? nb - b0 : AMX_BLOCKS;
+        amx_sums(u, ng, q->xq + m0 * K, K, b0, n, c);
+        for (int r = 0; r < rows; r++)
+            amx_accumulate(acc[r], c, r, ng, n, q->dx + (m0 + r) * nb + b0, q->xs + (m0 + r) * nb + b0, Q8_OFFSET);
+    }
+    q8_store(acc[0], rows, ng * 8, AMX_SET * 8, g0 * 8, m0, sw, bias, N, y);
+}
+
+/* rows m0..m0+rows-1 (<= 16) x groups g0..g0+ng-1 (ng <= AMX_SET) of int4 codes (u: amx_unpack4) -> y, as q4_tile
+ * computes them */
+static void q4_amx(const uint8_t* u, const float* s, const float* lo, int64_t g0, int64_t ng, int64_t K, int64_t G,
+                   const QRows* q, const float* xg, int64_t m0, int rows, const float* bias, int64_t N, uint16_t* y) {
+    const int64_t nb = K / 32, bpg = G / 32, nq = K / G;
+    float out[16][AMX_SET * 8], offs[16][AMX_SET * 8], ga[16][AMX_SET * 8], sv[AMX_SET * 8], lv[AMX_SET * 8];
+    int32_t c[AMX_BLOCKS][16][AMX_SET * 8];
+    memset(out, 0, sizeof out);
+    memset(offs, 0, sizeof offs);
+    memset(sv, 0, sizeof sv);
+    memset(lv, 0, sizeof lv);
+    for (int64_t qg = 0; qg < nq; qg++) {
+        memset(ga, 0, sizeof ga);
+        for (int64_t b0 = qg * bpg; b0 < (qg + 1) * bpg; b0 += AMX_BLOCKS) {
+            const int64_t n = (qg + 1) * bpg - b0 < AMX_BLOCKS ? (qg + 1) * bpg - b0 : AMX_BLOCKS;
+            amx_sums(u, ng, q->xq + m0 * K, K, b0, n, c);
+            for (int r = 0; r < rows; r++) amx_accumulate(ga[r], c, r, ng, n, q->dx + (m0 + r) * nb + b0, NULL, 0);
         }
         for (int64_t t = 0; t < ng; t++) {
-            const __m256 sv = _mm256_loadu_ps(s + ((g0 + t) * nq + qg) * 8), lv = _mm256_loadu_ps(lo + ((g0 + t) * nq + qg) * 8);
-            for (int r = 0; r < rows; r++) {
-                float* o = out[r] + t * 8;
-                float* f = offs[r] + t * 8;
-                _mm256_storeu_ps(o, _mm256_fmadd_ps(sv, _mm256_loadu_ps(ga[r] + t * 8), _mm256_loadu_ps(o)));
-                _mm256_storeu_ps(f, _mm256_add_ps(_mm256_loadu_ps(f), _mm256_mul_ps(lv, _mm256_set1_ps(xg[(m0 + r) * nq + qg]))));
+            memcpy(sv + t * 8, s + ((g0 + t) * nq + qg) * 8, 32);
+            memcpy(lv + t * 8, lo + ((g0 + t) * nq + qg) * 8, 32);
+        }
+        for (int r = 0; r < rows; r++) {
+            const __m512 x = _mm512_set1_ps(xg[(m0 + r) * nq + qg]);
+            for (int64_t j = 0; j < ng * 8; j += 16) {
+                _mm512_storeu_ps(out[r] + j, _mm512_fmadd_ps(_mm512_loadu_ps(sv + j), _mm512_loadu_ps(ga[r] + j), _mm512_loadu_ps(out[r] + j)));
+                _mm512_storeu_ps(offs[r] + j, _mm512_add_ps(_mm512_loadu_ps(offs[r] + j), _mm512_mul_ps(_mm512_loadu_ps(lv + j), x)));
             }
         }
     }
     for (int r = 0; r < rows; r++)
-        for (int64_t j = 0; j < ng * 8; j += 8)
-            _mm256_storeu_ps(out[r] + j, _mm256_add_ps(_mm256_loadu_ps(out[r] + j), _mm256_loadu_ps(offs[r] + j)));
-    sum_store(out[0], rows, ng * 8, 32, g0 * 8, m0, bias, N, y);
+        for (int64_t j = 0; j < ng * 8; j += 16)
+            _mm512_storeu_ps(out[r] + j, _mm512_add_ps(_mm512_loadu_ps(out[r] + j), _mm512_loadu_ps(offs[r] + j)));
+    sum_store(out[0], rows, ng * 8, AMX_SET * 8, g0 * 8, m0, bias, N, y);
 }
-#undef AMX_BLOCKS
-#undef AMX_BLOCK
 
-/* every row through the tiles: threads split sets of 4 groups of outputs, each set taking every row 16 at a time */
-#define AMX_ROWS(G, CALL)                                                                                           \
+/* every row through the tiles: threads split sets of AMX_SET groups of outputs, each set packed into the thread's
+ * buffer (ub: per_thread bytes a thread) by PACK and then taking every row 16 at a time */
+#define AMX_ROWS(G, PACK, CALL)                                                                                     \
     do {                                                                                                            \
-        const int64_t sets = ((G) + 3) / 4;                                                                         \
+        const int64_t sets = ((G) + AMX_SET - 1) / AMX_SET;                                                         \
         _Pragma("omp parallel num_threads(nthreads)") {                                                             \
             int configured = 0;                                                                                     \
+            uint8_t* u = ub + per_thread * (size_t)omp_get_thread_num();                                            \
             _Pragma("omp for schedule(static)") for (int64_t set = 0; set < sets; set++) {                          \
-                const int64_t g0 = set * 4, ng = (G) - g0 < 4 ? (G) - g0 : 4;                                       \
+                const int64_t g0 = set * AMX_SET, ng = (G) - g0 < AMX_SET ? (G) - g0 : AMX_SET;                     \
+                PACK(w, g0, ng, K, u);                                                                              \
                 for (int64_t m0 = 0; m0 < M; m0 += 16) {                                                            \
                     const int rows = (int)(M - m0 < 16 ? M - m0 : 16);                                              \
                     if (rows != configured) amx_configure_int(configured = rows);                                   \
@@ -528,9 +564,12 @@ int q8_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const f
     const int64_t G = (N + 7) / 8;
 #ifdef QMATMUL_AMX_INT
     if (M >= AMX_MIN_ROWS) {
-        AMX_ROWS(G, q8_amx(w, g0, ng, K, &q, m0, rows, sw, bias, N, y));
+        const size_t per_thread = (size_t)K * AMX_SET * 8; /* a set's codes as the tiles take them */
+        uint8_t* ub = malloc(per_thread * (size_t)nthreads);
+        if (ub) AMX_ROWS(G, amx_pack8, q8_amx(u, g0, ng, K, &q, m0, rows, sw, bias, N, y));
+        free(ub);
         free_rows(&q);
-        return 0;
+        return ub ? 0 : -1;
     }
 #endif
 #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -563,10 +602,13 @@ int q4_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const f
     const int64_t NG = (N + 7) / 8;
 #ifdef QMATMUL_AMX_INT
     if (M >= AMX_MIN_ROWS) {
-        AMX_ROWS(NG, q4_amx(w, s, lo, g0, ng, K, G, &q, xg, m0, rows, bias, N, y));
+        const size_t per_thread = (size_t)K * AMX_SET * 8; /* a set's codes unpacked as the tiles take them */
+        uint8_t* ub = malloc(per_thread * (size_t)nthreads);
+        if (ub) AMX_ROWS(NG, amx_unpack4, q4_amx(u, s, lo, g0, ng, K, G, &q, xg, m0, rows, bias, N, y));
+        free(ub);
         free(xg);
         free_rows(&q);
-        return 0;
+        return ub ? 0 : -1;
     }
 #endif
 #pragma omp parallel for num_threads(nthreads) schedule(static)
