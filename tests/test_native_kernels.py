@@ -23,7 +23,7 @@ from mtp.model.attention import attend_rows
 from mtp.model.cache import Positions
 from mtp.model.deltanet import GatedDeltaNet
 from mtp.model.linear import prepare_for_inference, row_invariant
-from mtp.model.native import cpu_problem
+from mtp.model.native import AVX512_VNNI, cpu_flags, cpu_problem
 from mtp.model.norm import PlainRMSNorm, RMSNorm
 
 KERNELS = (deltanet_kernel, attention_kernel, norm_kernel, argmax_kernel)
@@ -243,6 +243,62 @@ def test_rmsnorm_matches_its_torch_form_and_is_row_invariant(cls, monkeypatch):
     assert not norm_kernel.usable(x.float(), norm.weight.float())  # fp32 keeps the torch form (module docstring)
     with torch.enable_grad():
         assert not norm_kernel.usable(x, norm.weight)
+
+
+DELTANET_BUILD = textwrap.dedent("""
+    import copy, sys, torch
+    from mtp.config import Qwen35Config
+    from mtp.model import deltanet_kernel
+    from mtp.model.deltanet import GatedDeltaNet
+    from mtp.model.linear import prepare_for_inference, row_invariant
+    out = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        # value heads of 32 (one 16-lane pass of two vectors), 24 (16 + 8 lanes), 40 (32 + 8)
+        for vd, kd in ((32, 16), (24, 16), (40, 32)):
+            c = Qwen35Config(hidden_size=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=kd,
+                             linear_value_head_dim=vd, linear_conv_kernel_dim=4, num_hidden_layers=2,
+                             intermediate_size=64, vocab_size=64)
+            torch.manual_seed(0)
+            layer = GatedDeltaNet(c).eval()
+            with torch.no_grad():
+                for p in layer.parameters():
+                    p.normal_(0, 0.3)
+                layer.A_log.uniform_(-2, 1)
+            layer = layer.to(dtype)
+            prepare_for_inference(layer, "fp32" if dtype == torch.float32 else "bf16")
+            for T in (1, 4, 19):
+                state = layer.new_state(3, 16, dtype, "cpu")
+                state.conv.normal_()
+                state.ssm = torch.randn(3, 4, kd, vd) * 0.1
+                x = torch.randn(3, T, 64).to(dtype)
+                with torch.no_grad(), row_invariant():
+                    o, steps = layer.decode(x, state)
+                    kept = copy.deepcopy(state)
+                    kept.keep_at(steps, torch.tensor([1, T, T // 2]))
+                    in_place = copy.deepcopy(state)
+                    layer.decode(x, in_place, commit=True)
+                out[f"{dtype} {vd} {kd} {T}"] = (o, kept.ssm, in_place.ssm)
+    isa = deltanet_kernel.LIBRARY.isa
+    print("isa:", isa.name if isa else "avx2")
+    torch.save(out, sys.argv[1])
+""")
+
+
+@needs_kernels
+@pytest.mark.skipif(not all(f in cpu_flags() for f in AVX512_VNNI.cpu_flags), reason="no AVX-512 here: one build only")
+def test_deltanet_avx512_build_computes_the_avx2_bits(tmp_path):
+    """deltanet.c's AVX-512 build runs the recurrence 16 columns a vector: its outputs, kept states and in-place states
+    are bit for bit the AVX2 build's (every sum runs within its own column), in real processes (MTP_NATIVE_ISA)."""
+    outs = {}
+    for isa in ("avx2", AVX512_VNNI.name):
+        path = tmp_path / f"{isa}.pt"
+        done = subprocess.run([sys.executable, "-c", DELTANET_BUILD, str(path)], env={**os.environ, "MTP_NATIVE_ISA": isa},
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and f"isa: {isa}" in done.stdout, done.stdout + done.stderr
+        outs[isa] = torch.load(path)
+    assert outs["avx2"].keys() == outs[AVX512_VNNI.name].keys()
+    for k, ys in outs["avx2"].items():
+        assert all(torch.equal(a, b) for a, b in zip(ys, outs[AVX512_VNNI.name][k])), k
 
 
 DISABLED = textwrap.dedent("""

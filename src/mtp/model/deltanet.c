@@ -120,16 +120,20 @@ static void l2norm(float* x, int64_t n, float scale) {
  *   d[j]  = (v_t[j] - kv[j]) * beta_t                                  (the delta)
  *   S'[i][j] = S[i][j] * g_t + k_t[i] * d[j]                           (the state after token t)
  *   o_t[j] = sum over i, in order, of q_t[i] * S'[i][j].
- * Column j of every quantity depends on column j of S only, so the head runs DN_COLS columns at a time through all T
- * tokens: the columns' state stays in a scratch of Kd x DN_COLS floats (8 KB at Kd = 128: L1) between tokens, the state
- * before is read once, and the pass that writes S' also sums the next token's kv (the same products in the same
- * order). Every output has the arithmetic above whatever T and the column split: a verified token is its plain step,
+ * Column j of every quantity depends on column j of S only, so the head runs up to DN_COLS columns at a time through
+ * all T tokens: the columns' state stays in a scratch of Kd x DN_COLS floats (8 KB, 16 in AVX-512 builds, at Kd = 128:
+ * L1) between tokens, the state before is read once, and the pass that writes S' also sums the next token's kv (the
+ * same products in the same order). Every output has the arithmetic above whatever T and the column split: a verified token is its plain step,
  * bit for bit (one multiply and one add, never fused: -ffp-contract=off).
  *
  * What it leaves (`Rec`): the state after the last token (into `last`, which may be S itself: a step every row keeps),
  * or nothing; each token's update (k_t, d, g_t) into `upd` [T][Kd + Vd + 1] (a verify: `deltanet_keep` replays the
  * first n of them onto the state); o [T][Vd]. */
+#if defined(__AVX512F__)
+#define DN_COLS 32
+#else
 #define DN_COLS 16
+#endif
 
 typedef struct {
     int64_t T, Kd, Vd;
@@ -145,56 +149,64 @@ typedef struct {
     float* scratch;               /* [Kd][DN_COLS] */
 } Rec;
 
-/* columns [c0, c0 + 8 * NV) with NV vectors of 8 (NV = 1, 2) */
-static inline void rec_cols_vec(const Rec* r, int64_t c0, int NV) {
-    const int64_t Kd = r->Kd, Vd = r->Vd, T = r->T, R = Kd + Vd + 1;
-    __m256 kv[2], nk[2], d[2], o[2];
-    for (int u = 0; u < NV; u++) kv[u] = _mm256_setzero_ps();
-    const __m256 g0 = _mm256_set1_ps(r->g[0]);
-    for (int64_t i = 0; i < Kd; i++) {
-        const __m256 ki = _mm256_set1_ps(r->k[0][i]);
-        for (int u = 0; u < NV; u++)
-            kv[u] = _mm256_add_ps(kv[u], _mm256_mul_ps(ki, _mm256_mul_ps(_mm256_loadu_ps(r->S + i * Vd + c0 + 8 * u), g0)));
+/* columns [c0, c0 + L * NV) with NV vectors of L lanes (NV = 1, 2): rec_cols_8 (__m256), and in AVX-512 builds
+ * rec_cols_16 (__m512, whose lanes do the same arithmetic: every sum runs over i within its own column, so the width
+ * changes no bit). */
+#define REC_COLS(L, V, P)                                                                                           \
+    static inline void rec_cols_##L(const Rec* r, int64_t c0, int NV) {                                             \
+        const int64_t Kd = r->Kd, Vd = r->Vd, T = r->T, R = Kd + Vd + 1;                                            \
+        V kv[2], nk[2], d[2], o[2];                                                                                 \
+        for (int u = 0; u < NV; u++) kv[u] = P##_setzero_ps();                                                      \
+        const V g0 = P##_set1_ps(r->g[0]);                                                                          \
+        for (int64_t i = 0; i < Kd; i++) {                                                                          \
+            const V ki = P##_set1_ps(r->k[0][i]);                                                                   \
+            for (int u = 0; u < NV; u++)                                                                            \
+                kv[u] = P##_add_ps(kv[u], P##_mul_ps(ki, P##_mul_ps(P##_loadu_ps(r->S + i * Vd + c0 + L * u), g0))); \
+        }                                                                                                           \
+        for (int64_t t = 0; t < T; t++) {                                                                           \
+            const float* Sp = t == 0 ? r->S + c0 : r->scratch; /* the state before token t, these columns */       \
+            const int64_t sp = t == 0 ? Vd : DN_COLS;                                                               \
+            float* Sn = t + 1 < T ? r->scratch : r->last ? r->last + c0 : NULL;                                     \
+            const int64_t sn = t + 1 < T ? DN_COLS : Vd;                                                            \
+            const V gt = P##_set1_ps(r->g[t]), bt = P##_set1_ps(r->beta[t]);                                       \
+            for (int u = 0; u < NV; u++) {                                                                          \
+                d[u] = P##_mul_ps(P##_sub_ps(P##_loadu_ps(r->v[t] + c0 + L * u), kv[u]), bt);                       \
+                o[u] = nk[u] = P##_setzero_ps();                                                                    \
+                if (r->upd) P##_storeu_ps(r->upd + t * R + Kd + c0 + L * u, d[u]);                                  \
+            }                                                                                                       \
+            const float *qt = r->q[t], *kt = r->k[t];                                                               \
+            if (t + 1 < T) {                                                                                        \
+                const float* kn = r->k[t + 1];                                                                      \
+                const V gn = P##_set1_ps(r->g[t + 1]);                                                              \
+                for (int64_t i = 0; i < Kd; i++) {                                                                  \
+                    const V ki = P##_set1_ps(kt[i]), qi = P##_set1_ps(qt[i]), ni = P##_set1_ps(kn[i]);              \
+                    for (int u = 0; u < NV; u++) {                                                                  \
+                        const V x = P##_add_ps(P##_mul_ps(P##_loadu_ps(Sp + i * sp + L * u), gt), P##_mul_ps(ki, d[u])); \
+                        P##_storeu_ps(Sn + i * sn + L * u, x);                                                      \
+                        o[u] = P##_add_ps(o[u], P##_mul_ps(qi, x));                                                 \
+                        nk[u] = P##_add_ps(nk[u], P##_mul_ps(ni, P##_mul_ps(x, gn)));                               \
+                    }                                                                                               \
+                }                                                                                                   \
+            } else                                                                                                  \
+                for (int64_t i = 0; i < Kd; i++) {                                                                  \
+                    const V ki = P##_set1_ps(kt[i]), qi = P##_set1_ps(qt[i]);                                       \
+                    for (int u = 0; u < NV; u++) {                                                                  \
+                        const V x = P##_add_ps(P##_mul_ps(P##_loadu_ps(Sp + i * sp + L * u), gt), P##_mul_ps(ki, d[u])); \
+                        if (Sn) P##_storeu_ps(Sn + i * sn + L * u, x);                                              \
+                        o[u] = P##_add_ps(o[u], P##_mul_ps(qi, x));                                                 \
+                    }                                                                                               \
+                }                                                                                                   \
+            for (int u = 0; u < NV; u++) {                                                                          \
+                P##_storeu_ps(r->o + t * Vd + c0 + L * u, o[u]);                                                    \
+                kv[u] = nk[u];                                                                                      \
+            }                                                                                                       \
+        }                                                                                                           \
     }
-    for (int64_t t = 0; t < T; t++) {
-        const float* Sp = t == 0 ? r->S + c0 : r->scratch; /* the state before token t, these columns */
-        const int64_t sp = t == 0 ? Vd : DN_COLS;
-        float* Sn = t + 1 < T ? r->scratch : r->last ? r->last + c0 : NULL;
-        const int64_t sn = t + 1 < T ? DN_COLS : Vd;
-        const __m256 gt = _mm256_set1_ps(r->g[t]), bt = _mm256_set1_ps(r->beta[t]);
-        for (int u = 0; u < NV; u++) {
-            d[u] = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(r->v[t] + c0 + 8 * u), kv[u]), bt);
-            o[u] = nk[u] = _mm256_setzero_ps();
-            if (r->upd) _mm256_storeu_ps(r->upd + t * R + Kd + c0 + 8 * u, d[u]);
-        }
-        const float *qt = r->q[t], *kt = r->k[t];
-        if (t + 1 < T) {
-            const float* kn = r->k[t + 1];
-            const __m256 gn = _mm256_set1_ps(r->g[t + 1]);
-            for (int64_t i = 0; i < Kd; i++) {
-                const __m256 ki = _mm256_set1_ps(kt[i]), qi = _mm256_set1_ps(qt[i]), ni = _mm256_set1_ps(kn[i]);
-                for (int u = 0; u < NV; u++) {
-                    const __m256 x = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(Sp + i * sp + 8 * u), gt), _mm256_mul_ps(ki, d[u]));
-                    _mm256_storeu_ps(Sn + i * sn + 8 * u, x);
-                    o[u] = _mm256_add_ps(o[u], _mm256_mul_ps(qi, x));
-                    nk[u] = _mm256_add_ps(nk[u], _mm256_mul_ps(ni, _mm256_mul_ps(x, gn)));
-                }
-            }
-        } else
-            for (int64_t i = 0; i < Kd; i++) {
-                const __m256 ki = _mm256_set1_ps(kt[i]), qi = _mm256_set1_ps(qt[i]);
-                for (int u = 0; u < NV; u++) {
-                    const __m256 x = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(Sp + i * sp + 8 * u), gt), _mm256_mul_ps(ki, d[u]));
-                    if (Sn) _mm256_storeu_ps(Sn + i * sn + 8 * u, x);
-                    o[u] = _mm256_add_ps(o[u], _mm256_mul_ps(qi, x));
-                }
-            }
-        for (int u = 0; u < NV; u++) {
-            _mm256_storeu_ps(r->o + t * Vd + c0 + 8 * u, o[u]);
-            kv[u] = nk[u];
-        }
-    }
-}
+REC_COLS(8, __m256, _mm256)
+#if defined(__AVX512F__)
+REC_COLS(16, __m512, _mm512)
+#endif
+#undef REC_COLS
 
 /* one column j (the tail past the vectors), the same arithmetic */
 static void rec_col(const Rec* r, int64_t j) {
@@ -228,8 +240,12 @@ static void recurrence(const Rec* r) {
             r->upd[t * R + Kd + Vd] = r->g[t];
         }
     int64_t c = 0;
-    for (; c + 16 <= Vd; c += 16) rec_cols_vec(r, c, 2);
-    for (; c + 8 <= Vd; c += 8) rec_cols_vec(r, c, 1);
+#if defined(__AVX512F__)
+    for (; c + 32 <= Vd; c += 32) rec_cols_16(r, c, 2);
+    for (; c + 16 <= Vd; c += 16) rec_cols_16(r, c, 1);
+#endif
+    for (; c + 16 <= Vd; c += 16) rec_cols_8(r, c, 2);
+    for (; c + 8 <= Vd; c += 8) rec_cols_8(r, c, 1);
     for (; c < Vd; c++) rec_col(r, c);
 }
 
