@@ -242,6 +242,8 @@ def test_stops_are_exact_under_speculation(models, stop_kind):
             for n in (1, 2, 5, 13):
                 r = mtp.generate(model, prompt, max_new_tokens=n, draft_tokens=6)
                 assert r.tokens == full[:n] and r.finish_reason == "length"
+                if n == 1:  # the prompt's forward gave the one token: no round after it
+                    assert r.stats.backbone_forwards == 0
 
 
 def test_context_limit_is_never_overrun():

@@ -227,6 +227,8 @@ class Decoder:
             emitted = self._read_chunk(reading, len(self.rows) - 1)
             if emitted:
                 out.append((reading, emitted))
+            if reading.finished:  # done at its first token (EOS, a stop string, max_new 1): no round for its row
+                self._drop_finished()
         d = self.decoding
         if d:
             out += self._round(d)
