@@ -396,9 +396,9 @@ static void q4_tile(const uint8_t* w, const float* s, const float* lo, int64_t G
  * The block sums leave the tiles through memory: AMX_BLOCKS blocks' at a time, then each row's 32 running sums stay
  * in two registers across them (the sums had been loaded and stored again for every block: 110-145 GMAC/s at 256
  * rows, a quarter of the bf16 tiles' rate; docs/decisions.md, 2026-12-05, third session).
- * Fewer than 12 rows stay on the vector kernels (code-small's widths, one thread: 2 rows 1.8-2.0x slower, 8 level,
- * 16 rows 1.2-1.4x faster with the per-block sums; docs/decisions.md, 2026-12-05): a prompt's chunks gain, verifies
- * do not.
+ * Fewer than 12 rows stay on the vector kernels (code-small's widths, one thread: 4 rows 1.4-2.2x slower through the
+ * tiles, 10 rows level, 16 rows faster; docs/decisions.md, 2026-12-05, third session): a prompt's chunks gain,
+ * verifies of a few rows do not.
  * Tiles: 0-3 the block sums of 4 groups [rows][8] int32, 4 the rows' block [rows][32] s8, 5-7 weights [8][32] u8. */
 #define AMX_MIN_ROWS 12
 #define AMX_BLOCKS 4 /* blocks whose sums leave the tiles together */
