@@ -284,21 +284,53 @@ DELTANET_BUILD = textwrap.dedent("""
 """)
 
 
-@needs_kernels
-@pytest.mark.skipif(not all(f in cpu_flags() for f in AVX512_VNNI.cpu_flags), reason="no AVX-512 here: one build only")
-def test_deltanet_avx512_build_computes_the_avx2_bits(tmp_path):
-    """deltanet.c's AVX-512 build runs the recurrence 16 columns a vector: its outputs, kept states and in-place states
-    are bit for bit the AVX2 build's (every sum runs within its own column), in real processes (MTP_NATIVE_ISA)."""
+ACT_BUILD = textwrap.dedent("""
+    import sys, torch
+    from mtp.model import act
+    g = torch.Generator().manual_seed(3)
+    out = {}
+    for rows, N in ((1, 8), (3, 13), (2, 24), (5, 37), (4, 1029)):  # rows of one vector, a tail, several, 1024 + 5
+        a = (torch.randn(rows, N, generator=g) * 6).to(torch.bfloat16)
+        b = (torch.randn(rows, N, generator=g) * 3).to(torch.bfloat16)
+        flat = a.view(-1)
+        flat[::7], flat[1::11], flat[2::13] = float("nan"), float("inf"), -float("inf")
+        flat[3::17], flat[4::19], flat[5::23] = 1e30, -1e30, 1e-40
+        for name, (x, y) in (("silu_mul", (a, b)), ("sigmoid_mul", (b, a)), ("sigmoid_mul x", (a, b))):
+            o = torch.empty(rows, N, dtype=torch.bfloat16)
+            getattr(act.LIBRARY.lib(), name.split()[0])(rows, N, x.data_ptr(), N, y.data_ptr(), N, o.data_ptr(), 1)
+            out[f"{name} {rows} {N}"] = (o,)
+    isa = act.LIBRARY.isa
+    print("isa:", isa.name if isa else "avx2")
+    torch.save(out, sys.argv[1])
+""")
+
+
+def outputs_by_build(script: str, tmp_path) -> dict:
+    """`script`'s saved outputs {key: tuple of tensors} from the AVX2 build and the AVX-512 one, each in a real
+    process (MTP_NATIVE_ISA names the build)."""
     outs = {}
     for isa in ("avx2", AVX512_VNNI.name):
         path = tmp_path / f"{isa}.pt"
-        done = subprocess.run([sys.executable, "-c", DELTANET_BUILD, str(path)], env={**os.environ, "MTP_NATIVE_ISA": isa},
+        done = subprocess.run([sys.executable, "-c", script, str(path)], env={**os.environ, "MTP_NATIVE_ISA": isa},
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0 and f"isa: {isa}" in done.stdout, done.stdout + done.stderr
         outs[isa] = torch.load(path)
     assert outs["avx2"].keys() == outs[AVX512_VNNI.name].keys()
+    return outs
+
+
+@needs_kernels
+@pytest.mark.skipif(not all(f in cpu_flags() for f in AVX512_VNNI.cpu_flags), reason="no AVX-512 here: one build only")
+@pytest.mark.parametrize("script", [DELTANET_BUILD, ACT_BUILD], ids=["deltanet", "act"])
+def test_avx512_builds_compute_the_avx2_bits(tmp_path, script):
+    """deltanet.c's AVX-512 build runs the recurrence 16 columns a vector, act.c's gates 16 elements a vector: their
+    outputs (and the DeltaNet's kept and in-place states) are bit for bit the AVX2 build's, NaN, infinities and
+    tails included (every sum stays within its column; exp16 is exp8's operations lane for lane)."""
+    outs = outputs_by_build(script, tmp_path)
     for k, ys in outs["avx2"].items():
-        assert all(torch.equal(a, b) for a, b in zip(ys, outs[AVX512_VNNI.name][k])), k
+        assert all(torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                               b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
+                   for a, b in zip(ys, outs[AVX512_VNNI.name][k])), k
 
 
 DISABLED = textwrap.dedent("""

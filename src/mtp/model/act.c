@@ -4,9 +4,9 @@
  * three tensor operations each, and one exp for the eager step and for the one-call decode forward (step.c), so the
  * two give the same bits.
  *
- * Row-invariant by construction: every element goes through the same 8-lane code (`exp8`, native.h), the tail of a
- * row padded into a vector, whatever the number of rows and however the threads split them. Built with
- * -ffp-contract=off. */
+ * Row-invariant by construction: every element goes through the same lane code (`exp8`, native.h; 16 lanes with
+ * `exp16`, the same operations, in the AVX-512 build: the same bits), the tail of a row padded into a vector, whatever
+ * the number of rows and however the threads split them. Built with -ffp-contract=off. */
 
 #include <stdint.h>
 #include <string.h>
@@ -36,19 +36,49 @@ static inline __m256 sigmoid8(__m256 v) {
     return _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), v))));
 }
 
+#if defined(__AVX512F__)
+#define ACT_LANES 16
+/* up to 16 elements of a row at i: silu-gated (silu 1) or sigmoid-gated product, as the 8-lane code below */
+static inline void silu_mul16(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t n) {
+    const __m512 g = bf16x16_to_f(gate, n);
+    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+    const __m512 s = round_bf16x16(_mm512_div_ps(g, d));
+    f_to_bf16x16(out, _mm512_mul_ps(s, bf16x16_to_f(up, n)), n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1));
+}
+static inline void sigmoid_mul16(const uint16_t* x, const uint16_t* gate, uint16_t* out, int64_t n) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 s = round_bf16x16(_mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(),
+                                                                                          bf16x16_to_f(gate, n))))));
+    f_to_bf16x16(out, _mm512_mul_ps(bf16x16_to_f(x, n), s), n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1));
+}
+#define SILU_MUL(g, u, o, n) silu_mul16(g, u, o, n)
+#define SIGMOID_MUL(x, g, o, n) sigmoid_mul16(x, g, o, n)
+#else
+#define ACT_LANES 8
+#define SILU_MUL(g, u, o, n) silu_mul8(g, u, o, n)
+#define SIGMOID_MUL(x, g, o, n) sigmoid_mul8(x, g, o, n)
+#endif
+
+static inline void silu_mul8(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t n) {
+    const __m256 g = load8(gate, n);
+    const __m256 d = _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)));
+    const __m256 s = round_bf16x8(_mm256_div_ps(g, d)); /* as deltanet.c's silu_n */
+    store8(out, _mm256_mul_ps(s, load8(up, n)), n);
+}
+
+static inline void sigmoid_mul8(const uint16_t* x, const uint16_t* gate, uint16_t* out, int64_t n) {
+    const __m256 s = round_bf16x8(sigmoid8(load8(gate, n)));
+    store8(out, _mm256_mul_ps(load8(x, n), s), n);
+}
+
 /* gate, up bf16 [rows, N] at row strides sg, su -> out bf16 [rows, N] contiguous:
  * out = round(round(silu(gate)) * up), silu(g) = g / (1 + exp(-g)). */
 void silu_mul(int64_t rows, int64_t N, const uint16_t* gate, int64_t sg, const uint16_t* up, int64_t su, uint16_t* out,
               int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && rows * N >= 65536)
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < N; i += 8) {
-            const int64_t n = N - i < 8 ? N - i : 8;
-            const __m256 g = load8(gate + r * sg + i, n);
-            const __m256 d = _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)));
-            const __m256 s = round_bf16x8(_mm256_div_ps(g, d)); /* as deltanet.c's silu_n */
-            store8(out + r * N + i, _mm256_mul_ps(s, load8(up + r * su + i, n)), n);
-        }
+        for (int64_t i = 0; i < N; i += ACT_LANES)
+            SILU_MUL(gate + r * sg + i, up + r * su + i, out + r * N + i, N - i < ACT_LANES ? N - i : ACT_LANES);
 }
 
 /* x, gate bf16 [rows, N] at row strides sx, sg -> out bf16 [rows, N] contiguous: out = round(x * round(sigmoid(gate))). */
@@ -56,9 +86,6 @@ void sigmoid_mul(int64_t rows, int64_t N, const uint16_t* x, int64_t sx, const u
                  uint16_t* out, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && rows * N >= 65536)
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < N; i += 8) {
-            const int64_t n = N - i < 8 ? N - i : 8;
-            const __m256 s = round_bf16x8(sigmoid8(load8(gate + r * sg + i, n)));
-            store8(out + r * N + i, _mm256_mul_ps(load8(x + r * sx + i, n), s), n);
-        }
+        for (int64_t i = 0; i < N; i += ACT_LANES)
+            SIGMOID_MUL(x + r * sx + i, gate + r * sg + i, out + r * N + i, N - i < ACT_LANES ? N - i : ACT_LANES);
 }

@@ -76,6 +76,43 @@ static inline void f_to_bf16x8(uint16_t* p, __m256 v) {
 }
 
 #if defined(__AVX512F__)
+/* exp8 on 16 lanes: the same operations lane for lane, so the same bits */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+/* round_bf16x8 on 16 lanes */
+static inline __m512 round_bf16x16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i rounded = _mm512_and_si512(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                         _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))),
+        _mm512_set1_epi32((int)0xffff0000u));
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    const __m512i quiet = _mm512_or_si512(_mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u)), _mm512_set1_epi32(0x400000));
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(rounded, nan, quiet));
+}
+
+/* the first n (<= 16) bf16 at p as floats, the other lanes 0 (nothing past p + n read) */
+static inline __m512 bf16x16_to_f(const uint16_t* p, int64_t n) {
+    const __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
 /* 16 floats -> 16 bf16 as to_bf16 rounds them, the lanes not in `keep` left unwritten (f_to_bf16x8 on 16 lanes) */
 static inline void f_to_bf16x16(uint16_t* p, __m512 v, __mmask16 keep) {
     const __m512i u = _mm512_castps_si512(v);
