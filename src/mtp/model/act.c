@@ -38,18 +38,18 @@ static inline __m256 sigmoid8(__m256 v) {
 
 #if defined(__AVX512F__)
 #define ACT_LANES 16
-/* up to 16 elements of a row at i: silu-gated (silu 1) or sigmoid-gated product, as the 8-lane code below */
+/* up to n = 16 elements of a row: the SwiGLU and attention gates, the 8-lane code below on 16 lanes */
 static inline void silu_mul16(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t n) {
     const __m512 g = bf16x16_to_f(gate, n);
     const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
     const __m512 s = round_bf16x16(_mm512_div_ps(g, d));
-    f_to_bf16x16(out, _mm512_mul_ps(s, bf16x16_to_f(up, n)), n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1));
+    f_to_bf16x16(out, _mm512_mul_ps(s, bf16x16_to_f(up, n)), lanes16(n));
 }
 static inline void sigmoid_mul16(const uint16_t* x, const uint16_t* gate, uint16_t* out, int64_t n) {
     const __m512 one = _mm512_set1_ps(1.0f);
     const __m512 s = round_bf16x16(_mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(),
                                                                                           bf16x16_to_f(gate, n))))));
-    f_to_bf16x16(out, _mm512_mul_ps(bf16x16_to_f(x, n), s), n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1));
+    f_to_bf16x16(out, _mm512_mul_ps(bf16x16_to_f(x, n), s), lanes16(n));
 }
 #define SILU_MUL(g, u, o, n) silu_mul16(g, u, o, n)
 #define SIGMOID_MUL(x, g, o, n) sigmoid_mul16(x, g, o, n)

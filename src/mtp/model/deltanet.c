@@ -123,8 +123,8 @@ static void l2norm(float* x, int64_t n, float scale) {
  * Column j of every quantity depends on column j of S only, so the head runs up to DN_COLS columns at a time through
  * all T tokens: the columns' state stays in a scratch of Kd x DN_COLS floats (8 KB, 16 in AVX-512 builds, at Kd = 128:
  * L1) between tokens, the state before is read once, and the pass that writes S' also sums the next token's kv (the
- * same products in the same order). Every output has the arithmetic above whatever T and the column split: a verified token is its plain step,
- * bit for bit (one multiply and one add, never fused: -ffp-contract=off).
+ * same products in the same order). Every output has the arithmetic above whatever T and the column split: a verified
+ * token is its plain step, bit for bit (one multiply and one add, never fused: -ffp-contract=off).
  *
  * What it leaves (`Rec`): the state after the last token (into `last`, which may be S itself: a step every row keeps),
  * or nothing; each token's update (k_t, d, g_t) into `upd` [T][Kd + Vd + 1] (a verify: `deltanet_keep` replays the

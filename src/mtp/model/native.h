@@ -25,23 +25,26 @@ static inline uint16_t to_bf16(float f) {
 }
 
 /* exp on 8 lanes (Cody-Waite range reduction and a degree-6 polynomial, as Cephes' expf: ~1 ulp), the same
- * arithmetic for every lane: a value rounds alike wherever it sits in a vector. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
+ * arithmetic for every lane: a value rounds alike wherever it sits in a vector. One body for exp8 and, in AVX-512
+ * builds, exp16 (P: the intrinsics' prefix, V / VI: the float / integer vector, ROUND: to nearest), so the two compute
+ * the same bits lane for lane. */
+#define MTP_EXP(P, V, VI, ROUND, CAST)                                                                                \
+    {                                                                                                                \
+        x = P##_min_ps(P##_max_ps(x, P##_set1_ps(-87.3f)), P##_set1_ps(88.3f));                                      \
+        const V n = ROUND(P##_mul_ps(x, P##_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); \
+        V r = P##_fnmadd_ps(n, P##_set1_ps(0.693359375f), x);                                                        \
+        r = P##_fnmadd_ps(n, P##_set1_ps(-2.12194440e-4f), r);                                                       \
+        V p = P##_set1_ps(1.9875691500e-4f);                                                                         \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(1.3981999507e-3f));                                                       \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(8.3334519073e-3f));                                                       \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(4.1665795894e-2f));                                                       \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(1.6666665459e-1f));                                                       \
+        p = P##_fmadd_ps(p, r, P##_set1_ps(5.0000001201e-1f));                                                       \
+        const V y = P##_add_ps(P##_fmadd_ps(P##_mul_ps(p, r), r, r), P##_set1_ps(1.0f));                             \
+        const VI e = P##_slli_epi32(P##_add_epi32(P##_cvtps_epi32(n), P##_set1_epi32(127)), 23);                     \
+        return P##_mul_ps(y, CAST(e));                                                                              \
+    }
+static inline __m256 exp8(__m256 x) MTP_EXP(_mm256, __m256, __m256i, _mm256_round_ps, _mm256_castsi256_ps)
 
 static inline float round_bf16(float f) { return bf16_to_f(to_bf16(f)); } /* float rounded to bfloat16, as a float */
 
@@ -76,23 +79,11 @@ static inline void f_to_bf16x8(uint16_t* p, __m256 v) {
 }
 
 #if defined(__AVX512F__)
-/* exp8 on 16 lanes: the same operations lane for lane, so the same bits */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
+/* exp8 on 16 lanes (MTP_EXP: the same operations, the same bits) */
+static inline __m512 exp16(__m512 x) MTP_EXP(_mm512, __m512, __m512i, _mm512_roundscale_ps, _mm512_castsi512_ps)
+
+/* the mask of the first n (<= 16 taken) of 16 lanes */
+static inline __mmask16 lanes16(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
 
 /* round_bf16x8 on 16 lanes */
 static inline __m512 round_bf16x16(__m512 v) {
@@ -109,8 +100,7 @@ static inline __m512 round_bf16x16(__m512 v) {
 
 /* the first n (<= 16) bf16 at p as floats, the other lanes 0 (nothing past p + n read) */
 static inline __m512 bf16x16_to_f(const uint16_t* p, int64_t n) {
-    const __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes16(n), p)), 16));
 }
 
 /* 16 floats -> 16 bf16 as to_bf16 rounds them, the lanes not in `keep` left unwritten (f_to_bf16x8 on 16 lanes) */

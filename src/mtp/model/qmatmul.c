@@ -252,16 +252,14 @@ static void q8_tile(const uint8_t* w, int64_t g, int64_t K, const QRows* q, int6
  * per (output, group of G inputs) are interleaved the same way, [N/8][K/G][8]. Per output: gacc = fma(dx[b], p[b],
  * gacc) over a group's blocks in order, acc = fma(s[g], gacc, acc) and off += lo[g] * xg[g] over the groups in order
  * (xg: the group's activation sum, in float), y = acc + off: one order whatever the tile, rows and threads. */
-/* The products per block: VNNI's vpdpbusd into two int32 accumulators per (row, group) - the even and odd chunks, to
- * halve its chains; AVX2's vpmaddubsw into one int16 accumulator, widened once per block by vpmaddwd (a pair of u8
- * x s8 products is at most 2 * 15 * 127 = 3810, a block's 8 of them 30480 < 32768: exact), one multiply per chunk
- * instead of two. Either way Q4_SUM is the block's exact integer dot product. */
-/* The VNNI builds (AVX-512) take a chunk's two halves in one 512-bit vpdpbusd: 64-bit lane j holds output j's 4 low-
+/* The products per block. AVX2: vpmaddubsw into one int16 accumulator per (row, group), widened once per block by
+ * vpmaddwd (a pair of u8 x s8 products is at most 2 * 15 * 127 = 3810, a block's 8 of them 30480 < 32768: exact).
+ * The VNNI builds (AVX-512) take a chunk's two halves in one 512-bit vpdpbusd: 64-bit lane j holds output j's 4 low-
  * nibble codes (inputs 8c..8c+3) in its low word and its 4 high-nibble codes (8c+4..8c+7) in its high word, against
  * the row's 8 activation bytes broadcast to every lane; two chunks a step, each into its own accumulator (ia: chunks
- * 0 and 2, ib: 1 and 3), so a block's dependent chain is 2 products long, not 4. A block's sum folds the two words of
- * each lane together: the same exact integers as the two 256-bit accumulators gave, so the same bits. One row's tile
- * had waited on the 4-long chain (2048 x 384: 18 us, ~20 cycles a block). */
+ * 0 and 2, ib: 1 and 3). A block's sum folds the two words of each lane together. Either way Q4_SUM is the block's
+ * exact integer dot product, so every build computes the same bits (4 and 8 rows ~15-20% faster than the 256-bit
+ * vpdpbusd they replaced; 1 row level: it waits on each block's chain of products, fold and conversion). */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 typedef __m512i q4_acc;
 #define Q4_ZERO _mm512_setzero_si512()
@@ -390,16 +388,17 @@ static void q4_tile(const uint8_t* w, const float* s, const float* lo, int64_t G
 /* The int8 and int4 products of several rows on the AMX tiles, bit for bit the vector kernels' above: `tdpbsud` (s8
  * activations x u8 weight codes) gives each 32-input block's exact integer dot product for up to 16 rows x 8 outputs
  * at once, and the float work after it is the vector kernels' own, lane for lane in the same order (q8: acc =
- * fma(dx[b], p[b], acc) over the blocks; q4: the group sums, scales and offsets as q4_tile), 16 lanes a vector. The
- * weights are read in their vector layouts: a group's block is 8 rows of 32 bytes (8 outputs x 4 inputs), int4
- * unpacked to that once per 4 groups of outputs (amx_unpack), whatever the number of rows.
- * The block sums leave the tiles through memory: AMX_BLOCKS blocks' at a time, then each row's 32 running sums stay
- * in two registers across them (the sums had been loaded and stored again for every block: 110-145 GMAC/s at 256
- * rows, a quarter of the bf16 tiles' rate; docs/decisions.md, 2026-12-05, third session).
+ * fma(dx[b], p[b], acc) over the blocks; q4: the group sums, scales and offsets as q4_tile), 16 lanes a vector.
+ * A thread takes a set of AMX_SET groups of outputs: their codes are first copied (int4: unpacked) into the layout the
+ * tiles take, two groups side by side (amx_pack8, amx_unpack4), once for every row of the set; then AMX_BLOCKS
+ * blocks' sums leave the tiles together through memory and each row's running sums stay in registers across them
+ * (the sums had been loaded and stored again for every block, 8 outputs a tile: 110-145 GMAC/s at 256 rows, a
+ * quarter of the bf16 tiles' rate; docs/decisions.md, 2026-12-05, third session).
  * Fewer than 12 rows stay on the vector kernels (code-small's widths, one thread: 4 rows 1.4-2.2x slower through the
  * tiles, 10 rows level, 16 rows faster; docs/decisions.md, 2026-12-05, third session): a prompt's chunks gain,
  * verifies of a few rows do not.
- * Tiles: 0-3 the block sums of 4 groups [rows][8] int32, 4 the rows' block [rows][32] s8, 5-7 weights [8][32] u8. */
+ * Tiles: 0-3 the block sums of 4 pairs of groups [rows][16] int32, 4 the rows' block [rows][32] s8, 5-7 weights
+ * [8][64] u8 (4 inputs x 16 outputs a row). */
 #define AMX_MIN_ROWS 12
 #define AMX_BLOCKS 4 /* blocks whose sums leave the tiles together */
 #define AMX_SET 8    /* groups of 8 outputs a thread takes through the tiles at once (4 sum tiles of 16 outputs) */
@@ -424,6 +423,7 @@ static void amx_pack8(const uint8_t* w, int64_t g0, int64_t ng, int64_t K, uint8
                 memcpy(u + ((b * (AMX_SET / 2) + t / 2) * 8 + i) * 64 + (t % 2) * 32, w + ((g0 + t) * KC + b * 8 + i) * 32, 32);
 }
 
+/* amx_pack8's layout from int4 codes, one code a byte */
 static void amx_unpack4(const uint8_t* w, int64_t g0, int64_t ng, int64_t K, uint8_t* u) {
     const int64_t KP = K / 8;
     const __m256i low = _mm256_set1_epi8(0x0F);
@@ -796,7 +796,7 @@ static void amx_store(const float* o, int rows, int64_t nb, int64_t b0, int64_t 
     for (int r = 0; r < rows; r++)
         for (int64_t j = 0; j < nb; j++) {
             const int64_t n = (b0 + j) * 16, left = N - n;
-            const __mmask16 keep = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+            const __mmask16 keep = lanes16(left);
             __m512 v = _mm512_loadu_ps(o + (r * nb + j) * 16);
             if (bias) v = _mm512_add_ps(_mm512_maskz_loadu_ps(keep, bias + n), v);
             f_to_bf16x16(y + (m0 + r) * N + n, v, keep);
