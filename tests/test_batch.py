@@ -9,8 +9,8 @@ import torch
 import mtp
 import test_sampling_stats as stats
 from conftest import pattern_batch, tiny_model, trained_tiny_model
-from mtp.decode.decoder import Decoder
-from mtp.decode.policy import DraftPolicy
+from mtp.decode.decoder import COLD_ROUNDS, Decoder
+from mtp.decode.policy import AcceptanceCounts, DraftPolicy, RoundTimes
 from mtp.decode.sampling import SamplingParams
 from mtp.decode.session import Session
 
@@ -138,10 +138,10 @@ def test_rounds_without_drafts_skip_the_mtp_and_it_catches_up_later(models, monk
         calls["n"] += 1
         return real_step(self, *a, **kw)
 
-    def round_(self, D):  # remember whose rows the round drafts for
+    def round_(self, D, cold=False):  # remember whose rows the round drafts for
         decoding[:] = [list(s.session.tokens) for s in self.rows[:D]]
         try:
-            return real_round(self, D)
+            return real_round(self, D, cold)
         finally:
             decoding.clear()
 
@@ -157,7 +157,7 @@ def test_rounds_without_drafts_skip_the_mtp_and_it_catches_up_later(models, monk
     n_calls = {}
     for pattern in ([2], [0, 0, 0, 2]):
         it = iter(pattern * 10_000)
-        monkeypatch.setattr(DraftPolicy, "next_k", lambda self, batch, it=it: next(it))
+        monkeypatch.setattr(DraftPolicy, "next_k", lambda self, batch, cold=False, it=it: next(it))
         calls["n"], first_drafts[:] = 0, []
         sessions = run_batched(model, requests, "auto")
         for (prompt, max_new, _, _), s in zip(requests, sessions):
@@ -183,6 +183,36 @@ def test_batch_policy_carries_costs_over_to_unseen_batch_sizes():
     assert pol.next_k(16) == 0                                   # 16: the fit says verifying extra tokens does not
     fit = pol.fit()
     assert fit is not None and pol.round_time(16, 2, fit) == pytest.approx(steep(16, 2), rel=1e-6)
+
+
+def test_rounds_after_a_prompt_chunk_teach_the_policy_nothing(models):
+    """The rounds of the COLD_ROUNDS steps from a prompt chunk on run slower whatever their k: the policy learns no
+    round time from them, and measures k = 0 at a new batch size (the baseline every k is compared with) in the first
+    round after them, not in the one right after the newcomer's last chunk (which had made k = 0 look 1.4-2x its
+    cost in a server). Their acceptance is still counted."""
+    model = models["bf16"]
+    g = torch.Generator().manual_seed(9)
+    dec = Decoder(model, max_batch=2, max_len=model.context_length - 16, draft_tokens="auto")
+    dec.policy.rounds, dec.policy.counts = RoundTimes(), AcceptanceCounts()  # (not what earlier tests measured)
+    ks, colds = [], []
+    real_next_k = dec.policy.next_k
+
+    def next_k(batch, cold=False):
+        colds.append(cold)
+        ks.append(real_next_k(batch, cold))
+        return ks[-1]
+
+    dec.policy.next_k = next_k
+    for _ in range(2):
+        dec.add(Session(model, pattern_batch(8, 1, 30, g)[0].tolist(), 40, SamplingParams(), [], None, model.tokenizer))
+    for _ in range(1 + COLD_ROUNDS):  # step 1 reads the first prompt, step 2 the second: 1 + COLD_ROUNDS cold rounds
+        dec.step()
+    assert colds == [True] * (1 + COLD_ROUNDS) and 0 not in ks
+    assert not dec.policy.times and sum(dec.policy.counts.offered) > 0  # no time learned; acceptance counted
+    for _ in range(3):
+        dec.step()
+    assert colds[1 + COLD_ROUNDS:] == [False] * 3 and ks[1 + COLD_ROUNDS] == 0  # k = 0 measured at B = 2 once warm
+    assert (2, 0) in dec.policy.times and all(b == 2 for b, _ in dec.policy.times)
 
 
 def test_a_row_reading_its_prompt_keeps_its_keys_through_rounds(models):
@@ -227,11 +257,11 @@ def test_rows_that_joined_apart_catch_up_together(models, monkeypatch):
         catch_ups.append(rows_mask.tolist())
         return real_catch_up(model_, st, rows_mask, starts)
 
-    def round_(self, D):
+    def round_(self, D, cold=False):
         n = len(catch_ups)
         decoding[:] = [list(s.session.tokens) for s in self.rows[:D]]
         try:
-            out = real_round(self, D)
+            out = real_round(self, D, cold)
         finally:
             decoding.clear()
         if len(catch_ups) > n:  # every decoding row read what it had pending but one, then this round added one
@@ -248,7 +278,7 @@ def test_rows_that_joined_apart_catch_up_together(models, monkeypatch):
     monkeypatch.setattr(Decoder, "_round", round_)
     monkeypatch.setattr(type(model), "mtp_head", head)
     it = iter(([0] * 11 + [2]) * 10_000)
-    monkeypatch.setattr(DraftPolicy, "next_k", lambda self, batch: next(it))
+    monkeypatch.setattr(DraftPolicy, "next_k", lambda self, batch, cold=False: next(it))
     sessions = run_batched(model, requests, "auto", max_batch=4, arrive_every=3, eos=[])  # (every row runs its length)
     rounds = sum(s.stats.backbone_forwards for s in sessions)
     for (prompt, max_new, _, _), s in zip(requests, sessions):

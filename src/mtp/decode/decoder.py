@@ -39,6 +39,11 @@ from .sampling import RowSampling, gumbel, shape_logits
 from .session import Session
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # batch sizes the round runs at (a compiled graph each)
+# Rounds just after a prompt chunk run slower, whatever their k, and recover over a few rounds (measured, 8 rows of the
+# shipped model, AMX Xeon: plain 4.3-4.6, 4.0-4.4, 3.6-3.9, 3.3-3.5 ms in the 1st-4th round after a chunk, 3.0-3.1 from
+# the 7th; k = 3: 10.8-10.9 down to 9.7-9.9). In a server, the first round at a new batch size always follows the
+# newcomer's last chunk: its time had made k = 0 look 1.4-2x its cost, so `auto` drafted 4-6 tokens where k = 0 and 3 tie.
+COLD_ROUNDS = 4
 SLOT_ALIGN = 64  # cache lengths are a multiple of this (compiled attention reduces over whole vector blocks)
 
 
@@ -132,6 +137,7 @@ class Decoder:
         self.mtp_pos: list[int] = [0] * self.state.pos.shape[0]  # host mirrors of the MTP positions / pending counts
         self.pend_n: list[int] = [0] * self.state.pos.shape[0]
         self._views: dict[int, RoundState] = {}
+        self._since_chunk = COLD_ROUNDS  # rounds since the last prompt chunk
         self._sampling: tuple[tuple, RowSampling | None] | None = None
 
     def _take_state(self, rows: int, slots: int, use_mtp: bool, pooled: bool) -> RoundState:
@@ -224,6 +230,7 @@ class Decoder:
             self.rows.append(reading)
             self._reset_row(len(self.rows) - 1)
         if reading is not None:
+            self._since_chunk = 0
             emitted = self._read_chunk(reading, len(self.rows) - 1)
             if emitted:
                 out.append((reading, emitted))
@@ -231,7 +238,8 @@ class Decoder:
                 self._drop_finished()
         d = self.decoding
         if d:
-            out += self._round(d)
+            out += self._round(d, self._since_chunk < COLD_ROUNDS)
+            self._since_chunk += 1
         return out
 
     def _read_chunk(self, seq: Sequence, row: int) -> list[int]:
@@ -367,14 +375,16 @@ class Decoder:
                                      appended=self.masks).tolist()  # the round's one sync
         return out, t_draft, time.perf_counter() - t
 
-    def _round(self, D: int) -> list[tuple[Sequence, list[int]]]:
+    def _round(self, D: int, cold: bool = False) -> list[tuple[Sequence, list[int]]]:
+        """One round of the decoding rows [0, D). `cold`: a prompt chunk was read less than COLD_ROUNDS rounds before,
+        so this round's time is not one the policy learns from."""
         model = self.model
         seqs = self.rows[:D]
         t0 = time.perf_counter()
         self.runner.begin_round()
         B = bucket(D)
         st = self._view(B)
-        k = self.policy.next_k(D) if self.use_mtp or self.masks is not None else 0
+        k = self.policy.next_k(D, cold) if self.use_mtp or self.masks is not None else 0
         ks = [max(0, min(k, s.session.max_new - len(s.session.new_tokens) - 1)) for s in seqs] + [0] * (B - D)
         if self.masks is not None:  # a row drafts only from a valid mask block
             ks = [min(a, b) for a, b in zip(ks, self.masks.limits(k, B))]
@@ -440,7 +450,7 @@ class Decoder:
         graph = (B, K, None if rs is None else (rs.use_penalty, rs.use_top_k, rs.use_top_p, rs.any_sampled, rs.any_unseeded))
         first = graph not in self.runner.called
         self.runner.called.add(graph)
-        self.policy.update(D, k, [(ks[b], out[b][K + 1]) for b in range(D)], None if first else time.perf_counter() - t0)
+        self.policy.update(D, k, [(ks[b], out[b][K + 1]) for b in range(D)], None if first or cold else time.perf_counter() - t0)
         self.last_round = [(s, ks[b], out[b][K + 1]) for b, s in enumerate(seqs)]
         return emitted
 

@@ -102,7 +102,8 @@ class DraftPolicy:
     round at that batch size and k (a mean over the last rounds without outliers, `estimate`; unseen k interpolated
     from the ones seen at this B, or scaled from the nearest B). Verifying B(k+1) tokens costs more per token as the
     batch grows, so k falls with B, down to 0 (MTP off) where extra verified tokens stop paying. The second round
-    measures k = 0 (the baseline), and so does the first round at a batch size not measured at k = 0; every 8th round
+    measures k = 0 (the baseline), and so does the first round at a batch size not measured at k = 0 (or the first
+    after them that does not follow a prompt chunk: `cold`, whose times are not learned from); every 8th round
     tries k+1 (from k = 0 too, the wait doubling up to every 256th round while the probes find k = 0 best) and every
     8th (offset) k-1, to keep measuring."""
 
@@ -172,8 +173,9 @@ class DraftPolicy:
         t = self.round_time(b0, k)
         return None if t is None else t * batch / b0
 
-    def next_k(self, batch: int) -> int:
-        """k for the next round of a batch of `batch` sequences."""
+    def next_k(self, batch: int, cold: bool = False) -> int:
+        """k for the next round of a batch of `batch` sequences. `cold`: the round follows a prompt chunk, so its time
+        is not learned from (`update`), and it neither measures k = 0 at a new batch size nor probes."""
         if self.k_fixed is not None:
             return self.k_fixed
         self.n += 1
@@ -190,7 +192,9 @@ class DraftPolicy:
             self.rounds.quiet = min(self.rounds.quiet + 1, 5) if best_k == 0 else 0
         self.probed = False
         self.k_last = best_k
-        if (self.n == 2 or batch > 1) and (batch, 0) not in self.times:
+        if cold:
+            return best_k
+        if (self.n >= 2 or batch > 1) and (batch, 0) not in self.times:
             # measure a plain step early: the baseline drafting must beat; and at a batch size not seen yet, first: with
             # it the fit over B and B*k has two batch sizes, where before a new batch size borrowed the nearest one's
             # costs scaled by B, which keeps their ratio, and drafted at every size while a batch filled up (a round
