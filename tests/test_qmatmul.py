@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mtp.model import native, qmatmul
-from mtp.model.linear import FastLinear, Int4Weight, quantize_int8
+from mtp.model.linear import WIDE_MIN_ROWS, FastLinear, Int4Weight, prompt_products, quantize_int8
 
 needs_kernels = pytest.mark.skipif(not qmatmul.available(), reason=f"qmatmul kernels unavailable: {qmatmul.reason()}")
 
@@ -164,6 +164,42 @@ def test_linear_layers_run_the_kernels_here():
         else:
             ref = reference_q4(x, lin.int4_weight(), lin.bias.detach().float())
         assert close_to_bf16(y, ref), kernel
+
+
+@needs_kernels
+@pytest.mark.skipif(not qmatmul.wide_available(), reason="no AMX build here: prompts' int8/int4 rows stay on the integer kernels")
+@pytest.mark.parametrize("N,K,group", [(40, 1024, 128), (24, 96, 32), (136, 288, 96), (2048, 384, 128)])
+def test_prompt_products_are_the_bf16_tiles_over_the_decoded_codes(N, K, group):
+    """`wide`: the codes decoded to bf16 weights (w = scale * code (+ low), rounded once) times the rows on the bf16
+    tiles - bit for bit bf16_linear over those weights, whatever N (pad outputs, a last set of fewer than 4 blocks);
+    and a layer takes it only for WIDE_MIN_ROWS rows or more within `prompt_products`."""
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(N, K, generator=g) * 0.05
+    bias = torch.randn(N, generator=g)
+    codes, scale = quantize_int8(w)
+    wq, packed, s, low = int4_parts(w, group)
+    w8 = (codes.float() * scale[:, None]).to(torch.bfloat16)
+    w4 = (wq.codes.float() * s.repeat_interleave(group, 1) + low.repeat_interleave(group, 1)).to(torch.bfloat16)
+    for M in (1, 13, 70):
+        x = (torch.randn(M, K, generator=g) * 3).to(torch.bfloat16)
+        assert torch.equal(qmatmul.q8_linear(x, codes, scale, bias, wide=True),
+                           qmatmul.bf16_linear(x, qmatmul.pack_bf16(w8), N, bias))
+        assert torch.equal(qmatmul.q4_linear(x, packed, s, low, group, bias, wide=True),
+                           qmatmul.bf16_linear(x, qmatmul.pack_bf16(w4), N, bias))
+    lin = FastLinear(K, N, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    lin.prepare("int8")
+    codes, scale = quantize_int8(lin.weight.detach())  # (the layer's own: of its bf16 weight)
+    for M in (WIDE_MIN_ROWS - 1, WIDE_MIN_ROWS):
+        x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+        with torch.no_grad():
+            plain = lin(x)
+            with prompt_products():
+                prompt = lin(x)
+        assert torch.equal(plain, qmatmul.q8_linear(x, codes, scale))
+        wide = qmatmul.q8_linear(x, codes, scale, wide=True)
+        assert torch.equal(prompt, wide if M >= WIDE_MIN_ROWS else plain) and not torch.equal(wide, plain)
 
 
 BUILDS = textwrap.dedent("""

@@ -62,9 +62,9 @@ def _profiled_rounds(model, ids: list[int], kw: dict) -> tuple[list, int]:
     """One generation under torch's profiler, each round in a `ROUND` range -> (events, rounds)."""
     real = Decoder._round
 
-    def named_round(self, D):
+    def named_round(self, D, cold=False):
         with record_function(ROUND):
-            return real(self, D)
+            return real(self, D, cold)
 
     Decoder._round = named_round
     try:
@@ -81,10 +81,10 @@ def _rounds_in_c(model, ids: list[int], kw: dict, linear_ms: float) -> tuple[flo
     rounds = []  # (wall seconds, C seconds, C calls) per round
     real = Decoder._round
 
-    def timed_round(self, D):
+    def timed_round(self, D, cold=False):
         with native.timed() as c:
             t0 = time.perf_counter()
-            out = real(self, D)
+            out = real(self, D, cold)
             rounds.append((time.perf_counter() - t0, c.seconds, c.calls))
         return out
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.argmax_kernel import argmax
-from ..model.linear import FastLinear, row_invariant
+from ..model.linear import FastLinear, prompt_products, row_invariant
 from . import round_kernel
 from .compiled import Runner
 from .draft_vocab import DraftVocab
@@ -274,9 +274,10 @@ class Decoder:
             if P > 1:  # the MTP reads the prompt now, all but its last position
                 views = [c.rows(row, row + 1) for c in st.mtp_cache]
                 depths = range(1, 2) if model.mtp.style == "sequential" else range(1, model.mtp.num_layers + 1)
-                for d in depths:
-                    ids = torch.tensor([nxt[:-1]], device=model.device) if model.mtp.style == "sequential" else None
-                    model.mtp_step(d, hidden[None, :-1], ids, 0, views)
+                with prompt_products():  # (int4/int8 drafts: the prompt's rows on the bf16 tiles)
+                    for d in depths:
+                        ids = torch.tensor([nxt[:-1]], device=model.device) if model.mtp.style == "sequential" else None
+                        model.mtp_step(d, hidden[None, :-1], ids, 0, views)
             st.mtp_pos[row], st.pend_n[row] = P - 1, 1
             st.pend_h[row, 0], st.pend_next[row, 0] = hidden[-1], first
             self.mtp_pos[row], self.pend_n[row] = P - 1, 1

@@ -858,6 +858,147 @@ int bf16_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, cons
     free(xp);
     return 0;
 }
+
+/* Prompt products of int8 / int4 layers (`q8_linear_wide`, `q4_linear_wide`): the codes are decoded to bf16 weights
+ * (w = scale * code, or scale * code + low per int4 group, each rounded once to bf16) into the tiles' layout and
+ * multiplied by the bf16 rows on `tdpbf16ps`, as bf16_linear multiplies. Not the integer products' bits - the rows
+ * are not quantized to int8 - so only a prompt's chunks take them (every path reads a prompt with the same chunks
+ * through the same products, so greedy decoding stays exact; linear.py `prompt_products`), never a decode step or a
+ * verify. What it buys: the integer tiles ran a 256-row chunk at 195-250 GMAC/s (the per-block float work after every
+ * 32-input dot product), the bf16 tiles at ~550, and decoding 64 outputs' codes costs a few % of their rows' products
+ * (docs/decisions.md, 2026-12-05, fourth session).
+ * Both take their codes 64 outputs at a time (a set of 4 output blocks), decoded into the thread's buffer
+ * u [4][KC][16][16][2] (pack_bf16's AMX layout for those outputs); the set then takes every row 16 at a time. */
+
+/* 16 lanes of fp32 pairs (a: input 2p, b: input 2p+1) -> 16 lanes of two bf16 each (a low, b high), rounded to nearest
+ * even as to_bf16 rounds (the codes' weights are finite) */
+static inline __m512i bf16_pairs(__m512 a, __m512 b) {
+    const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(b, a); /* words 0..15: a's lanes, 16..31: b's */
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                            21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(order, halves);
+}
+
+/* int8 codes of output blocks b0..b0+nb-1 (pack_int8's layout, stored + Q8_OFFSET) -> u. Lane j of a 64-byte load of
+ * groups 2b, 2b+1 at input quad kc: output 16b + j's codes for inputs 4kc..4kc+3. */
+static void dq8_tiles(const uint8_t* w, const float* sw, int64_t K, int64_t N, int64_t b0, int64_t nb, uint16_t* u) {
+    const int64_t KQ = K / 4, KC = K / 32;
+    for (int64_t i = 0; i < nb; i++) {
+        const int64_t b = b0 + i;
+        const __m512 sc = _mm512_maskz_loadu_ps(lanes16(N - 16 * b), sw + 16 * b); /* (pad outputs: 0) */
+        const uint8_t *g0 = w + 2 * b * KQ * 32, *g1 = g0 + KQ * 32;
+        const int two = 16 * b + 8 < (N + 7) / 8 * 8; /* group 2b + 1 exists */
+        for (int64_t kc = 0; kc < KQ; kc++) {
+            const __m256i lo = _mm256_loadu_si256((const __m256i*)(g0 + kc * 32));
+            const __m256i hi = two ? _mm256_loadu_si256((const __m256i*)(g1 + kc * 32)) : _mm256_set1_epi8((char)Q8_OFFSET);
+            const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            __m512 f[4];
+            for (int e = 0; e < 4; e++) {
+                const __m512i c = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(v, 8 * e), _mm512_set1_epi32(0xff)),
+                                                   _mm512_set1_epi32(Q8_OFFSET));
+                f[e] = _mm512_mul_ps(_mm512_cvtepi32_ps(c), sc);
+            }
+            const int64_t c = kc / 8, p = (kc % 8) * 2; /* inputs 4kc.. are pairs p, p + 1 of chunk c */
+            uint16_t* t = u + (i * KC + c) * 512 + p * 32;
+            _mm512_storeu_si512(t, bf16_pairs(f[0], f[1]));
+            _mm512_storeu_si512(t + 32, bf16_pairs(f[2], f[3]));
+        }
+    }
+}
+
+/* [a, b] (without AVX-512 DQ's _mm512_insertf32x8) */
+static inline __m512 join8(__m256 a, __m256 b) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
+}
+
+/* int4 codes of output blocks b0..b0+nb-1 (pack_int4's layout: per group of 8 outputs and 8 inputs, 4 bytes an output,
+ * byte i = input i | input 4 + i << 4), scales s and offsets lo (pack_int4_groups: [groups][K/G][8]) -> u */
+static void dq4_tiles(const uint8_t* w, const float* s, const float* lo, int64_t K, int64_t G, int64_t N, int64_t b0,
+                      int64_t nb, uint16_t* u) {
+    const int64_t KO = K / 8, KC = K / 32, nq = K / G, NG = (N + 7) / 8;
+    const __m512i nib = _mm512_set1_epi32(0xf);
+    for (int64_t i = 0; i < nb; i++) {
+        const int64_t b = b0 + i;
+        const int two = 2 * b + 1 < NG;
+        const uint8_t *g0 = w + 2 * b * KO * 32, *g1 = g0 + KO * 32;
+        for (int64_t ko = 0; ko < KO; ko++) {
+            const int64_t qg = ko * 8 / G;
+            const __m256 s0 = _mm256_loadu_ps(s + (2 * b * nq + qg) * 8), l0 = _mm256_loadu_ps(lo + (2 * b * nq + qg) * 8);
+            const __m256 s1 = two ? _mm256_loadu_ps(s + ((2 * b + 1) * nq + qg) * 8) : _mm256_setzero_ps();
+            const __m256 l1 = two ? _mm256_loadu_ps(lo + ((2 * b + 1) * nq + qg) * 8) : _mm256_setzero_ps();
+            const __m512 sc = join8(s0, s1);
+            const __m512 lw = join8(l0, l1);
+            const __m256i a = _mm256_loadu_si256((const __m256i*)(g0 + ko * 32));
+            const __m256i c1 = two ? _mm256_loadu_si256((const __m256i*)(g1 + ko * 32)) : _mm256_setzero_si256();
+            const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(a), c1, 1);
+            __m512 f[8]; /* inputs 8ko + e: byte e % 4, low nibble for e < 4 */
+            for (int e = 0; e < 8; e++) {
+                const __m512i c = _mm512_and_si512(_mm512_srli_epi32(v, 8 * (e % 4) + 4 * (e / 4)), nib);
+                f[e] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(c), sc), lw);
+            }
+            const int64_t c = ko / 4, p = (ko % 4) * 4; /* inputs 8ko.. are pairs p..p+3 of chunk c */
+            uint16_t* t = u + (i * KC + c) * 512 + p * 32;
+            for (int e = 0; e < 4; e++) _mm512_storeu_si512(t + e * 32, bf16_pairs(f[2 * e], f[2 * e + 1]));
+        }
+    }
+}
+
+/* x bf16 [M, K] (K % 32 == 0) times the weights DQ decodes, bias fp32 [N] or NULL -> y bf16 [M, N]; 0 or -1 (memory) */
+#define WIDE_ROWS(DQ)                                                                                               \
+    do {                                                                                                            \
+        const int64_t KC = K / 32, NB = (N + 15) / 16, sets = (NB + 3) / 4;                                         \
+        uint16_t* ub = malloc(sizeof(uint16_t) * (size_t)(4 * KC * 512 * nthreads));                                \
+        if (!ub) return -1;                                                                                         \
+        _Pragma("omp parallel num_threads(nthreads)") {                                                             \
+            int configured = 0;                                                                                     \
+            float o[16 * 64];                                                                                       \
+            const uint16_t* w = ub + (size_t)(4 * KC * 512) * (size_t)omp_get_thread_num();                       \
+            _Pragma("omp for schedule(static)") for (int64_t set = 0; set < sets; set++) {                          \
+                const int64_t b0 = set * 4, nb = NB - b0 < 4 ? NB - b0 : 4;                                         \
+                DQ(b0, nb, (uint16_t*)w);                                                                           \
+                for (int64_t m0 = 0; m0 < M; m0 += 16) {                                                            \
+                    const int rows = (int)(M - m0 < 16 ? M - m0 : 16);                                              \
+                    if (rows != configured) amx_configure(configured = rows);                                       \
+                    _tile_zero(0);                                                                                  \
+                    _tile_zero(1);                                                                                  \
+                    _tile_zero(2);                                                                                  \
+                    _tile_zero(3);                                                                                  \
+                    for (int64_t c = 0; c < KC; c++) {                                                              \
+                        _tile_loadd(4, x + m0 * K + c * 32, K * 2);                                                 \
+                        AMX_MAC(0, 5, 0, c);                                                                        \
+                        if (nb > 1) AMX_MAC(1, 6, 1, c);                                                            \
+                        if (nb > 2) AMX_MAC(2, 7, 2, c);                                                            \
+                        if (nb > 3) AMX_MAC(3, 5, 3, c);                                                            \
+                    }                                                                                               \
+                    _tile_stored(0, o, nb * 64);                                                                    \
+                    if (nb > 1) _tile_stored(1, o + 16, nb * 64);                                                   \
+                    if (nb > 2) _tile_stored(2, o + 32, nb * 64);                                                   \
+                    if (nb > 3) _tile_stored(3, o + 48, nb * 64);                                                   \
+                    amx_store(o, rows, nb, b0, m0, bias, N, y);                                                     \
+                }                                                                                                   \
+            }                                                                                                       \
+            if (configured) _tile_release();                                                                        \
+        }                                                                                                           \
+        free(ub);                                                                                                   \
+        return 0;                                                                                                   \
+    } while (0)
+
+/* as q8_linear's arguments */
+int q8_linear_wide(const uint16_t* x, int64_t M, int64_t K, const uint8_t* wq, const float* sw, const float* bias,
+                   int64_t N, uint16_t* y, int nthreads) {
+#define DQ8(b0, nb, u) dq8_tiles(wq, sw, K, N, b0, nb, u)
+    WIDE_ROWS(DQ8);
+#undef DQ8
+}
+
+/* as q4_linear's arguments */
+int q4_linear_wide(const uint16_t* x, int64_t M, int64_t K, const uint8_t* wq, const float* s, const float* lo,
+                   int64_t G, const float* bias, int64_t N, uint16_t* y, int nthreads) {
+#define DQ4(b0, nb, u) dq4_tiles(wq, s, lo, K, G, N, b0, nb, u)
+    WIDE_ROWS(DQ4);
+#undef DQ4
+}
+#undef WIDE_ROWS
 #undef AMX_MAC
 
 #else

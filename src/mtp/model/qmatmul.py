@@ -36,6 +36,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.q8_linear.restype = lib.q4_linear.restype = i32
     lib.bf16_linear.argtypes = [p, i64, i64, p, p, i64, p, i32]
     lib.bf16_linear.restype = i32
+    if hasattr(lib, "q8_linear_wide"):  # (the AMX build)
+        lib.q8_linear_wide.argtypes = lib.q8_linear.argtypes
+        lib.q4_linear_wide.argtypes = lib.q4_linear.argtypes
+        lib.q8_linear_wide.restype = lib.q4_linear_wide.restype = i32
     lib.qmatmul_isa.restype = ctypes.c_char_p
     lib.qmatmul_ready.restype = i32
 
@@ -131,25 +135,34 @@ def _check(status: int) -> None:
         raise MemoryError("qmatmul: out of memory for the activations' copy")
 
 
-def q8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def wide_available() -> bool:
+    """Does the loaded build have the prompt products of int8/int4 codes on the bf16 tiles (`wide=True`)?"""
+    return available() and hasattr(_library(), "q8_linear_wide")
+
+
+def q8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+              wide: bool = False) -> torch.Tensor:
     """x bf16 [M, K] (contiguous) times int8 codes w with fp32 scales [N] (w ~ codes * scale[:, None]), plus fp32 bias
-    [N] -> bf16 [M, N]. w: `pack_int8`'s layout (what a prepared layer holds), or int8 codes [N, K], packed here."""
+    [N] -> bf16 [M, N]. w: `pack_int8`'s layout (what a prepared layer holds), or int8 codes [N, K], packed here.
+    `wide` (where `wide_available`): the codes decoded to bf16 weights and multiplied by the bf16 rows on the tiles, not
+    the integer product's bits (a prompt's chunks only, qmatmul.c `q8_linear_wide`)."""
     M, K = x.shape
     N = scale.shape[0]
     if w.dtype == torch.int8:
         w = pack_int8(w)
     y = torch.empty(M, N, dtype=torch.bfloat16)
     if M:
-        _check(_library().q8_linear(x.data_ptr(), M, K, w.data_ptr(), scale.data_ptr(), _bias(bias), N, y.data_ptr(),
+        fn = _library().q8_linear_wide if wide and wide_available() else _library().q8_linear
+        _check(fn(x.data_ptr(), M, K, w.data_ptr(), scale.data_ptr(), _bias(bias), N, y.data_ptr(),
                               torch.get_num_threads()))
     return y
 
 
 def q4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, group: int,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
+              bias: torch.Tensor | None = None, wide: bool = False) -> torch.Tensor:
     """x bf16 [M, K] (contiguous) times int4 codes (`pack_int4`) with fp32 scales and offsets (w ~ codes * scale + low
     per group) - [N, K/group], interleaved here, or interleaved (`pack_int4_groups`, what a prepared layer holds: its
-    N is a multiple of 8) - plus fp32 bias [N] -> bf16 [M, N]."""
+    N is a multiple of 8) - plus fp32 bias [N] -> bf16 [M, N]. `wide`: as q8_linear's."""
     M, K = x.shape
     N = packed.shape[0] * 8
     if scale.shape[0] != packed.shape[0]:
@@ -157,7 +170,8 @@ def q4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: t
         scale, low = pack_int4_groups(scale), pack_int4_groups(low)
     y = torch.empty(M, N, dtype=torch.bfloat16)
     if M:
-        _check(_library().q4_linear(x.data_ptr(), M, K, packed.data_ptr(), scale.data_ptr(), low.data_ptr(), group, _bias(bias),
+        fn = _library().q4_linear_wide if wide and wide_available() else _library().q4_linear
+        _check(fn(x.data_ptr(), M, K, packed.data_ptr(), scale.data_ptr(), low.data_ptr(), group, _bias(bias),
                               N, y.data_ptr(), torch.get_num_threads()))
     return y
 
