@@ -104,8 +104,12 @@ class DeltaState:
         """Row b := its state after its first n[b] (0..T) positions of a decode forward; n [B] long, on the device."""
         if steps.updates is not None:
             tensors = (self.ssm, self.conv, steps.updates, steps.window)
-            if deltanet_kernel.usable(*tensors, n) and all(t.is_contiguous() for t in tensors):
-                deltanet_kernel.keep(*tensors, n)  # the kept updates applied, the state read and written once
+            if deltanet_kernel.usable(*tensors, n):  # the kept updates applied, the state read and written once
+                whole = [t.contiguous() for t in tensors]  # (the keep's fused multiply-adds are the step's: torch has
+                deltanet_kernel.keep(*whole, n)           # no exact one, so a strided state goes through copies)
+                for t, w in zip(tensors[:2], whole[:2]):
+                    if w is not t:
+                        t.copy_(w)
                 return
             self._replay(steps.updates, n)
         else:
@@ -115,7 +119,8 @@ class DeltaState:
         self.conv.copy_(steps.window.gather(2, idx))
 
     def _replay(self, updates: torch.Tensor, n: torch.Tensor) -> None:
-        # deltanet_keep's arithmetic in torch (one multiply, one multiply, one add: the same bits)
+        # deltanet_keep's arithmetic in torch where its kernel cannot run (S * g + k * d: not its bits, which fuse the
+        # last multiply-add; the updates come from the C step, so this is for a caller outside the decode paths)
         Kd, Vd = self.ssm.shape[-2:]
         S = self.ssm
         for t in range(updates.shape[2]):

@@ -153,12 +153,15 @@ static void l2norm(float* x, int64_t n, float scale) {
  *   kv[j] = sum over i, in order, of k_t[i] * (S[i][j] * g_t)        (k_t^T of the decayed state)
  *   d[j]  = (v_t[j] - kv[j]) * beta_t                                  (the delta)
  *   S'[i][j] = S[i][j] * g_t + k_t[i] * d[j]                           (the state after token t)
- *   o_t[j] = sum over i, in order, of q_t[i] * S'[i][j].
+ *   o_t[j] = sum over i, in order, of q_t[i] * S'[i][j],
+ * each "a * b + c" (a sum's step, the last add of S') one fused multiply-add (fma: rounded once), the other products
+ * rounded as written: 5 operations an element and token where separate multiplies and adds took 8 (8 rows x 4 tokens
+ * 262-273 -> 225-231 us a layer, one thread, AMX Xeon; docs/decisions.md, 2026-12-05 fourth session).
  * Column j of every quantity depends on column j of S only, so the head runs up to DN_COLS columns at a time through
  * all T tokens: the columns' state stays in a scratch of Kd x DN_COLS floats (8 KB, 16 in AVX-512 builds, at Kd = 128:
  * L1) between tokens, the state before is read once, and the pass that writes S' also sums the next token's kv (the
  * same products in the same order). Every output has the arithmetic above whatever T and the column split: a verified
- * token is its plain step, bit for bit (one multiply and one add, never fused: -ffp-contract=off).
+ * token is its plain step, bit for bit (the fmas are explicit; -ffp-contract=off keeps the compiler from fusing others).
  *
  * What it leaves (`Rec`): the state after the last token (into `last`, which may be S itself: a step every row keeps),
  * or nothing; each token's update (k_t, d, g_t) into `upd` [T][Kd + Vd + 1] (a verify: `deltanet_keep` replays the
@@ -195,7 +198,7 @@ typedef struct {
         for (int64_t i = 0; i < Kd; i++) {                                                                          \
             const V ki = P##_set1_ps(r->k[0][i]);                                                                   \
             for (int u = 0; u < NV; u++)                                                                            \
-                kv[u] = P##_add_ps(kv[u], P##_mul_ps(ki, P##_mul_ps(P##_loadu_ps(r->S + i * Vd + c0 + L * u), g0))); \
+                kv[u] = P##_fmadd_ps(ki, P##_mul_ps(P##_loadu_ps(r->S + i * Vd + c0 + L * u), g0), kv[u]);         \
         }                                                                                                           \
         for (int64_t t = 0; t < T; t++) {                                                                           \
             const float* Sp = t == 0 ? r->S + c0 : r->scratch; /* the state before token t, these columns */       \
@@ -215,19 +218,19 @@ typedef struct {
                 for (int64_t i = 0; i < Kd; i++) {                                                                  \
                     const V ki = P##_set1_ps(kt[i]), qi = P##_set1_ps(qt[i]), ni = P##_set1_ps(kn[i]);              \
                     for (int u = 0; u < NV; u++) {                                                                  \
-                        const V x = P##_add_ps(P##_mul_ps(P##_loadu_ps(Sp + i * sp + L * u), gt), P##_mul_ps(ki, d[u])); \
+                        const V x = P##_fmadd_ps(ki, d[u], P##_mul_ps(P##_loadu_ps(Sp + i * sp + L * u), gt));      \
                         P##_storeu_ps(Sn + i * sn + L * u, x);                                                      \
-                        o[u] = P##_add_ps(o[u], P##_mul_ps(qi, x));                                                 \
-                        nk[u] = P##_add_ps(nk[u], P##_mul_ps(ni, P##_mul_ps(x, gn)));                               \
+                        o[u] = P##_fmadd_ps(qi, x, o[u]);                                                           \
+                        nk[u] = P##_fmadd_ps(ni, P##_mul_ps(x, gn), nk[u]);                                         \
                     }                                                                                               \
                 }                                                                                                   \
             } else                                                                                                  \
                 for (int64_t i = 0; i < Kd; i++) {                                                                  \
                     const V ki = P##_set1_ps(kt[i]), qi = P##_set1_ps(qt[i]);                                       \
                     for (int u = 0; u < NV; u++) {                                                                  \
-                        const V x = P##_add_ps(P##_mul_ps(P##_loadu_ps(Sp + i * sp + L * u), gt), P##_mul_ps(ki, d[u])); \
+                        const V x = P##_fmadd_ps(ki, d[u], P##_mul_ps(P##_loadu_ps(Sp + i * sp + L * u), gt));      \
                         if (Sn) P##_storeu_ps(Sn + i * sn + L * u, x);                                              \
-                        o[u] = P##_add_ps(o[u], P##_mul_ps(qi, x));                                                 \
+                        o[u] = P##_fmadd_ps(qi, x, o[u]);                                                           \
                     }                                                                                               \
                 }                                                                                                   \
             for (int u = 0; u < NV; u++) {                                                                          \
@@ -246,7 +249,7 @@ REC_COLS(16, __m512, _mm512)
 static void rec_col(const Rec* r, int64_t j) {
     const int64_t Kd = r->Kd, Vd = r->Vd, T = r->T, R = Kd + Vd + 1;
     float kv = 0.0f;
-    for (int64_t i = 0; i < Kd; i++) kv += r->k[0][i] * (r->S[i * Vd + j] * r->g[0]);
+    for (int64_t i = 0; i < Kd; i++) kv = fmaf(r->k[0][i], r->S[i * Vd + j] * r->g[0], kv);
     for (int64_t t = 0; t < T; t++) {
         const float* Sp = t == 0 ? r->S + j : r->scratch;
         const int64_t sp = t == 0 ? Vd : DN_COLS;
@@ -256,10 +259,10 @@ static void rec_col(const Rec* r, int64_t j) {
         if (r->upd) r->upd[t * R + Kd + j] = d;
         float o = 0.0f, nk = 0.0f;
         for (int64_t i = 0; i < Kd; i++) {
-            const float x = Sp[i * sp] * r->g[t] + r->k[t][i] * d;
+            const float x = fmaf(r->k[t][i], d, Sp[i * sp] * r->g[t]);
             if (Sn) Sn[i * sn] = x;
-            o += r->q[t][i] * x;
-            if (t + 1 < T) nk += r->k[t + 1][i] * (x * r->g[t + 1]);
+            o = fmaf(r->q[t][i], x, o);
+            if (t + 1 < T) nk = fmaf(r->k[t + 1][i], x * r->g[t + 1], nk);
         }
         r->o[t * Vd + j] = o;
         kv = nk;
@@ -394,7 +397,7 @@ int deltanet_decode(int64_t B, int64_t T, int64_t Hk, int64_t Hv, int64_t Kd, in
 }
 
 /* keep_at: row r of ssm [B, Hv, Kd, Vd] := its state after the first n[r] tokens of updates [B, Hv, T, Kd + Vd + 1]
- * (`deltanet_decode`'s: S[i][j] = S[i][j] * g_t + k_t[i] * d_t[j] for t < n[r], the step's own arithmetic, so the
+ * (`deltanet_decode`'s: S[i][j] = fma(k_t[i], d_t[j], S[i][j] * g_t) for t < n[r], the step's own arithmetic, so the
  * state is the plain steps' bit for bit; row by row, every update applied while the row is in registers: the state is
  * read and written once) and row r of the conv inputs conv [B, C, kernel-1] := window[r, :, n[r] : n[r] + kernel-1]
  * (window [B, C, kernel-1+T], esize bytes an element) where n[r] > 0; a row with n[r] = 0 keeps its own. */
@@ -416,7 +419,7 @@ void deltanet_keep(int64_t B, int64_t Hv, int64_t T, int64_t Kd, int64_t Vd, con
                     const float* up = U + t * R;
                     const __m256 g = _mm256_set1_ps(up[Kd + Vd]), k = _mm256_set1_ps(up[i]);
                     for (int u = 0; u < 8; u++)
-                        x[u] = _mm256_add_ps(_mm256_mul_ps(x[u], g), _mm256_mul_ps(k, _mm256_loadu_ps(up + Kd + j + 8 * u)));
+                        x[u] = _mm256_fmadd_ps(k, _mm256_loadu_ps(up + Kd + j + 8 * u), _mm256_mul_ps(x[u], g));
                 }
                 for (int u = 0; u < 8; u++) _mm256_storeu_ps(row + j + 8 * u, x[u]);
             }
@@ -424,14 +427,14 @@ void deltanet_keep(int64_t B, int64_t Hv, int64_t T, int64_t Kd, int64_t Vd, con
                 __m256 x = _mm256_loadu_ps(row + j);
                 for (int64_t t = 0; t < keep; t++) {
                     const float* up = U + t * R;
-                    x = _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(up[Kd + Vd])),
-                                      _mm256_mul_ps(_mm256_set1_ps(up[i]), _mm256_loadu_ps(up + Kd + j)));
+                    x = _mm256_fmadd_ps(_mm256_set1_ps(up[i]), _mm256_loadu_ps(up + Kd + j),
+                                        _mm256_mul_ps(x, _mm256_set1_ps(up[Kd + Vd])));
                 }
                 _mm256_storeu_ps(row + j, x);
             }
             for (; j < Vd; j++) {
                 float x = row[j];
-                for (int64_t t = 0; t < keep; t++) x = x * U[t * R + Kd + Vd] + U[t * R + i] * U[t * R + Kd + j];
+                for (int64_t t = 0; t < keep; t++) x = fmaf(U[t * R + i], U[t * R + Kd + j], x * U[t * R + Kd + Vd]);
                 row[j] = x;
             }
         }
