@@ -428,15 +428,22 @@ WIDE_MIN_ROWS = 64
 
 
 @contextmanager
-def row_invariant() -> Iterator[None]:
-    """Within: `linear_rows` multiplies row by row. The decoder runs its rounds in it (a plain step and every row of a
-    verify or of a batch then round alike); a prefill or training forward over many rows does not pay for it."""
-    before = getattr(_ROWS, "on", False)
-    _ROWS.on = True
+def _switched_on(flag: threading.local) -> Iterator[None]:
+    """flag.on is True within (this thread), and back to what it was after."""
+    before = getattr(flag, "on", False)
+    flag.on = True
     try:
         yield
     finally:
-        _ROWS.on = before
+        flag.on = before
+
+
+@contextmanager
+def row_invariant() -> Iterator[None]:
+    """Within: `linear_rows` multiplies row by row. The decoder runs its rounds in it (a plain step and every row of a
+    verify or of a batch then round alike); a prefill or training forward over many rows does not pay for it."""
+    with _switched_on(_ROWS):
+        yield
 
 
 @contextmanager
@@ -445,12 +452,8 @@ def prompt_products() -> Iterator[None]:
     decoded to bf16 weights (where the build has them, `qmatmul.wide_available`), not by the integer kernels: other bits,
     so only what every path computes alike may run in it - a prompt's chunks (`decode.prefill.prefill_chunk`) and the
     MTP's read of the prompt, never a decode step or a verify (those must equal each other bit for bit)."""
-    before = getattr(_PROMPT, "on", False)
-    _PROMPT.on = True
-    try:
+    with _switched_on(_PROMPT):
         yield
-    finally:
-        _PROMPT.on = before
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
