@@ -68,43 +68,55 @@ static void conv_silu(const Shape* s, const void* window, const void* taps, int6
         for (int64_t c = 0; c < c1 - c0; c++) out[c] = round_bf16(out[c]);
 }
 
-/* Conv, SiLU and (norm: q and k) the L2 norm of 8 consecutive tokens t0..t0+7 of one row, channels [c0, c0 + n) (one
- * head), a vector holding one channel of the 8 tokens. Each lane does conv_silu's and l2norm's arithmetic for its
- * token in their order (the conv's taps in order from 0, the norm's sum over channels in order, IEEE sqrt and
- * division), so the values are bit for bit the token-at-a-time path's, which short forwards (a plain step, a verify)
- * and a chunk's last T % 8 tokens take. A prompt's chunk spent much of a layer's time in that path's scalar
- * per-channel sums. dst: the first token's channel c0 in qkv (rows of C floats); cm: scratch [n][8]. */
-static void conv_block8(const Shape* s, const void* window, const void* taps, int64_t t0, int64_t c0, int64_t n,
-                        int norm, float scale, float* dst, int64_t C, float* cm) {
-    const int64_t W = s->kernel - 1 + s->T;
-    for (int64_t c = c0; c < c0 + n; c++) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t j = 0; j < s->kernel; j++) {
-            const int64_t at = c * W + t0 + j;
-            const __m256 w = s->bf16 ? bf16x8_to_f((const uint16_t*)window + at) : _mm256_loadu_ps((const float*)window + at);
-            acc = _mm256_add_ps(acc, _mm256_mul_ps(w, _mm256_set1_ps(load(taps, c * s->kernel + j, s->bf16))));
-        }
-        if (s->bf16) acc = round_bf16x8(acc);
-        acc = _mm256_div_ps(acc, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), acc))));
-        if (s->bf16) acc = round_bf16x8(acc);
-        _mm256_storeu_ps(cm + (c - c0) * 8, acc);
+/* Conv, SiLU and (norm: q and k) the L2 norm of L consecutive tokens t0..t0+L-1 of one row, channels [c0, c0 + n) (one
+ * head), a vector holding one channel of the L tokens: conv_block_8 (__m256), and in AVX-512 builds conv_block_16
+ * (__m512, a chunk's blocks of 16 tokens: its lanes do the same arithmetic). Each lane does conv_silu's and l2norm's
+ * arithmetic for its token in their order (the conv's taps in order from 0, the norm's sum over channels in order,
+ * IEEE sqrt and division), so the values are bit for bit the token-at-a-time path's, which short forwards (a plain
+ * step, a verify) and a chunk's last T % 8 tokens take. A prompt's chunk spent much of a layer's time in that path's
+ * scalar per-channel sums. dst: the first token's channel c0 in qkv (rows of C floats); cm: scratch [n][L]. */
+#define CONV_BLOCK(L, V, P, LOAD_BF16, ROUND, EXP)                                                                  \
+    static void conv_block_##L(const Shape* s, const void* window, const void* taps, int64_t t0, int64_t c0,        \
+                               int64_t n, int norm, float scale, float* dst, int64_t C, float* cm) {               \
+        const int64_t W = s->kernel - 1 + s->T;                                                                     \
+        for (int64_t c = c0; c < c0 + n; c++) {                                                                     \
+            V acc = P##_setzero_ps();                                                                               \
+            for (int64_t j = 0; j < s->kernel; j++) {                                                               \
+                const int64_t at = c * W + t0 + j;                                                                  \
+                const V w = s->bf16 ? LOAD_BF16((const uint16_t*)window + at) : P##_loadu_ps((const float*)window + at); \
+                acc = P##_add_ps(acc, P##_mul_ps(w, P##_set1_ps(load(taps, c * s->kernel + j, s->bf16))));         \
+            }                                                                                                       \
+            if (s->bf16) acc = ROUND(acc);                                                                          \
+            acc = P##_div_ps(acc, P##_add_ps(P##_set1_ps(1.0f), EXP(P##_sub_ps(P##_setzero_ps(), acc))));          \
+            if (s->bf16) acc = ROUND(acc);                                                                          \
+            P##_storeu_ps(cm + (c - c0) * L, acc);                                                                  \
+        }                                                                                                           \
+        if (norm) {                                                                                                 \
+            V ss = P##_setzero_ps();                                                                                \
+            for (int64_t i = 0; i < n; i++) {                                                                       \
+                const V x = P##_loadu_ps(cm + i * L);                                                               \
+                ss = P##_add_ps(ss, P##_mul_ps(x, x));                                                              \
+            }                                                                                                       \
+            const V r = P##_div_ps(P##_set1_ps(1.0f), P##_sqrt_ps(P##_add_ps(ss, P##_set1_ps(1e-6f))));            \
+            for (int64_t i = 0; i < n; i++) {                                                                       \
+                V x = P##_mul_ps(P##_loadu_ps(cm + i * L), r);                                                      \
+                if (scale != 1.0f) x = P##_mul_ps(x, P##_set1_ps(scale));                                           \
+                P##_storeu_ps(cm + i * L, x);                                                                       \
+            }                                                                                                       \
+        }                                                                                                           \
+        for (int64_t i = 0; i < n; i++)                                                                             \
+            for (int64_t l = 0; l < L; l++) dst[l * C + i] = cm[i * L + l];                                         \
     }
-    if (norm) {
-        __m256 ss = _mm256_setzero_ps();
-        for (int64_t i = 0; i < n; i++) {
-            const __m256 x = _mm256_loadu_ps(cm + i * 8);
-            ss = _mm256_add_ps(ss, _mm256_mul_ps(x, x));
-        }
-        const __m256 r = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_sqrt_ps(_mm256_add_ps(ss, _mm256_set1_ps(1e-6f))));
-        for (int64_t i = 0; i < n; i++) {
-            __m256 x = _mm256_mul_ps(_mm256_loadu_ps(cm + i * 8), r);
-            if (scale != 1.0f) x = _mm256_mul_ps(x, _mm256_set1_ps(scale));
-            _mm256_storeu_ps(cm + i * 8, x);
-        }
-    }
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t l = 0; l < 8; l++) dst[l * C + i] = cm[i * 8 + l];
-}
+CONV_BLOCK(8, __m256, _mm256, bf16x8_to_f, round_bf16x8, exp8)
+#if defined(__AVX512F__)
+#define BF16X16(p) bf16x16_to_f(p, 16)
+CONV_BLOCK(16, __m512, _mm512, BF16X16, round_bf16x16, exp16)
+#undef BF16X16
+#define CONV_BLOCK_MAX 16
+#else
+#define CONV_BLOCK_MAX 8
+#endif
+#undef CONV_BLOCK
 
 /* Conv and SiLU of tokens t0..T-1 of one row (the tokens a short forward has past its blocks of 8), channels
  * [c0, c0 + n), 8 channels a vector: each lane does conv_silu's arithmetic for its channel (the taps in order from 0,
@@ -309,20 +321,28 @@ int deltanet_decode(int64_t B, int64_t T, int64_t Hk, int64_t Hv, int64_t Kd, in
     const int in_place = updates == ssm;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
-        /* 1: conv, SiLU and norms, split over (row, token, head): blocks of 8 tokens, then the rest one by one */
-        const int64_t parts = 2 * Hk + Hv, TB = T / 8, tail = T - 8 * TB;
+        /* 1: conv, SiLU and norms, split over (row, token, head): blocks of CONV_BLOCK_MAX tokens, then (AVX-512) a
+         * block of 8, then the rest one by one */
+        const int64_t parts = 2 * Hk + Hv, TB = T / CONV_BLOCK_MAX, T8 = (T - CONV_BLOCK_MAX * TB) / 8;
+        const int64_t tail = T - CONV_BLOCK_MAX * TB - 8 * T8;
 #pragma omp for schedule(static)
-        for (int64_t w = 0; w < B * TB * parts; w++) {
-            const int64_t rb = w / parts, p = w % parts, r = rb / TB, t0 = rb % TB * 8;
+        for (int64_t w = 0; w < B * (TB + T8) * parts; w++) {
+            const int64_t rb = w / parts, p = w % parts, r = rb / (TB + T8), b = rb % (TB + T8);
+            const int64_t t0 = b < TB ? b * CONV_BLOCK_MAX : TB * CONV_BLOCK_MAX;
             const int64_t c0 = p < 2 * Hk ? p * Kd : 2 * Hk * Kd + (p - 2 * Hk) * Vd;
             const int64_t n = p < 2 * Hk ? Kd : Vd;
-            float cm[n * 8];
-            conv_block8(&s, (const char*)window + (size_t)(r * C * W) * esize, taps, t0, c0, n, p < 2 * Hk,
-                        p < Hk ? qscale : 1.0f, qkv + (r * T + t0) * C + c0, C, cm);
+            float cm[n * CONV_BLOCK_MAX];
+            const void* wr = (const char*)window + (size_t)(r * C * W) * esize;
+            float* dst = qkv + (r * T + t0) * C + c0;
+#if CONV_BLOCK_MAX == 16
+            if (b < TB) conv_block_16(&s, wr, taps, t0, c0, n, p < 2 * Hk, p < Hk ? qscale : 1.0f, dst, C, cm);
+            else
+#endif
+                conv_block_8(&s, wr, taps, t0, c0, n, p < 2 * Hk, p < Hk ? qscale : 1.0f, dst, C, cm);
         }
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < (tail ? B * parts : 0); w++) {
-            const int64_t r = w / parts, p = w % parts, t0 = 8 * TB;
+            const int64_t r = w / parts, p = w % parts, t0 = T - tail;
             const int64_t c0 = p < 2 * Hk ? p * Kd : 2 * Hk * Kd + (p - 2 * Hk) * Vd;
             const int64_t n = p < 2 * Hk ? Kd : Vd;
             float* dst = qkv + (r * T + t0) * C + c0;
