@@ -8,8 +8,10 @@
  * -ffp-contract=off. The softmax's exp is native.h's vector exp (~1 ulp, as libm's).
  *
  * The work is split by (row, kv head): the G*T queries that read one kv head (its G query heads, at T positions) go
- * through its keys and values together, so each key and value is widened to fp32 once per call rather than once per
- * query; every query still reduces over its own keys in their order, so its arithmetic is the one-query form's. */
+ * through its keys and values together, VBLOCK at a time, so each key and value is widened to fp32 once per call rather
+ * than once per query; every query still reduces over its own keys in their order, so its arithmetic is the one-query
+ * form's (8 rows x 4 tokens over ~400 keys, 6 heads over 2: 934 -> 545 us a call, one thread, AMX Xeon, the same bits;
+ * docs/decisions.md, 2026-12-05 fourth session). */
 
 #include <math.h>
 #include <stdint.h>
@@ -52,6 +54,25 @@ static void exp_shifted(float* p, int64_t n, float m) {
 /* q [B, A, T, D] at strides (sq0, sq1, sq2) (last 1), k [B, Hk, S, D] and v [B, Hk, S, Dv] contiguous, starts [B]
  * (row b's token t sits at position starts[b] + t) -> out [B, A, T, Dv] contiguous, in the model dtype. D % 8 == 0.
  * Query head a reads kv head a / (A / Hk). 0, or -1 when out of memory. */
+/* acc[i] += p[j] * v[j][i] for j < n in order, i < Dv (v: n rows of Dv floats): each sum keeps its order over j (the
+ * one-query form's), 64 of them in registers through the n values (they were loaded and stored again for every
+ * value: at 8 rows x 4 tokens most of a call). */
+#define VBLOCK 64
+static void accumulate(float* acc, const float* p, const float* v, int64_t n, int64_t Dv) {
+    int64_t i0 = 0;
+    for (; i0 + 64 <= Dv; i0 += 64) {
+        __m256 a[8];
+        for (int u = 0; u < 8; u++) a[u] = _mm256_loadu_ps(acc + i0 + 8 * u);
+        for (int64_t j = 0; j < n; j++) {
+            const __m256 pj = _mm256_set1_ps(p[j]);
+            for (int u = 0; u < 8; u++) a[u] = _mm256_add_ps(a[u], _mm256_mul_ps(pj, _mm256_loadu_ps(v + j * Dv + i0 + 8 * u)));
+        }
+        for (int u = 0; u < 8; u++) _mm256_storeu_ps(acc + i0 + 8 * u, a[u]);
+    }
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t i = i0; i < Dv; i++) acc[i] += p[j] * v[j * Dv + i];
+}
+
 int attend_decode(int64_t B, int64_t A, int64_t T, int64_t Hk, int64_t S, int64_t D, int64_t Dv, int bf16,
                   const void* q, int64_t sq0, int64_t sq1, int64_t sq2, const void* k, const void* v,
                   const int64_t* starts, float scale, void* out, int nthreads) {
@@ -60,8 +81,9 @@ int attend_decode(int64_t B, int64_t A, int64_t T, int64_t Hk, int64_t S, int64_
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && B * Hk > 1)
     {
-        /* per query: its row (D), its scores over the keys (S), its running output (Dv), max and sum; one key/value */
-        float* buf = malloc(sizeof(float) * (size_t)(Q * (D + S + Dv + 2) + (D > Dv ? D : Dv)));
+        /* per query: its row (D), its scores over the keys (S), its running output (Dv), max and sum; then VBLOCK keys
+         * or values widened */
+        float* buf = malloc(sizeof(float) * (size_t)(Q * (D + S + Dv + 2) + (D > Dv ? D : Dv) * VBLOCK));
         int64_t* n = malloc(sizeof(int64_t) * (size_t)Q); /* keys each query sees: 0..its position */
         if (!buf || !n) {
 #pragma omp atomic write
@@ -71,7 +93,7 @@ int attend_decode(int64_t B, int64_t A, int64_t T, int64_t Hk, int64_t S, int64_
         for (int64_t w = 0; w < B * Hk; w++) {
             if (!buf || !n) continue;
             const int64_t b = w / Hk, h = w % Hk;
-            float *qf = buf, *p = qf + Q * D, *acc = p + Q * S, *m = acc + Q * Dv, *sum = m + Q, *kf = sum + Q;
+            float *qf = buf, *p = qf + Q * D, *acc = p + Q * S, *m = acc + Q * Dv, *sum = m + Q, *vf = sum + Q;
             int64_t most = 0, nq = 0;
             for (int64_t g = 0; g < G; g++)
                 for (int64_t t = 0; t < T; t++, nq++) {
@@ -84,13 +106,20 @@ int attend_decode(int64_t B, int64_t A, int64_t T, int64_t Hk, int64_t S, int64_
                 }
             const char* kb = (const char*)k + (size_t)((b * Hk + h) * S * D) * es;
             const char* vb = (const char*)v + (size_t)((b * Hk + h) * S * Dv) * es;
-            for (int64_t j = 0; j < most; j++) {
-                widen(kb + (size_t)(j * D) * es, D, bf16, kf);
+            for (int64_t j0 = 0; j0 < most; j0 += VBLOCK) { /* VBLOCK keys widened, then each query's scores over them */
+                const int64_t nj = most - j0 < VBLOCK ? most - j0 : VBLOCK;
+                widen(kb + (size_t)(j0 * D) * es, nj * D, bf16, vf);
                 for (int64_t i_q = 0; i_q < Q; i_q++) {
-                    if (j >= n[i_q]) continue;
-                    const float s = dot8(qf + i_q * D, kf, D) * scale;
-                    p[i_q * S + j] = s;
-                    m[i_q] = s > m[i_q] ? s : m[i_q];
+                    const int64_t last = n[i_q] - j0 < nj ? n[i_q] - j0 : nj;
+                    const float* qq = qf + i_q * D;
+                    float* pq = p + i_q * S + j0;
+                    float mq = m[i_q];
+                    for (int64_t j = 0; j < last; j++) {
+                        const float s = dot8(qq, vf + j * D, D) * scale;
+                        pq[j] = s;
+                        mq = s > mq ? s : mq;
+                    }
+                    m[i_q] = mq;
                 }
             }
             for (int64_t i_q = 0; i_q < Q; i_q++) {
@@ -101,13 +130,12 @@ int attend_decode(int64_t B, int64_t A, int64_t T, int64_t Hk, int64_t S, int64_
                 sum[i_q] = total;
                 for (int64_t i = 0; i < Dv; i++) acc[i_q * Dv + i] = 0.0f;
             }
-            for (int64_t j = 0; j < most; j++) {
-                widen(vb + (size_t)(j * Dv) * es, Dv, bf16, kf);
+            for (int64_t j0 = 0; j0 < most; j0 += VBLOCK) { /* VBLOCK values widened, then each query's sums over them */
+                const int64_t nj = most - j0 < VBLOCK ? most - j0 : VBLOCK;
+                widen(vb + (size_t)(j0 * Dv) * es, nj * Dv, bf16, vf);
                 for (int64_t i_q = 0; i_q < Q; i_q++) {
-                    if (j >= n[i_q]) continue;
-                    const float pj = p[i_q * S + j];
-                    float* aq = acc + i_q * Dv;
-                    for (int64_t i = 0; i < Dv; i++) aq[i] += pj * kf[i];
+                    const int64_t last = n[i_q] - j0 < nj ? n[i_q] - j0 : nj;
+                    if (last > 0) accumulate(acc + i_q * Dv, p + i_q * S + j0, vf, last, Dv);
                 }
             }
             nq = 0;
