@@ -53,8 +53,9 @@ static void silu_n(float* x, int64_t n) {
 
 static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); } /* torch's threshold 20 */
 
-/* Conv + SiLU of one (row, token) for channels [c0, c1): window [C, kernel-1+T] of this row, taps [C, kernel]. */
-static void conv_silu(const Shape* s, const void* window, const void* taps, int64_t t, int64_t c0, int64_t c1,
+/* The conv of one (row, token) for channels [c0, c1), one channel at a time: window [C, kernel-1+T] of this row, taps
+ * [C, kernel] -> out, rounded to the model dtype (the taps in order from 0, a multiply then an add). */
+static void conv_sums(const Shape* s, const void* window, const void* taps, int64_t t, int64_t c0, int64_t c1,
                       float* out) {
     const int64_t W = s->kernel - 1 + s->T;
     for (int64_t c = c0; c < c1; c++) {
@@ -63,14 +64,11 @@ static void conv_silu(const Shape* s, const void* window, const void* taps, int6
             acc += load(window, c * W + t + j, s->bf16) * load(taps, c * s->kernel + j, s->bf16);
         out[c - c0] = s->bf16 ? round_bf16(acc) : acc;
     }
-    silu_n(out, c1 - c0);
-    if (s->bf16)
-        for (int64_t c = 0; c < c1 - c0; c++) out[c] = round_bf16(out[c]);
 }
 
 /* Conv, SiLU and (norm: q and k) the L2 norm of L consecutive tokens t0..t0+L-1 of one row, channels [c0, c0 + n) (one
  * head), a vector holding one channel of the L tokens: conv_block_8 (__m256), and in AVX-512 builds conv_block_16
- * (__m512, a chunk's blocks of 16 tokens: its lanes do the same arithmetic). Each lane does conv_silu's and l2norm's
+ * (__m512, a chunk's blocks of 16 tokens: its lanes do the same arithmetic). Each lane does conv_sums', silu_n's and l2norm's
  * arithmetic for its token in their order (the conv's taps in order from 0, the norm's sum over channels in order,
  * IEEE sqrt and division), so the values are bit for bit the token-at-a-time path's, which short forwards (a plain
  * step, a verify) and a chunk's last T % 8 tokens take. A prompt's chunk spent much of a layer's time in that path's
@@ -119,11 +117,11 @@ CONV_BLOCK(16, __m512, _mm512, BF16X16, round_bf16x16, exp16)
 #undef CONV_BLOCK
 
 /* Conv and SiLU of tokens t0..T-1 of one row (the tokens a short forward has past its blocks of 8), channels
- * [c0, c0 + n), 8 channels a vector: each lane does conv_silu's arithmetic for its channel (the taps in order from 0,
- * a multiply then an add, the same roundings), so the values are bit for bit conv_silu's. conv_silu loaded and
- * converted two bf16 values per multiply-add one channel at a time, which was half of a verify's DeltaNet time; here
- * the 8 channels' window and taps are converted once for all the tokens. dst: token t0's channel c0 in qkv (rows of C
- * floats). Channels past the last multiple of 8 go through conv_silu. */
+ * [c0, c0 + n): the conv 8 channels a vector, each lane conv_sums' arithmetic for its channel (channels past the last
+ * multiple of 8: conv_sums itself), then SiLU over the token's n values (silu_n, rounded as the block path rounds).
+ * conv_sums alone loaded and converted two bf16 values per multiply-add, half of a verify's DeltaNet time; here the 8
+ * channels' window and taps are converted once for all the tokens. dst: token t0's channel c0 in qkv (rows of C
+ * floats). */
 static void conv_tokens(const Shape* s, const void* window, const void* taps, int64_t t0, int64_t c0, int64_t n,
                         float* dst, int64_t C) {
     const int64_t W = s->kernel - 1 + s->T, K = s->kernel, n8 = n / 8 * 8;
@@ -142,14 +140,16 @@ static void conv_tokens(const Shape* s, const void* window, const void* taps, in
             for (int64_t j = 0; j < K; j++) /* lane i: channel c + i's window at t + j, and its tap j */
                 acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_i32gather_ps(win + t + j, wi, 4),
                                                        _mm256_i32gather_ps(tap + j, ki, 4)));
-            if (s->bf16) acc = round_bf16x8(acc);
-            acc = _mm256_div_ps(acc, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), acc))));
-            if (s->bf16) acc = round_bf16x8(acc);
-            _mm256_storeu_ps(dst + (t - t0) * C + (c - c0), acc);
+            _mm256_storeu_ps(dst + (t - t0) * C + (c - c0), s->bf16 ? round_bf16x8(acc) : acc);
         }
     }
-    if (n8 < n)
-        for (int64_t t = t0; t < s->T; t++) conv_silu(s, window, taps, t, c0 + n8, c0 + n, dst + (t - t0) * C + n8);
+    for (int64_t t = t0; t < s->T; t++) {
+        float* out = dst + (t - t0) * C;
+        conv_sums(s, window, taps, t, c0 + n8, c0 + n, out + n8);
+        silu_n(out, n);
+        if (s->bf16)
+            for (int64_t c = 0; c < n; c++) out[c] = round_bf16(out[c]);
+    }
 }
 
 static void l2norm(float* x, int64_t n, float scale) {

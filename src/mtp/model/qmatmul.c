@@ -815,6 +815,34 @@ static void amx_configure(int rows) {
 /* the weights tile of output block b's chunk c times the rows' chunk (tile 4), into sums tile s via tile t */
 #define AMX_MAC(s, t, b, c) do { _tile_loadd(t, w + ((b) * KC + (c)) * 512, 64); _tile_dpbf16ps(s, 4, t); } while (0)
 
+/* Every row (x: M rows at stride XS, KC chunks of 32 inputs) times one set of nb <= 4 output blocks, whose tiles are
+ * w [nb][KC][512] (output blocks b0..), 16 rows at a time -> y; `configured`: the rows the thread's tiles are
+ * configured for (updated). */
+static void amx_set_rows(const uint16_t* x, int64_t XS, int64_t M, const uint16_t* w, int64_t KC, int64_t b0,
+                         int64_t nb, const float* bias, int64_t N, uint16_t* y, int* configured) {
+    float o[16 * 64]; /* [rows][nb x 16] floats, amx_store's input */
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+        const int rows = (int)(M - m0 < 16 ? M - m0 : 16);
+        if (rows != *configured) amx_configure(*configured = rows);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t c = 0; c < KC; c++) {
+            _tile_loadd(4, x + m0 * XS + c * 32, XS * 2);
+            AMX_MAC(0, 5, 0, c);
+            if (nb > 1) AMX_MAC(1, 6, 1, c);
+            if (nb > 2) AMX_MAC(2, 7, 2, c);
+            if (nb > 3) AMX_MAC(3, 5, 3, c);
+        }
+        _tile_stored(0, o, nb * 64);
+        if (nb > 1) _tile_stored(1, o + 16, nb * 64);
+        if (nb > 2) _tile_stored(2, o + 32, nb * 64);
+        if (nb > 3) _tile_stored(3, o + 48, nb * 64);
+        amx_store(o, rows, nb, b0, m0, bias, N, y);
+    }
+}
+
 int bf16_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, int64_t N, uint16_t* y,
                 int nthreads) {
     const int64_t KC = (K + 31) / 32, XS = KC * 32, NB = (N + 15) / 16, sets = (NB + 3) / 4;
@@ -827,31 +855,10 @@ int bf16_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, cons
 #pragma omp parallel num_threads(nthreads)
     {
         int configured = 0; /* rows the tiles are configured for (each thread configures its own) */
-        float o[16 * 64];
 #pragma omp for schedule(static)
         for (int64_t set = 0; set < sets; set++) {
             const int64_t b0 = set * 4, nb = NB - b0 < 4 ? NB - b0 : 4;
-            for (int64_t m0 = 0; m0 < M; m0 += 16) {
-                const int rows = (int)(M - m0 < 16 ? M - m0 : 16);
-                if (rows != configured) amx_configure(configured = rows);
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int64_t c = 0; c < KC; c++) {
-                    _tile_loadd(4, xa + m0 * XS + c * 32, XS * 2);
-                    AMX_MAC(0, 5, b0, c);
-                    if (nb > 1) AMX_MAC(1, 6, b0 + 1, c);
-                    if (nb > 2) AMX_MAC(2, 7, b0 + 2, c);
-                    if (nb > 3) AMX_MAC(3, 5, b0 + 3, c);
-                }
-                /* [rows][nb x 16] floats, amx_store's input */
-                _tile_stored(0, o, nb * 64);
-                if (nb > 1) _tile_stored(1, o + 16, nb * 64);
-                if (nb > 2) _tile_stored(2, o + 32, nb * 64);
-                if (nb > 3) _tile_stored(3, o + 48, nb * 64);
-                amx_store(o, rows, nb, b0, m0, bias, N, y);
-            }
+            amx_set_rows(xa, XS, M, w + b0 * KC * 512, KC, b0, nb, bias, N, y, &configured);
         }
         if (configured) _tile_release();
     }
@@ -887,7 +894,7 @@ static void dq8_tiles(const uint8_t* w, const float* sw, int64_t K, int64_t N, i
         const int64_t b = b0 + i;
         const __m512 sc = _mm512_maskz_loadu_ps(lanes16(N - 16 * b), sw + 16 * b); /* (pad outputs: 0) */
         const uint8_t *g0 = w + 2 * b * KQ * 32, *g1 = g0 + KQ * 32;
-        const int two = 16 * b + 8 < (N + 7) / 8 * 8; /* group 2b + 1 exists */
+        const int two = 2 * b + 1 < (N + 7) / 8; /* group 2b + 1 exists */
         for (int64_t kc = 0; kc < KQ; kc++) {
             const __m256i lo = _mm256_loadu_si256((const __m256i*)(g0 + kc * 32));
             const __m256i hi = two ? _mm256_loadu_si256((const __m256i*)(g1 + kc * 32)) : _mm256_set1_epi8((char)Q8_OFFSET);
@@ -943,62 +950,54 @@ static void dq4_tiles(const uint8_t* w, const float* s, const float* lo, int64_t
     }
 }
 
-/* x bf16 [M, K] (K % 32 == 0) times the weights DQ decodes, bias fp32 [N] or NULL -> y bf16 [M, N]; 0 or -1 (memory) */
-#define WIDE_ROWS(DQ)                                                                                               \
-    do {                                                                                                            \
-        const int64_t KC = K / 32, NB = (N + 15) / 16, sets = (NB + 3) / 4;                                         \
-        uint16_t* ub = malloc(sizeof(uint16_t) * (size_t)(4 * KC * 512 * nthreads));                                \
-        if (!ub) return -1;                                                                                         \
-        _Pragma("omp parallel num_threads(nthreads)") {                                                             \
-            int configured = 0;                                                                                     \
-            float o[16 * 64];                                                                                       \
-            const uint16_t* w = ub + (size_t)(4 * KC * 512) * (size_t)omp_get_thread_num();                       \
-            _Pragma("omp for schedule(static)") for (int64_t set = 0; set < sets; set++) {                          \
-                const int64_t b0 = set * 4, nb = NB - b0 < 4 ? NB - b0 : 4;                                         \
-                DQ(b0, nb, (uint16_t*)w);                                                                           \
-                for (int64_t m0 = 0; m0 < M; m0 += 16) {                                                            \
-                    const int rows = (int)(M - m0 < 16 ? M - m0 : 16);                                              \
-                    if (rows != configured) amx_configure(configured = rows);                                       \
-                    _tile_zero(0);                                                                                  \
-                    _tile_zero(1);                                                                                  \
-                    _tile_zero(2);                                                                                  \
-                    _tile_zero(3);                                                                                  \
-                    for (int64_t c = 0; c < KC; c++) {                                                              \
-                        _tile_loadd(4, x + m0 * K + c * 32, K * 2);                                                 \
-                        AMX_MAC(0, 5, 0, c);                                                                        \
-                        if (nb > 1) AMX_MAC(1, 6, 1, c);                                                            \
-                        if (nb > 2) AMX_MAC(2, 7, 2, c);                                                            \
-                        if (nb > 3) AMX_MAC(3, 5, 3, c);                                                            \
-                    }                                                                                               \
-                    _tile_stored(0, o, nb * 64);                                                                    \
-                    if (nb > 1) _tile_stored(1, o + 16, nb * 64);                                                   \
-                    if (nb > 2) _tile_stored(2, o + 32, nb * 64);                                                   \
-                    if (nb > 3) _tile_stored(3, o + 48, nb * 64);                                                   \
-                    amx_store(o, rows, nb, b0, m0, bias, N, y);                                                     \
-                }                                                                                                   \
-            }                                                                                                       \
-            if (configured) _tile_release();                                                                        \
-        }                                                                                                           \
-        free(ub);                                                                                                   \
-        return 0;                                                                                                   \
-    } while (0)
+/* the codes a wide product decodes (int8: w, s = the per-output scales; int4: w, s, lo, G) */
+typedef struct {
+    const uint8_t* w;
+    const float *s, *lo;
+    int64_t K, G, N;
+} Codes;
+
+static void dq8_set(const Codes* q, int64_t b0, int64_t nb, uint16_t* u) { dq8_tiles(q->w, q->s, q->K, q->N, b0, nb, u); }
+static void dq4_set(const Codes* q, int64_t b0, int64_t nb, uint16_t* u) {
+    dq4_tiles(q->w, q->s, q->lo, q->K, q->G, q->N, b0, nb, u);
+}
+
+/* x bf16 [M, K] (K % 32 == 0) times the weights `decode` writes set by set, bias fp32 [N] or NULL -> y bf16 [M, N];
+ * 0 or -1 (memory) */
+static int wide_rows(const uint16_t* x, int64_t M, const Codes* q, void (*decode)(const Codes*, int64_t, int64_t, uint16_t*),
+                     const float* bias, uint16_t* y, int nthreads) {
+    const int64_t K = q->K, N = q->N, KC = K / 32, NB = (N + 15) / 16, sets = (NB + 3) / 4;
+    uint16_t* ub = malloc(sizeof(uint16_t) * (size_t)(4 * KC * 512 * nthreads)); /* a set's tiles, per thread */
+    if (!ub) return -1;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int configured = 0;
+        uint16_t* u = ub + (size_t)(4 * KC * 512) * (size_t)omp_get_thread_num();
+#pragma omp for schedule(static)
+        for (int64_t set = 0; set < sets; set++) {
+            const int64_t b0 = set * 4, nb = NB - b0 < 4 ? NB - b0 : 4;
+            decode(q, b0, nb, u);
+            amx_set_rows(x, K, M, u, KC, b0, nb, bias, N, y, &configured);
+        }
+        if (configured) _tile_release();
+    }
+    free(ub);
+    return 0;
+}
 
 /* as q8_linear's arguments */
 int q8_linear_wide(const uint16_t* x, int64_t M, int64_t K, const uint8_t* wq, const float* sw, const float* bias,
                    int64_t N, uint16_t* y, int nthreads) {
-#define DQ8(b0, nb, u) dq8_tiles(wq, sw, K, N, b0, nb, u)
-    WIDE_ROWS(DQ8);
-#undef DQ8
+    const Codes q = {wq, sw, NULL, K, 0, N};
+    return wide_rows(x, M, &q, dq8_set, bias, y, nthreads);
 }
 
 /* as q4_linear's arguments */
 int q4_linear_wide(const uint16_t* x, int64_t M, int64_t K, const uint8_t* wq, const float* s, const float* lo,
                    int64_t G, const float* bias, int64_t N, uint16_t* y, int nthreads) {
-#define DQ4(b0, nb, u) dq4_tiles(wq, s, lo, K, G, N, b0, nb, u)
-    WIDE_ROWS(DQ4);
-#undef DQ4
+    const Codes q = {wq, s, lo, K, G, N};
+    return wide_rows(x, M, &q, dq4_set, bias, y, nthreads);
 }
-#undef WIDE_ROWS
 #undef AMX_MAC
 
 #else
