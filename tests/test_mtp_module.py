@@ -97,3 +97,30 @@ def test_dedicated_embeddings_use_their_own_tables():
     model.mtp.embed_tokens.weight.data.normal_()  # and the MTP reads its own embedding table
     assert not torch.allclose(model.mtp_logits(ids)[0], 2 * before)
     torch.testing.assert_close(model(ids), backbone)
+
+
+@pytest.mark.parametrize("style,dtype,drafts", [("sequential", torch.float32, None), ("sequential", torch.bfloat16, None),
+                                                ("sequential", torch.bfloat16, "int8"), ("parallel", torch.bfloat16, None)])
+def test_reading_a_prompt_writes_the_caches_a_full_step_writes(style, dtype, drafts):
+    """The decoder reads a prompt into the MTP's caches with `mtp_fill` (the layer's keys and values, no attention, no
+    MLP): the entries equal, bit for bit, those of the full `mtp_step`, so the drafts after it are the same."""
+    from mtp.model.linear import prompt_products
+
+    model = tiny_model(mtp_style=style, mtp_num_hidden_layers=2 if style == "parallel" else 1).to(dtype)
+    model.prepare_for_inference()
+    if drafts:
+        model.quantize_drafts(drafts)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (1, 90), generator=g)
+    with torch.inference_mode():
+        hidden = model.hidden(ids, model.new_cache(1, 96))
+        for T in (89, 70, 9):  # rows on the bf16 tiles (>= 64) and not, where the build has them
+            full, filled = model.new_mtp_cache(1, 96), model.new_mtp_cache(1, 96)
+            with prompt_products():
+                for d in range(1, 2 if style == "sequential" else 3):
+                    nxt = ids[:, 1 : T + 1] if style == "sequential" else None
+                    model.mtp_step(d, hidden[:, :T], nxt, 0, full)
+                    model.mtp_fill(d, hidden[:, :T], nxt, 0, filled)
+            for a, b in zip(full, filled):
+                assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+            assert any(a.k[:, :, :T].abs().sum() > 0 for a in filled)

@@ -271,13 +271,13 @@ class Decoder:
             st.seen[row, torch.tensor(seq.prompt + [first], device=model.device)] = True
         if self.use_mtp:
             nxt = seq.prompt[1:] + [first]
-            if P > 1:  # the MTP reads the prompt now, all but its last position
+            if P > 1:  # the MTP reads the prompt now, all but its last position: its caches only (`mtp_fill`)
                 views = [c.rows(row, row + 1) for c in st.mtp_cache]
                 depths = range(1, 2) if model.mtp.style == "sequential" else range(1, model.mtp.num_layers + 1)
                 with prompt_products():  # (int4/int8 drafts: the prompt's rows on the bf16 tiles)
                     for d in depths:
                         ids = torch.tensor([nxt[:-1]], device=model.device) if model.mtp.style == "sequential" else None
-                        model.mtp_step(d, hidden[None, :-1], ids, 0, views)
+                        model.mtp_fill(d, hidden[None, :-1], ids, 0, views)
             st.mtp_pos[row], st.pend_n[row] = P - 1, 1
             st.pend_h[row, 0], st.pend_next[row, 0] = hidden[-1], first
             self.mtp_pos[row], self.pend_n[row] = P - 1, 1

@@ -46,6 +46,17 @@ class GatedAttention(nn.Module):
         out = act.sigmoid_mul(out, gate) if act.usable(out, gate) else out * rowwise(torch.sigmoid, gate)
         return self.o_proj(out), None
 
+    def fill(self, x: torch.Tensor, pos: Positions, cache: KVCache) -> None:
+        """`forward`'s keys and values of x [B, T, H] at positions pos.start.. written into `cache`, and nothing else: no
+        query attends (an MTP layer reading a prompt only needs what later drafts attend to). The same projection
+        (its fused query columns included) and the same key norm and rotation, so the same entries as `forward`."""
+        B, T, _ = x.shape
+        D = self.head_dim
+        _, k, v = project(self, x, "q_proj", "k_proj", "v_proj")
+        k = self.k_norm(k.reshape(B, T, self.num_kv_heads, D)).transpose(1, 2)
+        v = v.reshape(B, T, self.num_kv_heads, D).transpose(1, 2)
+        cache.write(apply_rope(k, pos.cos, pos.sin), v, pos.start)
+
     def new_state(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:
         return KVCache.allocate(batch, self.num_kv_heads, max_len, self.head_dim, self.head_dim, dtype, device)
 

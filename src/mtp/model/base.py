@@ -99,6 +99,11 @@ class MTPModule(nn.Module, ABC):
              cache: KVCache | None = None) -> torch.Tensor:
         """h^{d-1} [B, T, H] (+ the embedding of the tokens d ahead [B, T, H], sequential style) -> h^d [B, T, H]."""
 
+    def fill(self, d: int, hidden: torch.Tensor, emb: torch.Tensor | None, pos: Positions, cache: KVCache) -> None:
+        """`step`'s writes into depth d's cache at pos (what later drafts attend to), its output not needed (the MTP
+        reading a prompt). A family whose layer can write its cache alone overrides this; the default runs `step`."""
+        self.step(d, hidden, emb, pos, cache)
+
     def new_state(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> list[KVCache]:
         """One decode state per layer."""
         return [layer.new_state(batch, max_len, dtype, device) for layer in self.layers]
@@ -527,6 +532,13 @@ class CausalLM(nn.Module, ABC):
         pos = start if isinstance(start, Positions) else self.positions(start, hidden.shape[1])
         pos.router_logits = router_logits
         return mtp.step(d, hidden, emb, pos, cache)
+
+    def mtp_fill(self, d: int, hidden: torch.Tensor, next_ids: torch.Tensor | None, start: int, caches: list) -> None:
+        """`mtp_step`'s cache writes for depth d at positions start..start+T-1 without its output (`MTPModule.fill`):
+        h^{d-1} [B, T, H], the tokens that follow each position [B, T] (None for parallel heads)."""
+        mtp = self.mtp
+        emb = self.mtp_embed(next_ids, d) if mtp.style == "sequential" else None
+        mtp.fill(d, hidden, emb, self.positions(start, hidden.shape[1]), caches[mtp.layer_for_depth(d)])
 
     def mtp_hidden_states(self, ids: torch.Tensor, depth: int | None = None, hidden: torch.Tensor | None = None,
                           router_logits: list | None = None) -> Iterator[torch.Tensor]:

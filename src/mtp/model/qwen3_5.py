@@ -110,6 +110,17 @@ class Qwen35MTP(MTPModule):
         x, _ = self.layers[i](x, pos, cache)
         return self.norm(x)
 
+    def fill(self, d: int, hidden: torch.Tensor, emb: torch.Tensor | None, pos: Positions, cache: KVCache) -> None:
+        """`MTPModule.fill`: the layer's keys and values only (an MTP layer is a full-attention layer): the input
+        projection, the layer's input norm and its attention's key/value projection, not the attention, its output
+        or the MLP (a prompt's read of the shipped model's MTP: ~2.9x fewer products)."""
+        if self.style == "sequential":
+            x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        else:
+            x = hidden
+        layer = self.layers[self.layer_for_depth(d)]
+        layer.self_attn.fill(layer.input_layernorm(x), pos, cache)
+
 
 class Qwen35ForCausalLM(CausalLM):
     """Backbone + output head + MTP module (`mtp`, None when the checkpoint has no usable MTP).
