@@ -204,3 +204,23 @@ def test_cli_prints_one_line_for_a_bad_checkpoint(saved, tmp_path):
         assert len(lines) == 1 and lines[0].startswith("mtp generate: error: ") and message in lines[0], r.stderr
     r = run_cli("--model", str(nan))  # without --strict: it runs, and stderr says why the output is garbage
     assert r.returncode == 0 and "NaN or Inf in tensor 'model.embed_tokens.weight'" in r.stderr, r.stderr
+
+
+def test_a_load_pauses_the_garbage_collector_and_gives_it_back(tmp_path):
+    """load_model runs with the cyclic collector paused (a quarter of a load was collections) and leaves it as it
+    found it, also when the load fails."""
+    import gc
+
+    from mtp.model.checkpoint import load_model
+
+    assert gc.isenabled()
+    with pytest.raises(mtp.CheckpointError):
+        load_model(tmp_path)  # no config.json
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with pytest.raises(mtp.CheckpointError):
+            load_model(tmp_path)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -13,6 +13,8 @@ of the previous checkpoint that are no longer part of it (`io/files.py`): a fail
 
 from __future__ import annotations
 
+import functools
+import gc
 import json
 import logging
 import re
@@ -77,6 +79,26 @@ def _checkpoint_dtype(files: TensorIndex, names: list[str]) -> torch.dtype:
     return best if best in DTYPE_NAMES.values() else torch.float32
 
 
+def _gc_paused(fn):
+    """fn run with the cyclic garbage collector paused: a load builds many small objects (modules, parameters, the
+    headers' entries), and the collections they set off took a quarter of loading the shipped model (0.95 -> 0.70 s
+    without them, docs/decisions.md 2026-12-06). Garbage is still freed by its reference counts; cycles wait for the
+    next collection after the load."""
+
+    @functools.wraps(fn)
+    def paused(*args, **kwargs):
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if enabled:
+                gc.enable()
+
+    return paused
+
+
+@_gc_paused
 def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str | torch.device = "cpu",
                config=None, revision: str | None = None, quantize: str | None = None, strict: bool = False,
                release: bool = False) -> CausalLM:
