@@ -272,52 +272,30 @@ static void q8_store(const float* o, int64_t R, int64_t W, int64_t ldo, int64_t 
         }
 }
 
-/* rows m0..m0+R-1 against group g -> y */
-static void q8_tile(const uint8_t* w, int64_t g, int64_t K, const QRows* q, int64_t m0, int64_t R, const float* sw,
-                    const float* bias, int64_t N, uint16_t* y) {
-    const int64_t nb = K / 32;
-    const int8_t* xq = q->xq + m0 * K;
-    const float* dx = q->dx + m0 * nb;
-    const int32_t* xs = q->xs + m0 * nb;
-    float o[TILE_ROWS * 8];
-    switch (R) {
-        case 1: q8_tile_1_1(w, g, K, xq, dx, xs, nb, o); break;
-        case 2: q8_tile_2_1(w, g, K, xq, dx, xs, nb, o); break;
-        case 3: q8_tile_3_1(w, g, K, xq, dx, xs, nb, o); break;
+typedef void (*Q8Rows)(const uint8_t*, int64_t, int64_t, const int8_t*, const float*, const int32_t*, int64_t, float*);
+/* R rows (1..TILE_ROWS) of one group, and (VNNI builds) of a pair of groups from 2 rows on */
+static const Q8Rows q8_tiles[TILE_ROWS] = {q8_tile_1_1, q8_tile_2_1, q8_tile_3_1, q8_tile_4_1,
 #if TILE_ROWS == 8
-        case 4: q8_tile_4_1(w, g, K, xq, dx, xs, nb, o); break;
-        case 5: q8_tile_5_1(w, g, K, xq, dx, xs, nb, o); break;
-        case 6: q8_tile_6_1(w, g, K, xq, dx, xs, nb, o); break;
-        case 7: q8_tile_7_1(w, g, K, xq, dx, xs, nb, o); break;
-        default: q8_tile_8_1(w, g, K, xq, dx, xs, nb, o);
-#else
-        default: q8_tile_4_1(w, g, K, xq, dx, xs, nb, o);
+                                          q8_tile_5_1, q8_tile_6_1, q8_tile_7_1, q8_tile_8_1
 #endif
-    }
-    q8_store(o, R, 8, 8, g * 8, m0, sw, bias, N, y);
-}
-
+};
 #ifdef Q8_PAIRS
-/* rows m0..m0+R-1 against groups g and g + 1 -> y */
-static void q8_pair(const uint8_t* w, int64_t g, int64_t K, const QRows* q, int64_t m0, int64_t R, const float* sw,
-                    const float* bias, int64_t N, uint16_t* y) {
-    const int64_t nb = K / 32;
-    const int8_t* xq = q->xq + m0 * K;
-    const float* dx = q->dx + m0 * nb;
-    const int32_t* xs = q->xs + m0 * nb;
-    float o[TILE_ROWS * 16];
-    switch (R) {
-        case 2: q8_pair_2(w, g, K, xq, dx, xs, nb, o); break;
-        case 3: q8_pair_3(w, g, K, xq, dx, xs, nb, o); break;
-        case 4: q8_pair_4(w, g, K, xq, dx, xs, nb, o); break;
-        case 5: q8_pair_5(w, g, K, xq, dx, xs, nb, o); break;
-        case 6: q8_pair_6(w, g, K, xq, dx, xs, nb, o); break;
-        case 7: q8_pair_7(w, g, K, xq, dx, xs, nb, o); break;
-        default: q8_pair_8(w, g, K, xq, dx, xs, nb, o);
-    }
-    q8_store(o, R, 16, 16, g * 8, m0, sw, bias, N, y);
-}
+static const Q8Rows q8_pairs[TILE_ROWS] = {NULL, q8_pair_2, q8_pair_3, q8_pair_4, q8_pair_5, q8_pair_6, q8_pair_7, q8_pair_8};
 #endif
+
+/* rows m0..m0+R-1 against group g (pair: groups g and g + 1, through q8_pairs) -> y */
+static void q8_tile(const uint8_t* w, int64_t g, int pair, int64_t K, const QRows* q, int64_t m0, int64_t R,
+                    const float* sw, const float* bias, int64_t N, uint16_t* y) {
+    const int64_t nb = K / 32, W = pair ? 16 : 8;
+    float o[TILE_ROWS * 16];
+#ifdef Q8_PAIRS
+    const Q8Rows rows = (pair ? q8_pairs : q8_tiles)[R - 1];
+#else
+    const Q8Rows rows = q8_tiles[R - 1];
+#endif
+    rows(w, g, K, q->xq + m0 * K, q->dx + m0 * nb, q->xs + m0 * nb, nb, o);
+    q8_store(o, R, W, W, g * 8, m0, sw, bias, N, y);
+}
 
 /* int4 codes (pack_int4 in qmatmul.py), interleaved as the int8 ones: groups of 8 outputs, [N/8][K/8][8][4] bytes,
  * byte (g, c, j, i) = output 8g+j's code for input 8c+i in its low nibble and for input 8c+4+i in its high one, so
@@ -503,51 +481,31 @@ static void sum_store(const float* o, int64_t R, int64_t W, int64_t ldo, int64_t
         }
 }
 
-/* rows m0..m0+R-1 against group g -> y */
-static void q4_tile(const uint8_t* w, const float* s, const float* lo, int64_t G, int64_t g, int64_t K, const QRows* q,
-                    const float* xg, int64_t m0, int64_t R, const float* bias, int64_t N, uint16_t* y) {
-    const int64_t nb = K / 32, ng = K / G;
-    const int8_t* xq = q->xq + m0 * K;
-    const float *dx = q->dx + m0 * nb, *xr = xg + m0 * ng;
-    float o[TILE_ROWS * 8];
-    switch (R) {
-        case 1: q4_tile_1(w, s, lo, g, K, G, xq, dx, xr, nb, o); break;
-        case 2: q4_tile_2(w, s, lo, g, K, G, xq, dx, xr, nb, o); break;
-        case 3: q4_tile_3(w, s, lo, g, K, G, xq, dx, xr, nb, o); break;
+typedef void (*Q4Rows)(const uint8_t*, const float*, const float*, int64_t, int64_t, int64_t, const int8_t*, const float*,
+                       const float*, int64_t, float*);
+/* R rows (1..TILE_ROWS) of one group, and (VNNI builds) of a pair of groups */
+static const Q4Rows q4_tiles[TILE_ROWS] = {q4_tile_1, q4_tile_2, q4_tile_3, q4_tile_4,
 #if TILE_ROWS == 8
-        case 4: q4_tile_4(w, s, lo, g, K, G, xq, dx, xr, nb, o); break;
-        case 5: q4_tile_5(w, s, lo, g, K, G, xq, dx, xr, nb, o); break;
-        case 6: q4_tile_6(w, s, lo, g, K, G, xq, dx, xr, nb, o); break;
-        case 7: q4_tile_7(w, s, lo, g, K, G, xq, dx, xr, nb, o); break;
-        default: q4_tile_8(w, s, lo, g, K, G, xq, dx, xr, nb, o);
-#else
-        default: q4_tile_4(w, s, lo, g, K, G, xq, dx, xr, nb, o);
+                                          q4_tile_5, q4_tile_6, q4_tile_7, q4_tile_8
 #endif
-    }
-    sum_store(o, R, 8, 8, g * 8, m0, bias, N, y);
-}
-
+};
 #ifdef Q4_PAIRS
-/* rows m0..m0+R-1 against groups g and g + 1 -> y */
-static void q4_pair(const uint8_t* w, const float* s, const float* lo, int64_t G, int64_t g, int64_t K, const QRows* q,
-                    const float* xg, int64_t m0, int64_t R, const float* bias, int64_t N, uint16_t* y) {
-    const int64_t nb = K / 32, ng = K / G;
-    const int8_t* xq = q->xq + m0 * K;
-    const float *dx = q->dx + m0 * nb, *xr = xg + m0 * ng;
-    float o[TILE_ROWS * 16];
-    switch (R) {
-        case 1: q4_pair_1(w, s, lo, g, K, G, xq, dx, xr, nb, o); break;
-        case 2: q4_pair_2(w, s, lo, g, K, G, xq, dx, xr, nb, o); break;
-        case 3: q4_pair_3(w, s, lo, g, K, G, xq, dx, xr, nb, o); break;
-        case 4: q4_pair_4(w, s, lo, g, K, G, xq, dx, xr, nb, o); break;
-        case 5: q4_pair_5(w, s, lo, g, K, G, xq, dx, xr, nb, o); break;
-        case 6: q4_pair_6(w, s, lo, g, K, G, xq, dx, xr, nb, o); break;
-        case 7: q4_pair_7(w, s, lo, g, K, G, xq, dx, xr, nb, o); break;
-        default: q4_pair_8(w, s, lo, g, K, G, xq, dx, xr, nb, o);
-    }
-    sum_store(o, R, 16, 16, g * 8, m0, bias, N, y);
-}
+static const Q4Rows q4_pairs[TILE_ROWS] = {q4_pair_1, q4_pair_2, q4_pair_3, q4_pair_4, q4_pair_5, q4_pair_6, q4_pair_7, q4_pair_8};
 #endif
+
+/* rows m0..m0+R-1 against group g (pair: groups g and g + 1, through q4_pairs) -> y */
+static void q4_tile(const uint8_t* w, const float* s, const float* lo, int64_t G, int64_t g, int pair, int64_t K,
+                    const QRows* q, const float* xg, int64_t m0, int64_t R, const float* bias, int64_t N, uint16_t* y) {
+    const int64_t nb = K / 32, ng = K / G, W = pair ? 16 : 8;
+    float o[TILE_ROWS * 16];
+#ifdef Q4_PAIRS
+    const Q4Rows rows = (pair ? q4_pairs : q4_tiles)[R - 1];
+#else
+    const Q4Rows rows = q4_tiles[R - 1];
+#endif
+    rows(w, s, lo, g, K, G, q->xq + m0 * K, q->dx + m0 * nb, xg + m0 * ng, nb, o);
+    sum_store(o, R, W, W, g * 8, m0, bias, N, y);
+}
 
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
 #define QMATMUL_AMX_INT 1
@@ -743,15 +701,15 @@ int q8_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const f
     for (int64_t u = 0; u < (G + 1) / 2; u++) /* pairs of groups, a last one alone */
         for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
             const int64_t R = M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS;
-            if (R > 1 && 2 * u + 1 < G) q8_pair(w, 2 * u, K, &q, m0, R, sw, bias, N, y);
+            if (R > 1 && 2 * u + 1 < G) q8_tile(w, 2 * u, 1, K, &q, m0, R, sw, bias, N, y);
             else /* one row: the 256-bit tiles (the pair measured 5-10% slower at code-small widths) */
-                for (int64_t g = 2 * u; g < 2 * u + 2 && g < G; g++) q8_tile(w, g, K, &q, m0, R, sw, bias, N, y);
+                for (int64_t g = 2 * u; g < 2 * u + 2 && g < G; g++) q8_tile(w, g, 0, K, &q, m0, R, sw, bias, N, y);
         }
 #else
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t g = 0; g < G; g++)
         for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS)
-            q8_tile(w, g, K, &q, m0, M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS, sw, bias, N, y);
+            q8_tile(w, g, 0, K, &q, m0, M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS, sw, bias, N, y);
 #endif
     free_rows(&q);
     return 0;
@@ -793,14 +751,13 @@ int q4_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const f
     for (int64_t u = 0; u < (NG + 1) / 2; u++) /* pairs of groups, a last one alone */
         for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
             const int64_t R = M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS;
-            if (2 * u + 1 < NG) q4_pair(w, s, lo, G, 2 * u, K, &q, xg, m0, R, bias, N, y);
-            else q4_tile(w, s, lo, G, 2 * u, K, &q, xg, m0, R, bias, N, y);
+            q4_tile(w, s, lo, G, 2 * u, 2 * u + 1 < NG, K, &q, xg, m0, R, bias, N, y);
         }
 #else
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t g = 0; g < NG; g++)
         for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS)
-            q4_tile(w, s, lo, G, g, K, &q, xg, m0, M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS, bias, N, y);
+            q4_tile(w, s, lo, G, g, 0, K, &q, xg, m0, M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS, bias, N, y);
 #endif
     free(xg);
     free_rows(&q);

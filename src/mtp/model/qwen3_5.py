@@ -100,10 +100,7 @@ class Qwen35MTP(MTPModule):
     def step(self, d: int, hidden: torch.Tensor, emb: torch.Tensor | None, pos: Positions,
              cache: KVCache | None = None) -> torch.Tensor:
         """One depth: h^{d-1} [B, T, H] (+ emb of the next tokens [B, T, H]) -> h^d [B, T, H]."""
-        if self.style == "sequential":
-            x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1))
-        else:
-            x = hidden
+        x = self.layer_input(hidden, emb)
         i = self.layer_for_depth(d)
         if pos.decoding and (done := step.mtp_layer(self, i, x, cache, pos)) is not None:  # one C call: the same bits
             return done
@@ -114,12 +111,14 @@ class Qwen35MTP(MTPModule):
         """`MTPModule.fill`: the layer's keys and values only (an MTP layer is a full-attention layer): the input
         projection, the layer's input norm and its attention's key/value projection, not the attention, its output
         or the MLP (a prompt's read of the shipped model's MTP: ~2.9x fewer products)."""
-        if self.style == "sequential":
-            x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1))
-        else:
-            x = hidden
         layer = self.layers[self.layer_for_depth(d)]
-        layer.self_attn.fill(layer.input_layernorm(x), pos, cache)
+        layer.self_attn.fill(layer.input_layernorm(self.layer_input(hidden, emb)), pos, cache)
+
+    def layer_input(self, hidden: torch.Tensor, emb: torch.Tensor | None) -> torch.Tensor:
+        """A depth's layer input [B, T, H]: fc([norm(emb); norm(h^{d-1})]) (sequential), h^0 itself (parallel heads)."""
+        if self.style != "sequential":
+            return hidden
+        return self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1))
 
 
 class Qwen35ForCausalLM(CausalLM):
