@@ -36,26 +36,25 @@ class GatedAttention(nn.Module):
         q, k, v = project(self, x, "q_proj", "k_proj", "v_proj")
         q, gate = q.reshape(B, T, self.num_heads, 2 * D).chunk(2, dim=-1)
         gate = gate.reshape(B, T, self.num_heads * D)
-        q = self.q_norm(q).transpose(1, 2)  # [B, A, T, D]
-        k = self.k_norm(k.reshape(B, T, self.num_kv_heads, D)).transpose(1, 2)
-        v = v.reshape(B, T, self.num_kv_heads, D).transpose(1, 2)
-        q, k = apply_rope(q, pos.cos, pos.sin), apply_rope(k, pos.cos, pos.sin)
-        out = attend(q, k, v, cache, pos, D**-0.5)
+        q = apply_rope(self.q_norm(q).transpose(1, 2), pos.cos, pos.sin)  # [B, A, T, D]
+        out = attend(q, *self.keys_values(k, v, pos), cache, pos, D**-0.5)
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * D)
         # inference on a CPU: one C call, the same roundings
         out = act.sigmoid_mul(out, gate) if act.usable(out, gate) else out * rowwise(torch.sigmoid, gate)
         return self.o_proj(out), None
 
+    def keys_values(self, k: torch.Tensor, v: torch.Tensor, pos: Positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """The projection's keys and values [B, T, Hk*D] -> normalised, rotated keys and values [B, Hk, T, D]."""
+        B, T, _ = k.shape
+        k = self.k_norm(k.reshape(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        return apply_rope(k, pos.cos, pos.sin), v.reshape(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+
     def fill(self, x: torch.Tensor, pos: Positions, cache: KVCache) -> None:
         """`forward`'s keys and values of x [B, T, H] at positions pos.start.. written into `cache`, and nothing else: no
-        query attends (an MTP layer reading a prompt only needs what later drafts attend to). The same projection
-        (its fused query columns included) and the same key norm and rotation, so the same entries as `forward`."""
-        B, T, _ = x.shape
-        D = self.head_dim
+        query attends (an MTP layer reading a prompt only needs what later drafts attend to). The same projection (its
+        fused query columns included) and `keys_values`, so the same entries as `forward`."""
         _, k, v = project(self, x, "q_proj", "k_proj", "v_proj")
-        k = self.k_norm(k.reshape(B, T, self.num_kv_heads, D)).transpose(1, 2)
-        v = v.reshape(B, T, self.num_kv_heads, D).transpose(1, 2)
-        cache.write(apply_rope(k, pos.cos, pos.sin), v, pos.start)
+        cache.write(*self.keys_values(k, v, pos), pos.start)
 
     def new_state(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:
         return KVCache.allocate(batch, self.num_kv_heads, max_len, self.head_dim, self.head_dim, dtype, device)
