@@ -6,6 +6,8 @@ other kernels, hooks, changed weights, bad input."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -13,10 +15,10 @@ import mtp
 import test_batch
 from conftest import tiny_model, trained_tiny_model
 from mtp.decode import round_kernel
-from mtp.model import act, step
+from mtp.model import act, qmatmul, step
 from mtp.model.base import CausalLM
 from mtp.model.cache import DeltaSteps
-from mtp.model.linear import renew_prepared
+from mtp.model.linear import prompt_products, renew_prepared
 from mtp.model.rowwise import rowwise
 
 pytestmark = pytest.mark.skipif(not step.LIBRARY.available() or not act.LIBRARY.available(),
@@ -88,6 +90,50 @@ def test_program_equals_the_layer_by_layer_forward(kind, B, T, commit):
     assert_same(*both(model, B, T, commit))
     if commit:  # a kept step updated its caches in place and kept no steps
         assert all(s is None for s in both(model, B, T, commit)[0][1])
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "bf16"])
+def test_a_prompt_read_in_one_call_is_its_tokens_decoded_one_by_one(kind):
+    """`step.prefill` (a prompt's chunk as T plain steps kept in place): its hidden states and every cache entry equal
+    the prompt's tokens decoded one at a time, bit for bit, in two chunks too (the second through `hidden`, which
+    takes it); the cache advances by each chunk."""
+    model = quantized(kind)
+    ids = torch.randint(0, model.config.vocab_size, (1, 21), generator=torch.Generator().manual_seed(3))
+    one_call, plain = model.new_cache(1, 64), model.new_cache(1, 64)
+    model.prepare_decode(64)
+    with torch.inference_mode():
+        first = step.prefill(model, ids[:, :13], one_call)
+        assert first is not None and one_call.pos == 13
+        read = torch.cat([first, model.hidden(ids[:, 13:], one_call)], dim=1)
+        steps = []
+        for t in range(ids.shape[1]):
+            pos = model.decode_positions(torch.tensor([[t]]), [t])
+            pos.commit = True
+            steps.append(CausalLM.decode(model, ids[:, t : t + 1], plain, pos)[0])
+    assert one_call.pos == 21
+    assert_same((read, [], one_call), (torch.cat(steps, dim=1), [], plain))
+
+
+@pytest.mark.skipif(not qmatmul.wide_available(), reason="no prompt products on the bf16 tiles in this build")
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_prompt_read_in_one_call_multiplies_as_the_layers_do(kind):
+    """Within `prompt_products` the one-call prefill's int8/int4 products of 64 rows or more run on the bf16 tiles, as
+    the layers' do (other bits than the integer kernels'). The two prefills differ in attention only (the layers'
+    is SDPA's), so what comes before the first attention's output - the first DeltaNet layer's state and conv inputs,
+    the first attention layer's keys and values - equals the layers' prefill bit for bit, and not the integer
+    kernels'."""
+    model = quantized(kind)  # layers: DeltaNet, attention, DeltaNet, attention
+    ids = torch.randint(0, model.config.vocab_size, (1, 80), generator=torch.Generator().manual_seed(4))
+    out = {}
+    for name, run, prompt in (("program", step.prefill, True), ("layers", CausalLM.hidden, True),
+                              ("integer", step.prefill, False)):
+        cache = model.new_cache(1, 96)
+        with torch.inference_mode(), (prompt_products() if prompt else contextlib.nullcontext()):
+            assert run(model, ids, cache) is not None
+        delta, attention = cache.layers[:2]
+        out[name] = (delta.ssm, delta.conv, attention.k, attention.v)
+    assert all(torch.equal(a, b) for a, b in zip(out["program"], out["layers"]))
+    assert not torch.equal(out["program"][0], out["integer"][0])
 
 
 def test_program_follows_changed_weights_and_hands_over_what_it_cannot_run():

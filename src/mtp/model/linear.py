@@ -399,7 +399,7 @@ class FastLinear(nn.Linear):
             if self.kernel == "bf16-native":
                 y = qmatmul.bf16_linear(x2, self._packed, self.out_features, bias)
             else:
-                wide = x2.shape[0] >= WIDE_MIN_ROWS and getattr(_PROMPT, "on", False)
+                wide = x2.shape[0] >= WIDE_MIN_ROWS and prompt_products_on()
                 if self.kernel == "int4":
                     y = qmatmul.q4_linear(x2, self._packed, self._sz, self._low, self._group, bias, wide)
                 else:
@@ -454,6 +454,11 @@ def prompt_products() -> Iterator[None]:
     MTP's read of the prompt, never a decode step or a verify (those must equal each other bit for bit)."""
     with _switched_on(_PROMPT):
         yield
+
+
+def prompt_products_on() -> bool:
+    """Is this thread within `prompt_products()`? (step.py's one-call prefill asks, to multiply as the layers would.)"""
+    return getattr(_PROMPT, "on", False)
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

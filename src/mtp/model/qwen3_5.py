@@ -153,6 +153,14 @@ class Qwen35ForCausalLM(CausalLM):
         self.mtp = Qwen35MTP(config) if with_mtp is not False and config.mtp_num_hidden_layers > 0 else None
         self.rotary = rotary_table(config.rope(), config.head_dim, config.max_position_embeddings)
 
+    def hidden(self, ids: torch.Tensor, cache: Cache | None = None, router_logits: list | None = None) -> torch.Tensor:
+        """`CausalLM.hidden`; a prefill's chunk as one C call where the backbone allows it (step.py `prefill`)."""
+        if cache is not None and router_logits is None and type(self).decode is Qwen35ForCausalLM.decode:
+            done = step.prefill(self, ids, cache)
+            if done is not None:
+                return done
+        return super().hidden(ids, cache, router_logits)
+
     def decode(self, ids: torch.Tensor, cache: Cache, pos: Positions) -> tuple[torch.Tensor, list]:
         """`CausalLM.decode`, as one C call where the backbone and the forward allow it (step.py: the same bits)."""
         done = step.decode(self, ids, cache, pos)

@@ -34,6 +34,11 @@ typedef struct { /* the eager kernels (their own files say what each computes) *
     int (*bf16_linear)(const uint16_t*, int64_t, int64_t, const uint16_t*, const float*, int64_t, uint16_t*, int);
     void (*argmax_rows)(int64_t, int64_t, const void*, int64_t, int, int64_t*, int);
     int (*top_p_rows)(int64_t, int64_t, float*, int64_t, const float*);
+    /* a prompt's int8 / int4 products on the bf16 tiles (qmatmul.c `q8_linear_wide`; NULL where the build has none) */
+    int (*q8_linear_wide)(const uint16_t*, int64_t, int64_t, const int8_t*, const float*, const float*, int64_t,
+                          uint16_t*, int);
+    int (*q4_linear_wide)(const uint16_t*, int64_t, int64_t, const uint8_t*, const float*, const float*, int64_t,
+                          const float*, int64_t, uint16_t*, int);
 } Kernels;
 
 typedef struct { /* a prepared linear layer without bias (linear.FastLinear on qmatmul.c): bf16 [M, K] -> [M, N] */
@@ -75,21 +80,28 @@ typedef struct {
     const int64_t* starts;    /* [B]: each row's first position */
     const uint16_t *embed, *cos, *sin, *norm; /* [V, H]; [B*T, R] each; the final norm [H] */
     uint16_t* out;            /* [B, T, H]: the hidden state after the final norm */
+    int64_t wide_min;         /* int8/int4 products of this many rows or more on the bf16 tiles (a prompt's chunk,
+                                 linear.py `prompt_products`: other bits than the integer kernels'); 0: never */
 } Step;
 
-static int linear(const Kernels* k, const Linear* l, const uint16_t* x, int64_t M, uint16_t* y, int nth) {
+/* wide_min: as Step's (0 for every product a decode step or a verify makes) */
+static int linear(const Kernels* k, const Linear* l, const uint16_t* x, int64_t M, uint16_t* y, int64_t wide_min,
+                  int nth) {
+    const int wide = wide_min > 0 && M >= wide_min && k->q8_linear_wide && k->q4_linear_wide;
     if (l->bits == 16) return k->bf16_linear(x, M, l->K, l->w, NULL, l->N, y, nth);
-    if (l->bits == 4) return k->q4_linear(x, M, l->K, l->w, l->scale, l->low, l->G, NULL, l->N, y, nth);
-    return k->q8_linear(x, M, l->K, l->w, l->scale, NULL, l->N, y, nth);
+    if (l->bits == 4)
+        return (wide ? k->q4_linear_wide : k->q4_linear)(x, M, l->K, l->w, l->scale, l->low, l->G, NULL, l->N, y, nth);
+    return (wide ? k->q8_linear_wide : k->q8_linear)(x, M, l->K, l->w, l->scale, NULL, l->N, y, nth);
 }
 
 /* the mixer's input projections of h [M, K] -> y [M, Nin] (the parts' outputs side by side, as one fused layer
  * gives them: every output is its own row's dot product, so fused or not it has the same bits); tmp [M, widest] */
-static int project(const Kernels* k, const Layer* l, const uint16_t* h, int64_t M, uint16_t* y, uint16_t* tmp, int nth) {
-    if (l->n_in == 1) return linear(k, &l->in[0], h, M, y, nth);
+static int project(const Kernels* k, const Layer* l, const uint16_t* h, int64_t M, uint16_t* y, uint16_t* tmp,
+                   int64_t wide_min, int nth) {
+    if (l->n_in == 1) return linear(k, &l->in[0], h, M, y, wide_min, nth);
     for (int64_t j = 0; j < l->n_in; j++) {
         const int64_t N = l->in[j].N;
-        if (linear(k, &l->in[j], h, M, tmp, nth)) return -1;
+        if (linear(k, &l->in[j], h, M, tmp, wide_min, nth)) return -1;
         for (int64_t m = 0; m < M; m++) memcpy(y + m * l->Nin + l->off[j], tmp + m * N, sizeof(uint16_t) * (size_t)N);
     }
     return 0;
@@ -98,6 +110,14 @@ static int project(const Kernels* k, const Layer* l, const uint16_t* h, int64_t 
 static inline uint16_t add_bf16(uint16_t a, uint16_t b) { return to_bf16(bf16_to_f(a) + bf16_to_f(b)); }
 
 static inline uint16_t mul_bf16(uint16_t a, uint16_t b) { return to_bf16(bf16_to_f(a) * bf16_to_f(b)); }
+
+/* the residual x[j] := x[j] + h[j] for n values, each sum add_bf16's (exact widening, one fp32 add, to_bf16's
+ * rounding), 8 at a time (a prompt's chunk adds 256 rows a layer twice) */
+static void add_rows(uint16_t* x, const uint16_t* h, int64_t n) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) f_to_bf16x8(x + j, _mm256_add_ps(bf16x8_to_f(x + j), bf16x8_to_f(h + j)));
+    for (; j < n; j++) x[j] = add_bf16(x[j], h[j]);
+}
 
 /* rotate-half RoPE on the first R dims of x [D] (rope.apply_rope in bf16): x1*c - x2*s | x2*c + x1*s, each product
  * and the sum rounded as torch rounds them */
@@ -115,7 +135,7 @@ static int deltanet(const Kernels* k, const Step* s, const Layer* l, const uint1
                     int nth) {
     const int64_t B = s->B, T = s->T, M = B * T, kw = l->kernel - 1, W = kw + T;
     const int64_t C = 2 * l->Hk * l->Kd + l->Hv * l->Vd, Nin = l->Nin;
-    if (project(k, l, h, M, y, o, nth)) return -1;
+    if (project(k, l, h, M, y, o, s->wide_min, nth)) return -1;
     for (int64_t b = 0; b < B; b++) /* window = cat(conv, qkv^T) */
         for (int64_t c = 0; c < C; c++) {
             uint16_t* w = l->window + (b * C + c) * W;
@@ -127,10 +147,10 @@ static int deltanet(const Kernels* k, const Step* s, const Layer* l, const uint1
                            y + l->off[3], T * Nin, Nin, l->A_log, l->dt_bias, y + l->off[1], T * Nin, Nin, l->gnorm,
                            l->geps, l->ssm, l->updates ? l->updates : l->ssm, o, nth))
         return -1;
-    if (!l->updates) /* kept in place: the conv inputs move on by the one token */
+    if (!l->updates) /* kept in place (a plain step, a prompt's chunk): the conv inputs move on by the T tokens */
         for (int64_t b = 0; b < B; b++)
             for (int64_t c = 0; c < C; c++)
-                memcpy(l->conv + (b * C + c) * kw, l->window + (b * C + c) * W + 1, sizeof(uint16_t) * (size_t)kw);
+                memcpy(l->conv + (b * C + c) * kw, l->window + (b * C + c) * W + T, sizeof(uint16_t) * (size_t)kw);
     return 0;
 }
 
@@ -149,7 +169,7 @@ static int attention(const Kernels* k, const Step* s, const Layer* l, const uint
                      uint16_t* scratch, int nth) {
     const int64_t B = s->B, T = s->T, M = B * T, A = l->Hv, Hk = l->Hk, D = l->Kd, S = s->S;
     const int64_t Nq = l->Nin, AD = A * D;
-    if (project(k, l, h, M, y, o, nth)) return -1;
+    if (project(k, l, h, M, y, o, s->wide_min, nth)) return -1;
     /* scratch: q [B, T, A, D] normed and rotated, gate [M, A*D], attention output [B, A, T, D], k [Hk, D] */
     uint16_t *q = scratch, *gate = q + M * AD, *att = gate + M * AD, *kn = att + M * AD;
     for (int64_t m = 0; m < M; m++) {
@@ -178,13 +198,13 @@ static int layer(const Kernels* k, const Step* s, const Layer* l, uint16_t* x, u
     const int64_t M = s->B * s->T, H = s->H, I = l->I, G = l->gate_up.N;
     k->rmsnorm(M, H, x, H, l->norm1, 1, s->eps, 1, h, nth);
     if (l->kind == 0 ? deltanet(k, s, l, h, y, o, nth) : attention(k, s, l, h, y, o, scratch, nth)) return -1;
-    if (linear(k, &l->out, o, M, h, nth)) return -1;
-    for (int64_t j = 0; j < M * H; j++) x[j] = add_bf16(x[j], h[j]);
+    if (linear(k, &l->out, o, M, h, s->wide_min, nth)) return -1;
+    add_rows(x, h, M * H);
     k->rmsnorm(M, H, x, H, l->norm2, 1, s->eps, 1, h, nth);
-    if (linear(k, &l->gate_up, h, M, y, nth)) return -1;
+    if (linear(k, &l->gate_up, h, M, y, s->wide_min, nth)) return -1;
     k->silu_mul(M, I, y, G, y + l->up, G, o, nth);
-    if (linear(k, &l->down, o, M, h, nth)) return -1;
-    for (int64_t j = 0; j < M * H; j++) x[j] = add_bf16(x[j], h[j]);
+    if (linear(k, &l->down, o, M, h, s->wide_min, nth)) return -1;
+    add_rows(x, h, M * H);
     return 0;
 }
 
@@ -416,7 +436,7 @@ int qwen35_verify(const Kernels* k, const Step* s, const Layer* layers, int64_t 
     const int status = qwen35_decode(k, s, layers, L, nth);
     if (status) return status;
     const int64_t M = s->B * s->T, N = head->N;
-    if (linear(k, head, s->out, M, logits, nth)) return -1;
+    if (linear(k, head, s->out, M, logits, 0, nth)) return -1;
     k->argmax_rows(M, N, logits, N, 1, target, nth);
     if (!p) return 0;
     const int64_t T = s->T;
@@ -501,7 +521,7 @@ static int attention_kv(const Kernels* k, const Step* s, const Layer* l, int nth
     if (!buf) return -1;
     uint16_t *h = buf, *y = h + M * H, *tmp = y + M * Nq, *kn = tmp + M * widest;
     k->rmsnorm(M, H, s->x, H, l->norm1, 1, s->eps, 1, h, nth);
-    int failed = project(k, l, h, M, y, tmp, nth);
+    int failed = project(k, l, h, M, y, tmp, s->wide_min, nth);
     for (int64_t m = 0; m < M && !failed; m++) {
         const uint16_t* ym = y + m * Nq;
         k->rmsnorm(l->Hk, l->Kd, ym + l->off[1], l->Kd, l->knorm, 1, l->geps, 1, kn, 1);
@@ -590,7 +610,7 @@ int qwen35_draft(const Kernels* k, const Draft* d, const Layer* layers, int64_t 
         if ((failed = qwen35_decode(k, &s, layers + (j - 1) % L, 1, nth)) || !d->K) break;
         for (int64_t b = 0; b < B; b++) /* the output at the last pending position (depth 1), else the one */
             memcpy(h + b * H, out + (b * T1 + (T1 > 1 ? (d->pend_n[b] + W - 1) % W : 0)) * H, sizeof(uint16_t) * (size_t)H);
-        if ((failed = linear(k, &d->head, h, B, logits, nth))) break;
+        if ((failed = linear(k, &d->head, h, B, logits, 0, nth))) break;
         k->argmax_rows(B, d->head.N, logits, d->head.N, 1, tok, nth);
         for (int64_t b = 0; b < B; b++) {
             const int64_t at = b * d->K + j - 1, N = d->head.N;

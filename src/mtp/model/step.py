@@ -41,7 +41,7 @@ from .base import PickRule
 from .cache import Cache, DeltaState, DeltaSteps, KVCache, Positions
 from .deltanet import GatedDeltaNet
 from .layer import MLP, DecoderLayer
-from .linear import FastLinear
+from .linear import WIDE_MIN_ROWS, FastLinear, prompt_products_on
 from .native import NativeLibrary
 from .norm import RMSNorm
 
@@ -50,7 +50,8 @@ p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 class _Kernels(ctypes.Structure):
     _fields_ = [(n, p) for n in ("q8_linear", "q4_linear", "rmsnorm", "deltanet_decode", "attend_decode", "silu_mul",
-                                 "sigmoid_mul", "bf16_linear", "argmax_rows", "top_p_rows")]
+                                 "sigmoid_mul", "bf16_linear", "argmax_rows", "top_p_rows", "q8_linear_wide",
+                                 "q4_linear_wide")]
 
 
 class _Linear(ctypes.Structure):
@@ -67,7 +68,8 @@ class _Layer(ctypes.Structure):
 
 class _Step(ctypes.Structure):
     _fields_ = ([(n, i64) for n in ("B", "T", "H", "V", "S", "R")] + [("eps", f32)]
-                + [(n, p) for n in ("ids", "x", "index", "starts", "embed", "cos", "sin", "norm", "out")])
+                + [(n, p) for n in ("ids", "x", "index", "starts", "embed", "cos", "sin", "norm", "out")]
+                + [("wide_min", i64)])
 
 
 class _Draft(ctypes.Structure):
@@ -118,10 +120,13 @@ _LIBRARIES = (qmatmul.LIBRARY, norm_kernel.LIBRARY, deltanet_kernel.LIBRARY, att
 
 def _kernels() -> _Kernels:
     fn = lambda lib, name: ctypes.cast(getattr(lib.handle(), name), p).value  # noqa: E731
+    wide = qmatmul.wide_available()  # (the AMX build)
     return _Kernels(fn(qmatmul.LIBRARY, "q8_linear"), fn(qmatmul.LIBRARY, "q4_linear"), fn(norm_kernel.LIBRARY, "rmsnorm"),
                     fn(deltanet_kernel.LIBRARY, "deltanet_decode"), fn(attention_kernel.LIBRARY, "attend_decode"),
                     fn(act.LIBRARY, "silu_mul"), fn(act.LIBRARY, "sigmoid_mul"), fn(qmatmul.LIBRARY, "bf16_linear"),
-                    fn(argmax_kernel.LIBRARY, "argmax_rows"), fn(top_p_kernel.LIBRARY, "top_p_rows"))
+                    fn(argmax_kernel.LIBRARY, "argmax_rows"), fn(top_p_kernel.LIBRARY, "top_p_rows"),
+                    fn(qmatmul.LIBRARY, "q8_linear_wide") if wide else None,
+                    fn(qmatmul.LIBRARY, "q4_linear_wide") if wide else None)
 
 
 class Ineligible(Exception):
@@ -425,6 +430,30 @@ def decode(model, ids: torch.Tensor, cache: Cache, pos: Positions) -> tuple[torc
     return _run(prog, ids.shape[0], ids.shape[1], ids, None, cache.layers, pos)
 
 
+def prefill(model, ids: torch.Tensor, cache: Cache) -> torch.Tensor | None:
+    """`CausalLM.hidden` of ids [B, T] continuing a prefill's cache (every row at `cache.pos`) as one C call: the
+    tokens as T plain steps kept in place (attention through the decode kernel, each query over its own keys; the
+    other layers' arithmetic is the eager prefill's) -> hidden [B, T, H], the cache advanced by T; or None where this
+    forward cannot run so (the caller runs the layers)."""
+    if torch.is_grad_enabled() or torch.compiler.is_compiling() or ids.dtype != torch.int64 or ids.dim() != 2:
+        return None
+    prog = program(model)
+    if prog is None or prog.hooked() or model.rotary is None:
+        return None
+    B, T = ids.shape
+    start = cache.pos
+    cache.check_room(T)
+    model.prepare_decode(start + T)
+    index = torch.arange(start, start + T, dtype=torch.int64).expand(B, T).contiguous()
+    pos = model.decode_positions(index, [start] * B)
+    wide_min = WIDE_MIN_ROWS if prompt_products_on() else 0
+    done = _run(prog, B, T, ids.contiguous(), None, cache.layers, pos, commit=True, wide_min=wide_min)
+    if done is None:
+        return None
+    cache.pos = start + T
+    return done[0]
+
+
 def mtp_layer(mtp: nn.Module, i: int, x: torch.Tensor, cache: KVCache, pos: Positions) -> torch.Tensor | None:
     """A Qwen35MTP's layer i and then its norm on x [B, T, H] (its input projection's output) at the decode positions
     `pos`, as one C call -> [B, T, H], or None where this forward cannot run so."""
@@ -464,8 +493,8 @@ def _bind(prog: Program, B: int, T: int, states: list, commit: bool, R: int, all
             L.conv, L.ssm = state.conv.data_ptr(), state.ssm.data_ptr()
             if commit:
                 if window is None:
-                    window = alloc((B, C, kw + 1), torch.bfloat16)
-                if window.shape != (B, C, kw + 1):
+                    window = alloc((B, C, kw + T), torch.bfloat16)
+                if window.shape != (B, C, kw + T):
                     return None
                 L.window, L.updates = window.data_ptr(), None
                 steps.append(None)
@@ -487,8 +516,9 @@ def _bind(prog: Program, B: int, T: int, states: list, commit: bool, R: int, all
 
 
 def _run(prog: Program, B: int, T: int, ids: torch.Tensor | None, x: torch.Tensor | None, states: list,
-         pos: Positions) -> tuple[torch.Tensor, list] | None:
-    """One call of `prog` on ids [B, T] (or hidden states x [B, T, H]) over the layers' decode states."""
+         pos: Positions, commit: bool | None = None, wide_min: int = 0) -> tuple[torch.Tensor, list] | None:
+    """One call of `prog` on ids [B, T] (or hidden states x [B, T, H]) over the layers' decode states; `commit`: the
+    states updated in place (default: a `pos.commit` step of one token); `wide_min`: step.c's (a prompt's chunk)."""
     cos, sin, index = pos.cos, pos.sin, pos.index
     R = cos.shape[-1]
     if (index.dtype != torch.int64 or index.shape != (B, T) or not index.is_contiguous() or cos.dtype != torch.bfloat16
@@ -496,7 +526,8 @@ def _run(prog: Program, B: int, T: int, ids: torch.Tensor | None, x: torch.Tenso
             or R % 2 or len(pos.starts) != B or len(states) != len(prog.layers)
             or (x is not None and x.shape != (B, T, prog.hidden))):
         return None
-    commit = pos.commit and T == 1
+    if commit is None:
+        commit = pos.commit and T == 1
     bound = _bind(prog, B, T, states, commit, R)
     if bound is None:
         return None
@@ -508,7 +539,7 @@ def _run(prog: Program, B: int, T: int, ids: torch.Tensor | None, x: torch.Tenso
     step = _Step(B, T, prog.hidden, prog.vocab, S, R, prog.eps, None if ids is None else ids.data_ptr(),
                  None if x is None else x.data_ptr(), index.data_ptr(), starts.data_ptr(),
                  None if prog.embed is None else prog.embed.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                 prog.norm.data_ptr(), out.data_ptr())
+                 prog.norm.data_ptr(), out.data_ptr(), wide_min)
     status = LIBRARY.lib().qwen35_decode(ctypes.byref(prog.kernels), ctypes.byref(step), layers, len(layers),
                                          torch.get_num_threads())
     if status == -2:
