@@ -309,6 +309,29 @@ ACT_BUILD = textwrap.dedent("""
 """)
 
 
+ATTENTION_BUILD = textwrap.dedent("""
+    import sys, torch
+    from mtp.model import attention_kernel
+    g = torch.Generator().manual_seed(5)
+    out = {}
+    # (B, A, T, Hk, D, Dv, first position): one query; a verify; 8 rows; a prompt's chunk; odd key counts and tails of
+    # the 8-key blocks, Dv past 64
+    for B, A, T, Hk, D, Dv, start in ((1, 6, 1, 2, 64, 64, 40), (1, 6, 4, 2, 64, 64, 99), (8, 6, 4, 2, 64, 64, 300),
+                                      (1, 6, 70, 2, 64, 64, 0), (2, 4, 3, 2, 16, 16, 6), (1, 8, 5, 1, 24, 72, 33)):
+        for dtype in (torch.bfloat16, torch.float32):
+            S = start + 3 * (B - 1) + T + 2
+            q = (torch.randn(B, A, T, D, generator=g) * 2).to(dtype)
+            k, v = torch.randn(B, Hk, S, D, generator=g).to(dtype), torch.randn(B, Hk, S, Dv, generator=g).to(dtype)
+            if B == 2:  # NaN in some queries: their scores and outputs NaN alike
+                q.view(-1)[::97] = float("nan")
+            out[f"{dtype} {B} {A} {T} {Hk} {D} {Dv} {start}"] = (
+                attention_kernel.attend(q, k, v, [start + 3 * b for b in range(B)], D**-0.5),)
+    isa = attention_kernel.LIBRARY.isa
+    print("isa:", isa.name if isa else "avx2")
+    torch.save(out, sys.argv[1])
+""")
+
+
 def outputs_by_build(script: str, tmp_path) -> dict:
     """`script`'s saved outputs {key: tuple of tensors} from the AVX2 build and the AVX-512 one, each in a real
     process (MTP_NATIVE_ISA names the build)."""
@@ -325,11 +348,12 @@ def outputs_by_build(script: str, tmp_path) -> dict:
 
 @needs_kernels
 @pytest.mark.skipif(not all(f in cpu_flags() for f in AVX512_VNNI.cpu_flags), reason="no AVX-512 here: one build only")
-@pytest.mark.parametrize("script", [DELTANET_BUILD, ACT_BUILD], ids=["deltanet", "act"])
+@pytest.mark.parametrize("script", [DELTANET_BUILD, ACT_BUILD, ATTENTION_BUILD], ids=["deltanet", "act", "attention"])
 def test_avx512_builds_compute_the_avx2_bits(tmp_path, script):
-    """deltanet.c's AVX-512 build runs the recurrence 16 columns a vector, act.c's gates 16 elements a vector: their
-    outputs (and the DeltaNet's kept and in-place states) are bit for bit the AVX2 build's, NaN, infinities and
-    tails included (every sum stays within its column; exp16 is exp8's operations lane for lane)."""
+    """deltanet.c's AVX-512 build runs the recurrence 16 columns a vector, act.c's gates 16 elements a vector,
+    attention.c two keys' scores a vector and the value sums 16 outputs a vector: their outputs (and the DeltaNet's
+    kept and in-place states) are bit for bit the AVX2 build's, NaN, infinities and tails included (every sum stays
+    within its column, its key or its output, in its order; exp16 is exp8's operations lane for lane)."""
     outs = outputs_by_build(script, tmp_path)
     for k, ys in outs["avx2"].items():
         assert all(torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,

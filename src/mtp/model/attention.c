@@ -29,13 +29,56 @@ static void widen(const void* src, int64_t n, int bf16, float* dst) {
 
 /* sum of a[i] * b[i] over D (% 8 == 0) in 8 lanes, lane l taking i = l mod 8 in order, then the lanes as
  * ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)) */
-static inline float dot8(const float* a, const float* b, int64_t D) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < D; i += 8) acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+static inline float lanes8_sum(__m256 acc) {
     const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1)); /* l0+l4 .. l3+l7 */
     const __m128 h = _mm_hadd_ps(s4, s4); /* (l0+l4)+(l1+l5), (l2+l6)+(l3+l7) */
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
+
+static inline float dot8(const float* a, const float* b, int64_t D) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < D; i += 8) acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+    return lanes8_sum(acc);
+}
+
+#if defined(__AVX512F__)
+/* dot8 of one query against two keys at once: q2 holds the query's 8-value chunks twice ([c0 c0 c1 c1 ...], 2D
+ * floats), kp the two keys' chunks side by side ([k c0, k' c0, k c1, k' c1, ...]); each half of the 16 lanes runs dot8's
+ * lanes for its key in dot8's order, then dot8's tree: the same two scores, bit for bit, in half the multiplies. */
+static inline void dot8_pair(const float* q2, const float* kp, int64_t D, float* s0, float* s1) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < 2 * D; i += 16) acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(q2 + i), _mm512_loadu_ps(kp + i)));
+    *s0 = lanes8_sum(_mm512_castps512_ps256(acc));
+    *s1 = lanes8_sum(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
+}
+
+/* dot8_pair for 4 pairs of keys (kp: 4 pairs in dot8_pair's layout, one after another) -> s[0..7], the pairs' chains
+ * side by side (each its own accumulator, in its own order) */
+static inline void dot8_pairs4(const float* q2, const float* kp, int64_t D, float* s) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t i = 0; i < 2 * D; i += 16) {
+        const __m512 qi = _mm512_loadu_ps(q2 + i);
+        for (int u = 0; u < 4; u++) acc[u] = _mm512_add_ps(acc[u], _mm512_mul_ps(qi, _mm512_loadu_ps(kp + u * 2 * D + i)));
+    }
+    for (int u = 0; u < 4; u++) {
+        s[2 * u] = lanes8_sum(_mm512_castps512_ps256(acc[u]));
+        s[2 * u + 1] = lanes8_sum(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[u]), 1)));
+    }
+}
+
+/* keys [n][D] (bf16 or fp32) -> kp in dot8_pair's layout, pairs (0, 1), (2, 3), ...; an odd last key beside zeros */
+static void widen_pairs(const void* src, int64_t n, int64_t D, int bf16, float* kp) {
+    for (int64_t j = 0; j < n; j += 2)
+        for (int64_t c = 0; c < D; c += 8)
+            for (int u = 0; u < 2; u++) {
+                float* dst = kp + j * D + 2 * c + 8 * u;
+                if (j + u < n)
+                    widen((const char*)src + (size_t)((j + u) * D + c) * (bf16 ? 2 : 4), 8, bf16, dst);
+                else
+                    memset(dst, 0, sizeof(float) * 8);
+            }
+}
+#endif
 
 /* p[j] := exp(p[j] - m) for j < n, 8 at a time (native.h's exp8: the same arithmetic for every lane, so a score's
  * weight does not depend on where it sits; the tail through the same vector code) */
@@ -60,6 +103,17 @@ static void exp_shifted(float* p, int64_t n, float m) {
 #define VBLOCK 64
 static void accumulate(float* acc, const float* p, const float* v, int64_t n, int64_t Dv) {
     int64_t i0 = 0;
+#if defined(__AVX512F__) /* the same sums 16 lanes a vector (each output's own order over j: the same bits) */
+    for (; i0 + 64 <= Dv; i0 += 64) {
+        __m512 a[4];
+        for (int u = 0; u < 4; u++) a[u] = _mm512_loadu_ps(acc + i0 + 16 * u);
+        for (int64_t j = 0; j < n; j++) {
+            const __m512 pj = _mm512_set1_ps(p[j]);
+            for (int u = 0; u < 4; u++) a[u] = _mm512_add_ps(a[u], _mm512_mul_ps(pj, _mm512_loadu_ps(v + j * Dv + i0 + 16 * u)));
+        }
+        for (int u = 0; u < 4; u++) _mm512_storeu_ps(acc + i0 + 16 * u, a[u]);
+    }
+#endif
     for (; i0 + 64 <= Dv; i0 += 64) {
         __m256 a[8];
         for (int u = 0; u < 8; u++) a[u] = _mm256_loadu_ps(acc + i0 + 8 * u);
@@ -77,13 +131,18 @@ int attend_decode(int64_t B, int64_t A, int64_t T, int64_t Hk, int64_t S, int64_
                   const void* q, int64_t sq0, int64_t sq1, int64_t sq2, const void* k, const void* v,
                   const int64_t* starts, float scale, void* out, int nthreads) {
     const int64_t G = A / Hk, Q = G * T; /* queries per kv head */
+#if defined(__AVX512F__)
+    const int64_t Q2 = 2 * Q; /* each query's chunks twice (dot8_pair) */
+#else
+    const int64_t Q2 = 0;
+#endif
     const size_t es = bf16 ? 2 : 4;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && B * Hk > 1)
     {
         /* per query: its row (D), its scores over the keys (S), its running output (Dv), max and sum; then VBLOCK keys
          * or values widened */
-        float* buf = malloc(sizeof(float) * (size_t)(Q * (D + S + Dv + 2) + (D > Dv ? D : Dv) * VBLOCK));
+        float* buf = malloc(sizeof(float) * (size_t)(Q * (D + S + Dv + 2) + (D > Dv ? D : Dv) * VBLOCK + Q2 * D));
         int64_t* n = malloc(sizeof(int64_t) * (size_t)Q); /* keys each query sees: 0..its position */
         if (!buf || !n) {
 #pragma omp atomic write
@@ -106,19 +165,57 @@ int attend_decode(int64_t B, int64_t A, int64_t T, int64_t Hk, int64_t S, int64_
                 }
             const char* kb = (const char*)k + (size_t)((b * Hk + h) * S * D) * es;
             const char* vb = (const char*)v + (size_t)((b * Hk + h) * S * Dv) * es;
+#if defined(__AVX512F__)
+            float* q2 = vf + (D > Dv ? D : Dv) * VBLOCK;
+            for (int64_t i_q = 0; i_q < Q; i_q++)
+                for (int64_t c = 0; c < D; c += 8) {
+                    memcpy(q2 + i_q * 2 * D + 2 * c, qf + i_q * D + c, sizeof(float) * 8);
+                    memcpy(q2 + i_q * 2 * D + 2 * c + 8, qf + i_q * D + c, sizeof(float) * 8);
+                }
+#endif
             for (int64_t j0 = 0; j0 < most; j0 += VBLOCK) { /* VBLOCK keys widened, then each query's scores over them */
                 const int64_t nj = most - j0 < VBLOCK ? most - j0 : VBLOCK;
+#if defined(__AVX512F__)
+                widen_pairs(kb + (size_t)(j0 * D) * es, nj, D, bf16, vf);
+#else
                 widen(kb + (size_t)(j0 * D) * es, nj * D, bf16, vf);
+#endif
                 for (int64_t i_q = 0; i_q < Q; i_q++) {
                     const int64_t last = n[i_q] - j0 < nj ? n[i_q] - j0 : nj;
                     const float* qq = qf + i_q * D;
                     float* pq = p + i_q * S + j0;
                     float mq = m[i_q];
+#if defined(__AVX512F__)
+                    (void)qq;
+                    int64_t j = 0;
+                    for (; j + 8 <= last; j += 8) {
+                        float s8[8];
+                        dot8_pairs4(q2 + i_q * 2 * D, vf + j * D, D, s8);
+                        for (int u = 0; u < 8; u++) {
+                            const float s = s8[u] * scale;
+                            pq[j + u] = s;
+                            mq = s > mq ? s : mq;
+                        }
+                    }
+                    for (; j < last; j += 2) {
+                        float s0, s1;
+                        dot8_pair(q2 + i_q * 2 * D, vf + j * D, D, &s0, &s1);
+                        s0 *= scale;
+                        pq[j] = s0;
+                        mq = s0 > mq ? s0 : mq;
+                        if (j + 1 < last) {
+                            s1 *= scale;
+                            pq[j + 1] = s1;
+                            mq = s1 > mq ? s1 : mq;
+                        }
+                    }
+#else
                     for (int64_t j = 0; j < last; j++) {
                         const float s = dot8(qq, vf + j * D, D) * scale;
                         pq[j] = s;
                         mq = s > mq ? s : mq;
                     }
+#endif
                     m[i_q] = mq;
                 }
             }

@@ -12,7 +12,7 @@ import ctypes
 
 import torch
 
-from .native import NativeLibrary
+from .native import AVX512_VNNI, NativeLibrary
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -21,7 +21,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.attend_decode.restype = i32
 
 
-LIBRARY = NativeLibrary("attention.c", None, "decode attention runs SDPA", _declare)
+LIBRARY = NativeLibrary("attention.c", None, "decode attention runs SDPA", _declare, isas=(AVX512_VNNI,))
 
 
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
