@@ -230,6 +230,27 @@ def test_decode_attention_matches_sdpa_and_is_row_invariant(dtype, shape):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(6, 2, 64, 64, 70, 0), (6, 2, 64, 64, 37, 300), (4, 4, 32, 72, 9, 5), (2, 1, 128, 128, 1, 17)])
+@torch.inference_mode()
+def test_prompt_attention_matches_sdpa(dtype, shape):
+    """`attend_prompt` (a prompt's chunk read in one call, step.c): every query over the keys up to its own position,
+    as close to the exact attention as SDPA is - a chunk from position 0 and one deep into the cache, a last key block
+    partly filled, value widths past the last whole vector (72), one query - with rows at different positions."""
+    A, Hk, D, Dv, T, start = shape
+    g = torch.Generator().manual_seed(1)
+    starts = [start, start + 5]
+    q = torch.randn(2, T, A, D, generator=g).to(dtype).transpose(1, 2)  # [B, A, T, D], strided as step.c passes it
+    S = start + T + 9
+    k, v = torch.randn(2, Hk, S, D, generator=g).to(dtype), torch.randn(2, Hk, S, Dv, generator=g).to(dtype)
+    out = attention_kernel.attend(q, k, v, starts, D**-0.5, prompt=True)
+    rows = lambda q, k, v: torch.cat([attend_rows(q[b : b + 1], k[b : b + 1], v[b : b + 1], s, D**-0.5, A != Hk)
+                                      for b, s in enumerate(starts)])
+    exact, sdpa = rows(q.double(), k.double(), v.double()), rows(q, k, v)
+    assert rel(out, exact) <= 3 * rel(sdpa, exact) + 1e-7  # (scores summed over d in order: ~3x SDPA's error in fp32)
+
+
+@needs_kernels
 @pytest.mark.parametrize("cls", [RMSNorm, PlainRMSNorm])
 @torch.inference_mode()
 def test_rmsnorm_matches_its_torch_form_and_is_row_invariant(cls, monkeypatch):

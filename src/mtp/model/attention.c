@@ -254,3 +254,171 @@ int attend_decode(int64_t B, int64_t A, int64_t T, int64_t Hk, int64_t S, int64_
     }
     return failed ? -1 : 0;
 }
+
+/* Attention of a prompt's chunk (step.c, a prompt read in one call within linear.py's `prompt_products`): attend_decode's
+ * arguments and result, for the many queries of a chunk, as blocked products: per (row, kv head) the keys are widened
+ * once into blocks of L keys transposed ([D][L]), each query's scores come L keys a vector from fused multiply-adds
+ * (4 queries x 2 blocks in flight), the softmax is fp32 (exp8 / exp16, masked past each query's own position), and the
+ * values are summed Dv outputs a pass, L a vector. Other bits than attend_decode's (its sums run in other orders), so
+ * only a prompt's chunks take it - every path reads a prompt with the same chunks - never a decode step or a verify.
+ * attend_decode spends ~20 cycles on a (query, key) pair: a 2,048-token prompt read through it took 1.4x the layers'
+ * SDPA prefill (docs/decisions.md, 2026-12-06 second session). L = 8 (AVX2) or, in AVX-512 builds, 16. */
+#define PROMPT_QUERIES 4
+/* outputs c0 .. c0 + W*L of the group's queries (prompt_head's variables), W a constant: every sum in a register */
+#define PROMPT_VALUES(L, W, V, P)                                                                                  \
+    {                                                                                                              \
+        V r[PROMPT_QUERIES][W];                                                                                    \
+        for (int u = 0; u < PROMPT_QUERIES; u++)                                                                   \
+            for (int w = 0; w < W; w++) r[u][w] = P##_setzero_ps();                                               \
+        const float* pq[PROMPT_QUERIES];                                                                           \
+        for (int u = 0; u < PROMPT_QUERIES; u++) pq[u] = p + (u < nq ? u : 0) * pstride;                           \
+        for (int64_t j = 0; j < most; j++) {                                                                       \
+            V vj[W];                                                                                               \
+            for (int w = 0; w < W; w++) vj[w] = P##_loadu_ps(vf + j * Dv + c0 + w * L);                            \
+            for (int u = 0; u < PROMPT_QUERIES; u++) {                                                             \
+                const V pj = P##_set1_ps(pq[u][j]);                                                                \
+                for (int w = 0; w < W; w++) r[u][w] = P##_fmadd_ps(pj, vj[w], r[u][w]);                           \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int u = 0; u < nq; u++) {                                                                             \
+            const V inv = P##_set1_ps(1.0f / total[u]);                                                            \
+            for (int w = 0; w < W; w++) P##_storeu_ps(o + (i0 + u) * Dv + c0 + w * L, P##_mul_ps(r[u][w], inv));   \
+        }                                                                                                          \
+    }
+#define PROMPT_ATTEND(L, NV, V, P, EXP, MASK_LT)                                                                         \
+    static void prompt_head_##L(const float* qf, int64_t Q, int64_t D, int64_t Dv, const int64_t* n,                \
+                                const float* kt, const float* vf, float scale, float* p, int64_t pstride, float* o) { \
+        for (int64_t i0 = 0; i0 < Q; i0 += PROMPT_QUERIES) {                                                        \
+            const int nq = (int)(Q - i0 < PROMPT_QUERIES ? Q - i0 : PROMPT_QUERIES);                                \
+            int64_t most = 0;                                                                                       \
+            for (int u = 0; u < nq; u++) most = n[i0 + u] > most ? n[i0 + u] : most;                                \
+            const int64_t nb = (most + L - 1) / L;                                                                  \
+            V mx[PROMPT_QUERIES];                                                                                   \
+            for (int u = 0; u < PROMPT_QUERIES; u++) mx[u] = P##_set1_ps(-INFINITY);                                \
+            for (int64_t b = 0; b < nb; b += 2) { /* (kt holds an even number of blocks) */                         \
+                V acc[PROMPT_QUERIES][2];                                                                           \
+                for (int u = 0; u < PROMPT_QUERIES; u++) acc[u][0] = acc[u][1] = P##_setzero_ps();                  \
+                const float* k0 = kt + b * D * L;                                                                   \
+                for (int64_t d = 0; d < D; d++) {                                                                   \
+                    const V a = P##_loadu_ps(k0 + d * L), c = P##_loadu_ps(k0 + (D + d) * L);                       \
+                    for (int u = 0; u < PROMPT_QUERIES; u++) {                                                      \
+                        const V qd = P##_set1_ps(qf[(i0 + (u < nq ? u : 0)) * D + d]);                              \
+                        acc[u][0] = P##_fmadd_ps(qd, a, acc[u][0]);                                                 \
+                        acc[u][1] = P##_fmadd_ps(qd, c, acc[u][1]);                                                 \
+                    }                                                                                               \
+                }                                                                                                   \
+                for (int u = 0; u < nq; u++)                                                                        \
+                    for (int h = 0; h < 2 && b + h < nb; h++) {                                                     \
+                        V s = P##_mul_ps(acc[u][h], P##_set1_ps(scale));                                            \
+                        s = MASK_LT(s, n[i0 + u] - (b + h) * L); /* keys past the query's position: -inf */        \
+                        P##_storeu_ps(p + u * pstride + (b + h) * L, s);                                            \
+                        mx[u] = P##_max_ps(mx[u], s);                                                               \
+                    }                                                                                               \
+            }                                                                                                       \
+            float total[PROMPT_QUERIES] = {1.0f, 1.0f, 1.0f, 1.0f};                                                  \
+            for (int u = 0; u < nq; u++) {                                                                          \
+                float lanes[L], m = -INFINITY;                                                                      \
+                P##_storeu_ps(lanes, mx[u]);                                                                        \
+                for (int l = 0; l < L; l++) m = lanes[l] > m ? lanes[l] : m;                                        \
+                float* pu = p + u * pstride;                                                                        \
+                const int64_t nk = n[i0 + u], full = nk / L * L;                                                    \
+                V sum = P##_setzero_ps();                                                                           \
+                for (int64_t j = 0; j < nk; j += L) {                                                               \
+                    V e = EXP(P##_sub_ps(P##_loadu_ps(pu + j), P##_set1_ps(m)));                                    \
+                    if (j >= full) e = P##_max_ps(MASK_LT(e, nk - j), P##_setzero_ps()); /* (exp(-inf) is not 0) */ \
+                    P##_storeu_ps(pu + j, e);                                                                       \
+                    sum = P##_add_ps(sum, e);                                                                       \
+                }                                                                                                   \
+                for (int64_t j = (nk + L - 1) / L * L; j < most; j++) pu[j] = 0.0f; /* the group's later keys */    \
+                P##_storeu_ps(lanes, sum);                                                                          \
+                total[u] = 0.0f;                                                                                    \
+                for (int l = 0; l < L; l++) total[u] += lanes[l];                                                   \
+            }                                                                                                       \
+            /* the values: the group's queries together, NV vectors of outputs a pass (then single vectors) */      \
+            int64_t c0 = 0;                                                                                         \
+            for (; c0 + NV * L <= Dv; c0 += NV * L) PROMPT_VALUES(L, NV, V, P);                                     \
+            for (; c0 + L <= Dv; c0 += L) PROMPT_VALUES(L, 1, V, P);                                                \
+            for (int u = 0; u < nq; u++)                                                                            \
+                for (int64_t c = Dv / L * L; c < Dv; c++) { /* outputs past the last whole vector */               \
+                    float r = 0.0f;                                                                                 \
+                    for (int64_t j = 0; j < most; j++) r += p[u * pstride + j] * vf[j * Dv + c];                   \
+                    o[(i0 + u) * Dv + c] = r / total[u];                                                            \
+                }                                                                                                   \
+        }                                                                                                           \
+    }
+
+/* lanes l >= n (n may be <= 0 or >= L) set to -inf */
+static inline __m256 mask_lt8(__m256 s, int64_t n) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n < 0 ? 0 : n > 8 ? 8 : n)), lane);
+    return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, _mm256_castsi256_ps(keep));
+}
+PROMPT_ATTEND(8, 2, __m256, _mm256, exp8, mask_lt8)
+#if defined(__AVX512F__)
+static inline __m512 mask_lt16(__m512 s, int64_t n) {
+    return _mm512_mask_blend_ps(lanes16(n < 0 ? 0 : n), _mm512_set1_ps(-INFINITY), s);
+}
+PROMPT_ATTEND(16, 4, __m512, _mm512, exp16, mask_lt16)
+#define PROMPT_L 16
+#define prompt_head prompt_head_16
+#else
+#define PROMPT_L 8
+#define prompt_head prompt_head_8
+#endif
+#undef PROMPT_ATTEND
+
+int attend_prompt(int64_t B, int64_t A, int64_t T, int64_t Hk, int64_t S, int64_t D, int64_t Dv, int bf16,
+                  const void* q, int64_t sq0, int64_t sq1, int64_t sq2, const void* k, const void* v,
+                  const int64_t* starts, float scale, void* out, int nthreads) {
+    const int64_t G = A / Hk, Q = G * T, L = PROMPT_L;
+    const int64_t NB = ((S + L - 1) / L + 1) / 2 * 2; /* key blocks, an even number */
+    const size_t es = bf16 ? 2 : 4;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && B * Hk > 1)
+    {
+        /* queries [Q][D]; keys [NB][D][L]; values [S][Dv]; PROMPT_QUERIES rows of scores [NB * L]; outputs [Q][Dv] */
+        float* buf = malloc(sizeof(float) * (size_t)(Q * D + NB * D * L + S * Dv + PROMPT_QUERIES * NB * L + Q * Dv));
+        int64_t* n = malloc(sizeof(int64_t) * (size_t)Q);
+        if (!buf || !n) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < B * Hk; w++) {
+            if (!buf || !n) continue;
+            const int64_t b = w / Hk, h = w % Hk;
+            float *qf = buf, *kt = qf + Q * D, *vf = kt + NB * D * L, *p = vf + S * Dv, *o = p + PROMPT_QUERIES * NB * L;
+            int64_t most = 0, nq = 0;
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t t = 0; t < T; t++, nq++) {
+                    n[nq] = starts[b] + t + 1;
+                    if (n[nq] > S) n[nq] = 0; /* (the caller checks: past the cache, nothing is attended) */
+                    most = n[nq] > most ? n[nq] : most;
+                    widen((const char*)q + (size_t)(b * sq0 + (h * G + g) * sq1 + t * sq2) * es, D, bf16, qf + nq * D);
+                }
+            const char* kb = (const char*)k + (size_t)((b * Hk + h) * S * D) * es;
+            const int64_t nb = ((most + L - 1) / L + 1) / 2 * 2;
+            const int64_t whole = most / L; /* blocks every lane of which a key fills; the others zeroed first */
+            memset(kt + whole * D * L, 0, sizeof(float) * (size_t)((nb - whole) * D * L));
+            for (int64_t j = 0; j < most; j++) /* key j -> block j / L, lane j % L */
+                for (int64_t d = 0; d < D; d++)
+                    kt[((j / L) * D + d) * L + j % L] =
+                        bf16 ? bf16_to_f(((const uint16_t*)kb)[j * D + d]) : ((const float*)kb)[j * D + d];
+            widen((const char*)v + (size_t)((b * Hk + h) * S * Dv) * es, most * Dv, bf16, vf);
+            prompt_head(qf, Q, D, Dv, n, kt, vf, scale, p, NB * L, o);
+            nq = 0;
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t t = 0; t < T; t++, nq++) {
+                    const int64_t at = ((b * A + h * G + g) * T + t) * Dv;
+                    for (int64_t i = 0; i < Dv; i++) {
+                        const float x = n[nq] ? o[nq * Dv + i] : 0.0f;
+                        if (bf16) ((uint16_t*)out)[at + i] = to_bf16(x);
+                        else ((float*)out)[at + i] = x;
+                    }
+                }
+        }
+        free(buf);
+        free(n);
+    }
+    return failed ? -1 : 0;
+}

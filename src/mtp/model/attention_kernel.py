@@ -17,8 +17,9 @@ from .native import AVX512_VNNI, NativeLibrary
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.attend_decode.argtypes = [i64] * 7 + [i32, p, i64, i64, i64, p, p, p, f32, p, i32]
-    lib.attend_decode.restype = i32
+    for name in ("attend_decode", "attend_prompt"):
+        getattr(lib, name).argtypes = [i64] * 7 + [i32, p, i64, i64, i64, p, p, p, f32, p, i32]
+        getattr(lib, name).restype = i32
 
 
 LIBRARY = NativeLibrary("attention.c", None, "decode attention runs SDPA", _declare, isas=(AVX512_VNNI,))
@@ -31,18 +32,21 @@ def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
             and k.is_contiguous() and v.is_contiguous() and q.shape[1] % k.shape[1] == 0 and LIBRARY.available())
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: list[int], scale: float) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: list[int], scale: float,
+           prompt: bool = False) -> torch.Tensor:
     """q [B, A, T, D] (row b's token t at position starts[b] + t) over the keys k [B, Hk, S, D] / values v [B, Hk, S, Dv]
-    at positions <= its own -> [B, A, T, Dv] in q's dtype; query head a reads kv head a // (A // Hk)."""
+    at positions <= its own -> [B, A, T, Dv] in q's dtype; query head a reads kv head a // (A // Hk). `prompt`: the
+    kernel of a prompt's chunk (`attend_prompt`: blocked products, other bits; step.c's prompt reads)."""
     B, A, T, D = q.shape
     Hk, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
     if max(starts) + T > S:
         raise ValueError(f"attend: positions up to {max(starts) + T - 1} past the cache's {S}")
     out = torch.empty(B, A, T, Dv, dtype=q.dtype)
     starts_t = torch.tensor(starts, dtype=torch.int64)
-    status = LIBRARY.lib().attend_decode(B, A, T, Hk, S, D, Dv, int(q.dtype == torch.bfloat16), q.data_ptr(),
-                                         q.stride(0), q.stride(1), q.stride(2), k.data_ptr(), v.data_ptr(),
-                                         starts_t.data_ptr(), scale, out.data_ptr(), torch.get_num_threads())
+    kernel = LIBRARY.lib().attend_prompt if prompt else LIBRARY.lib().attend_decode
+    status = kernel(B, A, T, Hk, S, D, Dv, int(q.dtype == torch.bfloat16), q.data_ptr(), q.stride(0), q.stride(1),
+                    q.stride(2), k.data_ptr(), v.data_ptr(), starts_t.data_ptr(), scale, out.data_ptr(),
+                    torch.get_num_threads())
     if status != 0:
-        raise MemoryError("attend_decode: out of memory")
+        raise MemoryError(f"{kernel.__name__}: out of memory")
     return out

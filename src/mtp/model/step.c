@@ -39,6 +39,8 @@ typedef struct { /* the eager kernels (their own files say what each computes) *
                           uint16_t*, int);
     int (*q4_linear_wide)(const uint16_t*, int64_t, int64_t, const uint8_t*, const float*, const float*, int64_t,
                           const float*, int64_t, uint16_t*, int);
+    int (*attend_prompt)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, const void*, int64_t,
+                         int64_t, int64_t, const void*, const void*, const int64_t*, float, void*, int);
 } Kernels;
 
 typedef struct { /* a prepared linear layer without bias (linear.FastLinear on qmatmul.c): bf16 [M, K] -> [M, N] */
@@ -80,11 +82,12 @@ typedef struct {
     const int64_t* starts;    /* [B]: each row's first position */
     const uint16_t *embed, *cos, *sin, *norm; /* [V, H]; [B*T, R] each; the final norm [H] */
     uint16_t* out;            /* [B, T, H]: the hidden state after the final norm */
-    int64_t wide_min;         /* int8/int4 products of this many rows or more on the bf16 tiles (a prompt's chunk,
-                                 linear.py `prompt_products`: other bits than the integer kernels'); 0: never */
+    int64_t prompt;           /* 0, or a prompt's chunk within linear.py's `prompt_products` (step.py `prefill`):
+                                 attention by attend_prompt, and the int8/int4 products of this many rows or more on
+                                 the bf16 tiles (other bits than the decode kernels', as the layers' prompt reads) */
 } Step;
 
-/* wide_min: as Step's (0 for every product a decode step or a verify makes) */
+/* wide_min: Step's `prompt` (0 for every product a decode step or a verify makes) */
 static int linear(const Kernels* k, const Linear* l, const uint16_t* x, int64_t M, uint16_t* y, int64_t wide_min,
                   int nth) {
     const int wide = wide_min > 0 && M >= wide_min && k->q8_linear_wide && k->q4_linear_wide;
@@ -135,7 +138,7 @@ static int deltanet(const Kernels* k, const Step* s, const Layer* l, const uint1
                     int nth) {
     const int64_t B = s->B, T = s->T, M = B * T, kw = l->kernel - 1, W = kw + T;
     const int64_t C = 2 * l->Hk * l->Kd + l->Hv * l->Vd, Nin = l->Nin;
-    if (project(k, l, h, M, y, o, s->wide_min, nth)) return -1;
+    if (project(k, l, h, M, y, o, s->prompt, nth)) return -1;
     for (int64_t b = 0; b < B; b++) /* window = cat(conv, qkv^T) */
         for (int64_t c = 0; c < C; c++) {
             uint16_t* w = l->window + (b * C + c) * W;
@@ -169,7 +172,7 @@ static int attention(const Kernels* k, const Step* s, const Layer* l, const uint
                      uint16_t* scratch, int nth) {
     const int64_t B = s->B, T = s->T, M = B * T, A = l->Hv, Hk = l->Hk, D = l->Kd, S = s->S;
     const int64_t Nq = l->Nin, AD = A * D;
-    if (project(k, l, h, M, y, o, s->wide_min, nth)) return -1;
+    if (project(k, l, h, M, y, o, s->prompt, nth)) return -1;
     /* scratch: q [B, T, A, D] normed and rotated, gate [M, A*D], attention output [B, A, T, D], k [Hk, D] */
     uint16_t *q = scratch, *gate = q + M * AD, *att = gate + M * AD, *kn = att + M * AD;
     for (int64_t m = 0; m < M; m++) {
@@ -183,7 +186,8 @@ static int attention(const Kernels* k, const Step* s, const Layer* l, const uint
         }
         store_kv(s, l, ym, m, b, pos, kn);
     }
-    if (k->attend_decode(B, A, T, Hk, S, D, D, 1, q, T * AD, D, AD, l->conv, l->values, s->starts, l->scale, att, nth))
+    if ((s->prompt ? k->attend_prompt : k->attend_decode)(B, A, T, Hk, S, D, D, 1, q, T * AD, D, AD, l->conv, l->values,
+                                                           s->starts, l->scale, att, nth))
         return -1;
     for (int64_t b = 0; b < B; b++) /* [B, A, T, D] -> [B, T, A*D] */
         for (int64_t a = 0; a < A; a++)
@@ -198,12 +202,12 @@ static int layer(const Kernels* k, const Step* s, const Layer* l, uint16_t* x, u
     const int64_t M = s->B * s->T, H = s->H, I = l->I, G = l->gate_up.N;
     k->rmsnorm(M, H, x, H, l->norm1, 1, s->eps, 1, h, nth);
     if (l->kind == 0 ? deltanet(k, s, l, h, y, o, nth) : attention(k, s, l, h, y, o, scratch, nth)) return -1;
-    if (linear(k, &l->out, o, M, h, s->wide_min, nth)) return -1;
+    if (linear(k, &l->out, o, M, h, s->prompt, nth)) return -1;
     add_rows(x, h, M * H);
     k->rmsnorm(M, H, x, H, l->norm2, 1, s->eps, 1, h, nth);
-    if (linear(k, &l->gate_up, h, M, y, s->wide_min, nth)) return -1;
+    if (linear(k, &l->gate_up, h, M, y, s->prompt, nth)) return -1;
     k->silu_mul(M, I, y, G, y + l->up, G, o, nth);
-    if (linear(k, &l->down, o, M, h, s->wide_min, nth)) return -1;
+    if (linear(k, &l->down, o, M, h, s->prompt, nth)) return -1;
     add_rows(x, h, M * H);
     return 0;
 }
@@ -521,7 +525,7 @@ static int attention_kv(const Kernels* k, const Step* s, const Layer* l, int nth
     if (!buf) return -1;
     uint16_t *h = buf, *y = h + M * H, *tmp = y + M * Nq, *kn = tmp + M * widest;
     k->rmsnorm(M, H, s->x, H, l->norm1, 1, s->eps, 1, h, nth);
-    int failed = project(k, l, h, M, y, tmp, s->wide_min, nth);
+    int failed = project(k, l, h, M, y, tmp, s->prompt, nth);
     for (int64_t m = 0; m < M && !failed; m++) {
         const uint16_t* ym = y + m * Nq;
         k->rmsnorm(l->Hk, l->Kd, ym + l->off[1], l->Kd, l->knorm, 1, l->geps, 1, kn, 1);

@@ -51,7 +51,7 @@ p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 class _Kernels(ctypes.Structure):
     _fields_ = [(n, p) for n in ("q8_linear", "q4_linear", "rmsnorm", "deltanet_decode", "attend_decode", "silu_mul",
                                  "sigmoid_mul", "bf16_linear", "argmax_rows", "top_p_rows", "q8_linear_wide",
-                                 "q4_linear_wide")]
+                                 "q4_linear_wide", "attend_prompt")]
 
 
 class _Linear(ctypes.Structure):
@@ -69,7 +69,7 @@ class _Layer(ctypes.Structure):
 class _Step(ctypes.Structure):
     _fields_ = ([(n, i64) for n in ("B", "T", "H", "V", "S", "R")] + [("eps", f32)]
                 + [(n, p) for n in ("ids", "x", "index", "starts", "embed", "cos", "sin", "norm", "out")]
-                + [("wide_min", i64)])
+                + [("prompt", i64)])
 
 
 class _Draft(ctypes.Structure):
@@ -126,7 +126,7 @@ def _kernels() -> _Kernels:
                     fn(act.LIBRARY, "silu_mul"), fn(act.LIBRARY, "sigmoid_mul"), fn(qmatmul.LIBRARY, "bf16_linear"),
                     fn(argmax_kernel.LIBRARY, "argmax_rows"), fn(top_p_kernel.LIBRARY, "top_p_rows"),
                     fn(qmatmul.LIBRARY, "q8_linear_wide") if wide else None,
-                    fn(qmatmul.LIBRARY, "q4_linear_wide") if wide else None)
+                    fn(qmatmul.LIBRARY, "q4_linear_wide") if wide else None, fn(attention_kernel.LIBRARY, "attend_prompt"))
 
 
 class Ineligible(Exception):
@@ -431,10 +431,12 @@ def decode(model, ids: torch.Tensor, cache: Cache, pos: Positions) -> tuple[torc
 
 
 def prefill(model, ids: torch.Tensor, cache: Cache) -> torch.Tensor | None:
-    """`CausalLM.hidden` of ids [B, T] continuing a prefill's cache (every row at `cache.pos`) as one C call: the
-    tokens as T plain steps kept in place (attention through the decode kernel, each query over its own keys; the
-    other layers' arithmetic is the eager prefill's) -> hidden [B, T, H], the cache advanced by T; or None where this
-    forward cannot run so (the caller runs the layers)."""
+    """`CausalLM.hidden` of ids [B, T] continuing a prefill's cache (every row at `cache.pos`) as one C call, the
+    states kept in place -> hidden [B, T, H], the cache advanced by T; or None where this forward cannot run so (the
+    caller runs the layers). Within `prompt_products` (a prompt's chunk: `decode.prefill`) attention runs as
+    `attend_prompt` and int8/int4 products of WIDE_MIN_ROWS rows or more on the bf16 tiles, as the layers' prompt
+    products do; outside it, the decode kernels: the T tokens' outputs and states are then their plain steps', bit for
+    bit. Everything else is the layers' arithmetic, by the same kernels (their attention is SDPA)."""
     if torch.is_grad_enabled() or torch.compiler.is_compiling() or ids.dtype != torch.int64 or ids.dim() != 2:
         return None
     prog = program(model)
@@ -446,8 +448,8 @@ def prefill(model, ids: torch.Tensor, cache: Cache) -> torch.Tensor | None:
     model.prepare_decode(start + T)
     index = torch.arange(start, start + T, dtype=torch.int64).expand(B, T).contiguous()
     pos = model.decode_positions(index, [start] * B)
-    wide_min = WIDE_MIN_ROWS if prompt_products_on() else 0
-    done = _run(prog, B, T, ids.contiguous(), None, cache.layers, pos, commit=True, wide_min=wide_min)
+    prompt = WIDE_MIN_ROWS if prompt_products_on() else 0
+    done = _run(prog, B, T, ids.contiguous(), None, cache.layers, pos, commit=True, prompt=prompt)
     if done is None:
         return None
     cache.pos = start + T
@@ -516,9 +518,9 @@ def _bind(prog: Program, B: int, T: int, states: list, commit: bool, R: int, all
 
 
 def _run(prog: Program, B: int, T: int, ids: torch.Tensor | None, x: torch.Tensor | None, states: list,
-         pos: Positions, commit: bool | None = None, wide_min: int = 0) -> tuple[torch.Tensor, list] | None:
+         pos: Positions, commit: bool | None = None, prompt: int = 0) -> tuple[torch.Tensor, list] | None:
     """One call of `prog` on ids [B, T] (or hidden states x [B, T, H]) over the layers' decode states; `commit`: the
-    states updated in place (default: a `pos.commit` step of one token); `wide_min`: step.c's (a prompt's chunk)."""
+    states updated in place (default: a `pos.commit` step of one token); `prompt`: step.c's `Step.prompt`."""
     cos, sin, index = pos.cos, pos.sin, pos.index
     R = cos.shape[-1]
     if (index.dtype != torch.int64 or index.shape != (B, T) or not index.is_contiguous() or cos.dtype != torch.bfloat16
@@ -539,7 +541,7 @@ def _run(prog: Program, B: int, T: int, ids: torch.Tensor | None, x: torch.Tenso
     step = _Step(B, T, prog.hidden, prog.vocab, S, R, prog.eps, None if ids is None else ids.data_ptr(),
                  None if x is None else x.data_ptr(), index.data_ptr(), starts.data_ptr(),
                  None if prog.embed is None else prog.embed.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                 prog.norm.data_ptr(), out.data_ptr(), wide_min)
+                 prog.norm.data_ptr(), out.data_ptr(), prompt)
     status = LIBRARY.lib().qwen35_decode(ctypes.byref(prog.kernels), ctypes.byref(step), layers, len(layers),
                                          torch.get_num_threads())
     if status == -2:
