@@ -170,7 +170,7 @@ static void l2norm(float* x, int64_t n, float scale) {
  * rounded as written: 5 operations an element and token where separate multiplies and adds took 8 (8 rows x 4 tokens
  * 262-273 -> 225-231 us a layer, one thread, AMX Xeon; docs/decisions.md, 2026-12-05 fourth session).
  * Column j of every quantity depends on column j of S only, so the head runs up to DN_COLS columns at a time through
- * all T tokens: the columns' state stays in a scratch of Kd x DN_COLS floats (8 KB, 16 in AVX-512 builds, at Kd = 128:
+ * all T tokens: the columns' state stays in a scratch of Kd x DN_COLS floats (8 KB, 32 in AVX-512 builds, at Kd = 128:
  * L1) between tokens, the state before is read once, and the pass that writes S' also sums the next token's kv (the
  * same products in the same order). Every output has the arithmetic above whatever T and the column split: a verified
  * token is its plain step, bit for bit (the fmas are explicit; -ffp-contract=off keeps the compiler from fusing others).
@@ -179,7 +179,7 @@ static void l2norm(float* x, int64_t n, float scale) {
  * or nothing; each token's update (k_t, d, g_t) into `upd` [T][Kd + Vd + 1] (a verify: `deltanet_keep` replays the
  * first n of them onto the state); o [T][Vd]. */
 #if defined(__AVX512F__)
-#define DN_COLS 32
+#define DN_COLS 64
 #else
 #define DN_COLS 16
 #endif
@@ -198,13 +198,14 @@ typedef struct {
     float* scratch;               /* [Kd][DN_COLS] */
 } Rec;
 
-/* columns [c0, c0 + L * NV) with NV vectors of L lanes (NV = 1, 2): rec_cols_8 (__m256), and in AVX-512 builds
- * rec_cols_16 (__m512, whose lanes do the same arithmetic: every sum runs over i within its own column, so the width
- * changes no bit). */
+/* columns [c0, c0 + L * NV) with NV vectors of L lanes (NV = 1, 2; 4 in AVX-512 builds: a key's and a query's
+ * broadcasts then serve 64 columns, 8 rows x 4 tokens 200-203 -> 178-185 us a layer, AMX Xeon): rec_cols_8 (__m256), and
+ * in AVX-512 builds rec_cols_16 (__m512, whose lanes do the same arithmetic: every sum runs over i within its own
+ * column, so the width changes no bit). */
 #define REC_COLS(L, V, P)                                                                                           \
     static inline void rec_cols_##L(const Rec* r, int64_t c0, int NV) {                                             \
         const int64_t Kd = r->Kd, Vd = r->Vd, T = r->T, R = Kd + Vd + 1;                                            \
-        V kv[2], nk[2], d[2], o[2];                                                                                 \
+        V kv[4], nk[4], d[4], o[4];                                                                                 \
         for (int u = 0; u < NV; u++) kv[u] = P##_setzero_ps();                                                      \
         const V g0 = P##_set1_ps(r->g[0]);                                                                          \
         for (int64_t i = 0; i < Kd; i++) {                                                                          \
@@ -290,6 +291,7 @@ static void recurrence(const Rec* r) {
         }
     int64_t c = 0;
 #if defined(__AVX512F__)
+    for (; c + 64 <= Vd; c += 64) rec_cols_16(r, c, 4);
     for (; c + 32 <= Vd; c += 32) rec_cols_16(r, c, 2);
     for (; c + 16 <= Vd; c += 16) rec_cols_16(r, c, 1);
 #endif
