@@ -7,8 +7,10 @@
  * It computes what the eager forward computes, bit for bit: every piece is either one of the eager path's own C
  * kernels, called through the function pointers step.py passes (`Kernels`: the same machine code the eager step
  * runs), or an exact operation (a copy, an index, a bf16 sum or product rounded once, as torch rounds one). So greedy
- * decoding through it is the eager decoding, and row invariance carries over from the kernels. Built with
- * -ffp-contract=off. */
+ * decoding through it is the eager decoding, and row invariance carries over from the kernels. A prompt's chunk
+ * (`Step.prompt`, step.py `prefill`) runs the same program with prompt kernels: attention by attend_prompt (the
+ * layers' prompt reads use SDPA: either way other bits than decoding's, the same for every path that reads the
+ * prompt) and int8/int4 products on the bf16 tiles, as the layers' are. Built with -ffp-contract=off. */
 
 #include <math.h>
 #include <stdint.h>
