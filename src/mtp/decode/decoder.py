@@ -449,10 +449,14 @@ class Decoder:
         for s in seqs:
             s.session.stats.time_other += other
         # a compiled graph's first call compiles it (or reads it from the disk cache), and an eager round's first of its
-        # kind (per model) builds what it runs (one-call programs, buffers: ~5x a round here): not a time to learn from
+        # kind (per model) builds what it runs (one-call programs, buffers: ~5x a round here); an eager decoder's state
+        # binds each width's one-call round on its first use (`round_kernel.greedy_round`: ~0.3 ms, the round ~2 ms,
+        # and `auto` learned those: int8 drafted k = 4 where k = 3 was faster): not times to learn from
         graph = (B, K, None if rs is None else (rs.use_penalty, rs.use_top_k, rs.use_top_p, rs.any_sampled, rs.any_unseeded))
-        first = graph not in self.runner.called
+        bound = self.state.__dict__.setdefault("rounds_run", set())
+        first = graph not in self.runner.called or graph not in bound
         self.runner.called.add(graph)
+        bound.add(graph)
         self.policy.update(D, k, [(ks[b], out[b][K + 1]) for b in range(D)], None if first or cold else time.perf_counter() - t0)
         self.last_round = [(s, ks[b], out[b][K + 1]) for b, s in enumerate(seqs)]
         return emitted
