@@ -94,6 +94,21 @@ static void exp_shifted(float* p, int64_t n, float m) {
     }
 }
 
+/* The G x T queries that read kv head h of row b (its G query heads at T positions, q as attend_decode's): each
+ * one's key count (0..its position; 0 past the cache, which the caller checks) into n [G*T] and its row widened into
+ * qf [G*T][D] -> the most keys any of them sees */
+static int64_t head_queries(const void* q, int64_t sq0, int64_t sq1, int64_t sq2, int bf16, const int64_t* starts,
+                            int64_t b, int64_t h, int64_t G, int64_t T, int64_t S, int64_t D, int64_t* n, float* qf) {
+    int64_t most = 0, nq = 0;
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t t = 0; t < T; t++, nq++) {
+            n[nq] = starts[b] + t + 1 > S ? 0 : starts[b] + t + 1;
+            most = n[nq] > most ? n[nq] : most;
+            widen((const char*)q + (size_t)(b * sq0 + (h * G + g) * sq1 + t * sq2) * (bf16 ? 2 : 4), D, bf16, qf + nq * D);
+        }
+    return most;
+}
+
 /* q [B, A, T, D] at strides (sq0, sq1, sq2) (last 1), k [B, Hk, S, D] and v [B, Hk, S, Dv] contiguous, starts [B]
  * (row b's token t sits at position starts[b] + t) -> out [B, A, T, Dv] contiguous, in the model dtype. D % 8 == 0.
  * Query head a reads kv head a / (A / Hk). 0, or -1 when out of memory. */
@@ -101,28 +116,23 @@ static void exp_shifted(float* p, int64_t n, float m) {
  * one-query form's), 64 of them in registers through the n values (they were loaded and stored again for every
  * value: at 8 rows x 4 tokens most of a call). */
 #define VBLOCK 64
+/* outputs i0.. of accumulate, 64 at a time in 64 / L vectors of L lanes (V, P: the vector type and intrinsics' prefix) */
+#define ACCUMULATE64(V, P, L)                                                                                       \
+    for (; i0 + 64 <= Dv; i0 += 64) {                                                                               \
+        V a[64 / L];                                                                                                \
+        for (int u = 0; u < 64 / L; u++) a[u] = P##_loadu_ps(acc + i0 + L * u);                                     \
+        for (int64_t j = 0; j < n; j++) {                                                                           \
+            const V pj = P##_set1_ps(p[j]);                                                                         \
+            for (int u = 0; u < 64 / L; u++) a[u] = P##_add_ps(a[u], P##_mul_ps(pj, P##_loadu_ps(v + j * Dv + i0 + L * u))); \
+        }                                                                                                           \
+        for (int u = 0; u < 64 / L; u++) P##_storeu_ps(acc + i0 + L * u, a[u]);                                     \
+    }
 static void accumulate(float* acc, const float* p, const float* v, int64_t n, int64_t Dv) {
     int64_t i0 = 0;
 #if defined(__AVX512F__) /* the same sums 16 lanes a vector (each output's own order over j: the same bits) */
-    for (; i0 + 64 <= Dv; i0 += 64) {
-        __m512 a[4];
-        for (int u = 0; u < 4; u++) a[u] = _mm512_loadu_ps(acc + i0 + 16 * u);
-        for (int64_t j = 0; j < n; j++) {
-            const __m512 pj = _mm512_set1_ps(p[j]);
-            for (int u = 0; u < 4; u++) a[u] = _mm512_add_ps(a[u], _mm512_mul_ps(pj, _mm512_loadu_ps(v + j * Dv + i0 + 16 * u)));
-        }
-        for (int u = 0; u < 4; u++) _mm512_storeu_ps(acc + i0 + 16 * u, a[u]);
-    }
+    ACCUMULATE64(__m512, _mm512, 16)
 #endif
-    for (; i0 + 64 <= Dv; i0 += 64) {
-        __m256 a[8];
-        for (int u = 0; u < 8; u++) a[u] = _mm256_loadu_ps(acc + i0 + 8 * u);
-        for (int64_t j = 0; j < n; j++) {
-            const __m256 pj = _mm256_set1_ps(p[j]);
-            for (int u = 0; u < 8; u++) a[u] = _mm256_add_ps(a[u], _mm256_mul_ps(pj, _mm256_loadu_ps(v + j * Dv + i0 + 8 * u)));
-        }
-        for (int u = 0; u < 8; u++) _mm256_storeu_ps(acc + i0 + 8 * u, a[u]);
-    }
+    ACCUMULATE64(__m256, _mm256, 8)
     for (int64_t j = 0; j < n; j++)
         for (int64_t i = i0; i < Dv; i++) acc[i] += p[j] * v[j * Dv + i];
 }
@@ -153,16 +163,8 @@ int attend_decode(int64_t B, int64_t A, int64_t T, int64_t Hk, int64_t S, int64_
             if (!buf || !n) continue;
             const int64_t b = w / Hk, h = w % Hk;
             float *qf = buf, *p = qf + Q * D, *acc = p + Q * S, *m = acc + Q * Dv, *sum = m + Q, *vf = sum + Q;
-            int64_t most = 0, nq = 0;
-            for (int64_t g = 0; g < G; g++)
-                for (int64_t t = 0; t < T; t++, nq++) {
-                    const int64_t a = h * G + g;
-                    n[nq] = starts[b] + t + 1;
-                    if (n[nq] > S) n[nq] = 0; /* (the caller checks: past the cache, nothing is attended) */
-                    most = n[nq] > most ? n[nq] : most;
-                    widen((const char*)q + (size_t)(b * sq0 + a * sq1 + t * sq2) * es, D, bf16, qf + nq * D);
-                    m[nq] = -INFINITY;
-                }
+            const int64_t most = head_queries(q, sq0, sq1, sq2, bf16, starts, b, h, G, T, S, D, n, qf);
+            for (int64_t i_q = 0; i_q < Q; i_q++) m[i_q] = -INFINITY;
             const char* kb = (const char*)k + (size_t)((b * Hk + h) * S * D) * es;
             const char* vb = (const char*)v + (size_t)((b * Hk + h) * S * Dv) * es;
 #if defined(__AVX512F__)
@@ -235,8 +237,7 @@ int attend_decode(int64_t B, int64_t A, int64_t T, int64_t Hk, int64_t S, int64_
                     if (last > 0) accumulate(acc + i_q * Dv, p + i_q * S + j0, vf, last, Dv);
                 }
             }
-            nq = 0;
-            for (int64_t g = 0; g < G; g++)
+            for (int64_t g = 0, nq = 0; g < G; g++)
                 for (int64_t t = 0; t < T; t++, nq++) {
                     if (!n[nq]) continue;
                     const int64_t a = h * G + g;
@@ -348,12 +349,6 @@ int attend_decode(int64_t B, int64_t A, int64_t T, int64_t Hk, int64_t S, int64_
     }
 
 /* lanes l >= n (n may be <= 0 or >= L) set to -inf */
-static inline __m256 mask_lt8(__m256 s, int64_t n) {
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n < 0 ? 0 : n > 8 ? 8 : n)), lane);
-    return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, _mm256_castsi256_ps(keep));
-}
-PROMPT_ATTEND(8, 2, __m256, _mm256, exp8, mask_lt8)
 #if defined(__AVX512F__)
 static inline __m512 mask_lt16(__m512 s, int64_t n) {
     return _mm512_mask_blend_ps(lanes16(n < 0 ? 0 : n), _mm512_set1_ps(-INFINITY), s);
@@ -362,6 +357,12 @@ PROMPT_ATTEND(16, 4, __m512, _mm512, exp16, mask_lt16)
 #define PROMPT_L 16
 #define prompt_head prompt_head_16
 #else
+static inline __m256 mask_lt8(__m256 s, int64_t n) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n < 0 ? 0 : n > 8 ? 8 : n)), lane);
+    return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, _mm256_castsi256_ps(keep));
+}
+PROMPT_ATTEND(8, 2, __m256, _mm256, exp8, mask_lt8)
 #define PROMPT_L 8
 #define prompt_head prompt_head_8
 #endif
@@ -388,14 +389,7 @@ int attend_prompt(int64_t B, int64_t A, int64_t T, int64_t Hk, int64_t S, int64_
             if (!buf || !n) continue;
             const int64_t b = w / Hk, h = w % Hk;
             float *qf = buf, *kt = qf + Q * D, *vf = kt + NB * D * L, *p = vf + S * Dv, *o = p + PROMPT_QUERIES * NB * L;
-            int64_t most = 0, nq = 0;
-            for (int64_t g = 0; g < G; g++)
-                for (int64_t t = 0; t < T; t++, nq++) {
-                    n[nq] = starts[b] + t + 1;
-                    if (n[nq] > S) n[nq] = 0; /* (the caller checks: past the cache, nothing is attended) */
-                    most = n[nq] > most ? n[nq] : most;
-                    widen((const char*)q + (size_t)(b * sq0 + (h * G + g) * sq1 + t * sq2) * es, D, bf16, qf + nq * D);
-                }
+            const int64_t most = head_queries(q, sq0, sq1, sq2, bf16, starts, b, h, G, T, S, D, n, qf);
             const char* kb = (const char*)k + (size_t)((b * Hk + h) * S * D) * es;
             const int64_t nb = ((most + L - 1) / L + 1) / 2 * 2;
             const int64_t whole = most / L; /* blocks every lane of which a key fills; the others zeroed first */
@@ -406,8 +400,7 @@ int attend_prompt(int64_t B, int64_t A, int64_t T, int64_t Hk, int64_t S, int64_
                         bf16 ? bf16_to_f(((const uint16_t*)kb)[j * D + d]) : ((const float*)kb)[j * D + d];
             widen((const char*)v + (size_t)((b * Hk + h) * S * Dv) * es, most * Dv, bf16, vf);
             prompt_head(qf, Q, D, Dv, n, kt, vf, scale, p, NB * L, o);
-            nq = 0;
-            for (int64_t g = 0; g < G; g++)
+            for (int64_t g = 0, nq = 0; g < G; g++)
                 for (int64_t t = 0; t < T; t++, nq++) {
                     const int64_t at = ((b * A + h * G + g) * T + t) * Dv;
                     for (int64_t i = 0; i < Dv; i++) {

@@ -601,7 +601,7 @@ int qwen35_draft(const Kernels* k, const Draft* d, const Layer* layers, int64_t 
              * query attends the same keys, and every kernel is row-invariant, so its output and the cache are the
              * forward over all W's, bit for bit, without the others' attention, output projection and MLP (what
              * `catch_up` and a round's first depth spent for nothing). */
-            const Step all = {B, W, H, d->V, d->S, R, d->eps, NULL, x, index, starts, NULL, cos, sin, d->norm, out};
+            const Step all = {B, W, H, d->V, d->S, R, d->eps, NULL, x, index, starts, NULL, cos, sin, d->norm, out, 0};
             if ((failed = attention_kv(k, &all, layers, nth)) || !d->K) break;
             for (int64_t b = 0; b < B; b++) { /* row b's last pending token to row b (no source is written before read) */
                 const int64_t m = b * W + (d->pend_n[b] + W - 1) % W;
@@ -612,7 +612,7 @@ int qwen35_draft(const Kernels* k, const Draft* d, const Layer* layers, int64_t 
             }
         }
         const int64_t T1 = j == 1 && layers[0].kind == 1 ? 1 : T;
-        const Step s = {B, T1, H, d->V, d->S, R, d->eps, NULL, x, index, starts, NULL, cos, sin, d->norm, out};
+        const Step s = {B, T1, H, d->V, d->S, R, d->eps, NULL, x, index, starts, NULL, cos, sin, d->norm, out, 0};
         if ((failed = qwen35_decode(k, &s, layers + (j - 1) % L, 1, nth)) || !d->K) break;
         for (int64_t b = 0; b < B; b++) /* the output at the last pending position (depth 1), else the one */
             memcpy(h + b * H, out + (b * T1 + (T1 > 1 ? (d->pend_n[b] + W - 1) % W : 0)) * H, sizeof(uint16_t) * (size_t)H);
