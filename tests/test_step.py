@@ -192,6 +192,13 @@ def test_bad_token_ids_and_positions_raise_before_anything_is_written():
                 step.decode(model, ids, cache, model.decode_positions(torch.tensor([starts]), starts))
         with pytest.raises(ValueError, match="past the cache"):
             step.decode(model, torch.tensor([[1]]), cache, model.decode_positions(torch.tensor([[63]]), [64]))
+        cache.pos = 3  # a prompt's read (`step.prefill`, through `hidden`): the same errors, and an empty one reads nothing
+        with pytest.raises(IndexError, match="vocabulary"):
+            model.hidden(torch.tensor([[1, model.config.vocab_size]]), cache)
+        with pytest.raises(ValueError, match="cannot add 62"):
+            model.hidden(torch.ones(1, 62, dtype=torch.long), cache)
+        assert model.hidden(torch.ones(1, 0, dtype=torch.long), cache).shape == (1, 0, model.config.hidden_size)
+        assert cache.pos == 3
     after = [t for layer in cache.layers for t in ((layer.ssm, layer.conv) if hasattr(layer, "ssm")
                                                    else (layer.k, layer.v))]
     assert all(torch.equal(x, y) for x, y in zip(before, after))

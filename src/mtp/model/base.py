@@ -438,6 +438,8 @@ class CausalLM(nn.Module, ABC):
         """Backbone hidden states: ids [B, T] -> [B, T, H]. With a single-sequence cache (a prefill), continue from
         `cache.pos` and advance it by T. `router_logits` (a list): MoE layers append their router logits to it."""
         T = ids.shape[1]
+        if T == 0:  # nothing to read (the C kernels take at least one token; an empty read crashed in them)
+            return torch.empty(ids.shape[0], 0, self.hidden_width, dtype=self.dtype, device=self.device)
         start = 0 if cache is None else cache.pos
         if cache is not None:
             cache.check_room(T)
