@@ -235,8 +235,8 @@ def test_decode_attention_matches_sdpa_and_is_row_invariant(dtype, shape):
 @torch.inference_mode()
 def test_prompt_attention_matches_sdpa(dtype, shape):
     """`attend_prompt` (a prompt's chunk read in one call, step.c): every query over the keys up to its own position,
-    as close to the exact attention as SDPA is - a chunk from position 0 and one deep into the cache, a last key block
-    partly filled, value widths past the last whole vector (72), one query - with rows at different positions."""
+    within its dtype's rounding of the exact attention - a chunk from position 0 and one deep into the cache, a last key
+    block partly filled, value widths past the last whole vector (72), one query - with rows at different positions."""
     A, Hk, D, Dv, T, start = shape
     g = torch.Generator().manual_seed(1)
     starts = [start, start + 5]
@@ -247,7 +247,10 @@ def test_prompt_attention_matches_sdpa(dtype, shape):
     rows = lambda q, k, v: torch.cat([attend_rows(q[b : b + 1], k[b : b + 1], v[b : b + 1], s, D**-0.5, A != Hk)
                                       for b, s in enumerate(starts)])
     exact, sdpa = rows(q.double(), k.double(), v.double()), rows(q, k, v)
-    assert rel(out, exact) <= 3 * rel(sdpa, exact) + 1e-7  # (scores summed over d in order: ~3x SDPA's error in fp32)
+    # bounds of the dtype, not of this CPU's SDPA (which rounds its own way): measured here 1.5-5.2e-7 in fp32 (its scores
+    # sum over d in order; SDPA 1.2-2.9e-7) and 1.6-1.7e-3 in bf16 (the output's rounding; SDPA 1.7-2.2e-3); a wrong key
+    # or weight shows as 1e-2 and more
+    assert rel(out, exact) <= (4e-3 if dtype == torch.bfloat16 else 2e-6), (rel(out, exact), rel(sdpa, exact))
 
 
 @needs_kernels

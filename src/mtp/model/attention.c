@@ -42,18 +42,10 @@ static inline float dot8(const float* a, const float* b, int64_t D) {
 }
 
 #if defined(__AVX512F__)
-/* dot8 of one query against two keys at once: q2 holds the query's 8-value chunks twice ([c0 c0 c1 c1 ...], 2D
- * floats), kp the two keys' chunks side by side ([k c0, k' c0, k c1, k' c1, ...]); each half of the 16 lanes runs dot8's
- * lanes for its key in dot8's order, then dot8's tree: the same two scores, bit for bit, in half the multiplies. */
-static inline void dot8_pair(const float* q2, const float* kp, int64_t D, float* s0, float* s1) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < 2 * D; i += 16) acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(q2 + i), _mm512_loadu_ps(kp + i)));
-    *s0 = lanes8_sum(_mm512_castps512_ps256(acc));
-    *s1 = lanes8_sum(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
-}
-
-/* dot8_pair for 4 pairs of keys (kp: 4 pairs in dot8_pair's layout, one after another) -> s[0..7], the pairs' chains
- * side by side (each its own accumulator, in its own order) */
+/* dot8 of one query against 8 keys as 4 pairs side by side: q2 holds the query's 8-value chunks twice ([c0 c0 c1 c1
+ * ...], 2D floats), kp 4 pairs of keys, each pair's chunks side by side ([k c0, k' c0, k c1, k' c1, ...], 2D floats a
+ * pair) -> s[0..7]. Each half of a pair's 16 lanes runs dot8's lanes for its key in dot8's order, then dot8's tree:
+ * the same scores, bit for bit, in half the multiplies (and 4 chains in flight). */
 static inline void dot8_pairs4(const float* q2, const float* kp, int64_t D, float* s) {
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t i = 0; i < 2 * D; i += 16) {
@@ -66,9 +58,10 @@ static inline void dot8_pairs4(const float* q2, const float* kp, int64_t D, floa
     }
 }
 
-/* keys [n][D] (bf16 or fp32) -> kp in dot8_pair's layout, pairs (0, 1), (2, 3), ...; an odd last key beside zeros */
+/* keys [n][D] (bf16 or fp32) -> kp in dot8_pairs4's layout, pairs (0, 1), (2, 3), ..., zeros past the last key up to
+ * a multiple of 8 keys */
 static void widen_pairs(const void* src, int64_t n, int64_t D, int bf16, float* kp) {
-    for (int64_t j = 0; j < n; j += 2)
+    for (int64_t j = 0; j < (n + 7) / 8 * 8; j += 2)
         for (int64_t c = 0; c < D; c += 8)
             for (int u = 0; u < 2; u++) {
                 float* dst = kp + j * D + 2 * c + 8 * u;
@@ -142,7 +135,7 @@ int attend_decode(int64_t B, int64_t A, int64_t T, int64_t Hk, int64_t S, int64_
                   const int64_t* starts, float scale, void* out, int nthreads) {
     const int64_t G = A / Hk, Q = G * T; /* queries per kv head */
 #if defined(__AVX512F__)
-    const int64_t Q2 = 2 * Q; /* each query's chunks twice (dot8_pair) */
+    const int64_t Q2 = 2 * Q; /* each query's chunks twice (dot8_pairs4) */
 #else
     const int64_t Q2 = 0;
 #endif
@@ -184,36 +177,21 @@ int attend_decode(int64_t B, int64_t A, int64_t T, int64_t Hk, int64_t S, int64_
 #endif
                 for (int64_t i_q = 0; i_q < Q; i_q++) {
                     const int64_t last = n[i_q] - j0 < nj ? n[i_q] - j0 : nj;
-                    const float* qq = qf + i_q * D;
                     float* pq = p + i_q * S + j0;
                     float mq = m[i_q];
 #if defined(__AVX512F__)
-                    (void)qq;
-                    int64_t j = 0;
-                    for (; j + 8 <= last; j += 8) {
+                    for (int64_t j = 0; j < last; j += 8) { /* (scores past `last`: of the zero padding, or unused) */
                         float s8[8];
                         dot8_pairs4(q2 + i_q * 2 * D, vf + j * D, D, s8);
-                        for (int u = 0; u < 8; u++) {
+                        for (int u = 0; u < 8 && j + u < last; u++) {
                             const float s = s8[u] * scale;
                             pq[j + u] = s;
                             mq = s > mq ? s : mq;
                         }
                     }
-                    for (; j < last; j += 2) {
-                        float s0, s1;
-                        dot8_pair(q2 + i_q * 2 * D, vf + j * D, D, &s0, &s1);
-                        s0 *= scale;
-                        pq[j] = s0;
-                        mq = s0 > mq ? s0 : mq;
-                        if (j + 1 < last) {
-                            s1 *= scale;
-                            pq[j + 1] = s1;
-                            mq = s1 > mq ? s1 : mq;
-                        }
-                    }
 #else
                     for (int64_t j = 0; j < last; j++) {
-                        const float s = dot8(qq, vf + j * D, D) * scale;
+                        const float s = dot8(qf + i_q * D, vf + j * D, D) * scale;
                         pq[j] = s;
                         mq = s > mq ? s : mq;
                     }

@@ -155,7 +155,7 @@ class Qwen35ForCausalLM(CausalLM):
 
     def hidden(self, ids: torch.Tensor, cache: Cache | None = None, router_logits: list | None = None) -> torch.Tensor:
         """`CausalLM.hidden`; a prefill's chunk as one C call where the backbone allows it (step.py `prefill`)."""
-        if (cache is not None and router_logits is None and ids.shape[1] and type(self).decode is Qwen35ForCausalLM.decode):
+        if cache is not None and router_logits is None and type(self).decode is Qwen35ForCausalLM.decode:
             done = step.prefill(self, ids, cache)
             if done is not None:
                 return done

@@ -437,7 +437,8 @@ def prefill(model, ids: torch.Tensor, cache: Cache) -> torch.Tensor | None:
     `attend_prompt` and int8/int4 products of WIDE_MIN_ROWS rows or more on the bf16 tiles, as the layers' prompt
     products do; outside it, the decode kernels: the T tokens' outputs and states are then their plain steps', bit for
     bit. Everything else is the layers' arithmetic, by the same kernels (their attention is SDPA)."""
-    if torch.is_grad_enabled() or torch.compiler.is_compiling() or ids.dtype != torch.int64 or ids.dim() != 2:
+    if (torch.is_grad_enabled() or torch.compiler.is_compiling() or ids.dtype != torch.int64 or ids.dim() != 2
+            or ids.shape[1] == 0):  # (an empty read: the layers' path returns it)
         return None
     prog = program(model)
     if prog is None or prog.hooked() or model.rotary is None:
