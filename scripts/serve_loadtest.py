@@ -286,6 +286,8 @@ def table_main(args) -> int:
         extra = ["--max-concurrency", str(max(levels)), "--dtype", args.dtype, "--device", args.device]
         if args.threads:
             extra += ["--threads", str(args.threads)]
+        if args.prompt_cache_mb is not None:
+            extra += ["--prompt-cache-mb", str(args.prompt_cache_mb)]
         with tempfile.TemporaryDirectory(prefix="mtp-loadtest-") as tmp:
             for m in modes:
                 print(f"mode {m}: starting mtp serve --draft-tokens {MODES.get(m, m)}", file=sys.stderr, flush=True)
@@ -355,6 +357,9 @@ def main() -> int:
     table.add_argument("--repetition-penalty", type=float, default=1.0,
                        help="the table's requests' repetition penalty (default 1: none, whatever the model's "
                             "generation_config says; the shipped model's is 1.2)")
+    table.add_argument("--prompt-cache-mb", type=int, default=None,
+                       help="the servers' --prompt-cache-mb (0: off; default: the server's). The table's requests "
+                            "repeat the code prompts, so a prompt cache reads each once")
     table.add_argument("--dtype", default="auto", help="the servers' --dtype")
     table.add_argument("--device", default="auto", help="the servers' --device")
     table.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for a server to load its model")

@@ -23,6 +23,8 @@ from safetensors.torch import load_file, save_file
 import mtp
 from conftest import pattern_batch, scripted_drafts_patterns
 from mtp.config import ConfigError, DeepseekV32Config, GlmMoeDsaConfig
+from mtp.decode.prefill import PREFILL_CHUNK
+from mtp.decode.prompt_cache import PromptCache
 from mtp.io import read_tensors
 from mtp.model import config_from_dict
 from mtp.model.dsa import IndexedKVCache, SparseMLAttention, select_keys
@@ -529,3 +531,17 @@ def test_missing_indexer_tensor_is_named(reference, tmp_path, name):
     save_file(state, f, metadata={"format": "pt"})
     with pytest.raises(mtp.CheckpointError, match="missing tensor.*model.layers.0.self_attn.indexer.k_norm.bias"):
         mtp.load_model(tmp_path / "m")
+
+
+@pytest.mark.parametrize("name", MAIN)
+def test_prompts_from_the_cache_decode_as_cold_reads(name):
+    """The sparse-attention layers' index keys come with a prompt-cache snapshot (`IndexedKVCache.snapshot`)."""
+    from test_prompt_cache import decode_one_by_one, requests
+
+    model = trained(name, seed=2, max_position_embeddings=1024)
+    reqs = requests(model.config.vocab_size)
+    for draft_tokens in (None, 3):
+        cold = decode_one_by_one(model, reqs, draft_tokens, None)
+        warm = decode_one_by_one(model, reqs, draft_tokens, PromptCache(1 << 30, PREFILL_CHUNK))
+        assert [w.new_tokens for w in warm] == [c.new_tokens for c in cold]
+        assert warm[2].stats.prompt_cached == len(reqs[2][0])

@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 import warnings
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -34,6 +34,7 @@ from .draft_vocab import DraftVocab
 from .masks import MaskDrafter
 from .policy import AcceptanceCounts, DraftPolicy, RoundTimes
 from .prefill import PREFILL_CHUNK, prefill_chunk
+from .prompt_cache import PromptCache, Snapshot
 from .round import MAX_DRAFT, PENDING, RoundState
 from .sampling import RowSampling, gumbel, shape_logits
 from .session import Session
@@ -77,7 +78,8 @@ class Sequence:
     session: Session
     prompt: list[int]
     read: int = 0  # prompt tokens read so far
-    hidden: list[torch.Tensor] = field(default_factory=list)  # prefill hidden chunks, until the first token
+    carry: torch.Tensor | None = None  # [H]: the backbone's hidden state at position read - 1
+    cached: int = 0  # prompt tokens taken from the prompt cache
     cancelled: bool = False
 
     @property
@@ -94,10 +96,11 @@ class Decoder:
 
     `max_len`: the positions a sequence may reach (prompt + new tokens), capped at the model's context; the state is
     sized to it (never to the model's maximum context). `draft_tokens`: None/0 plain decoding, 1..8 or "auto".
-    `compile`: run the round through compiled graphs (`compiled.Runner`)."""
+    `compile`: run the round through compiled graphs (`compiled.Runner`). `prompt_cache`: where prompts' states are
+    kept and found again (`prompt_cache.py`; a server's, shared by its decoders)."""
 
     def __init__(self, model, max_batch: int, max_len: int, draft_tokens: int | str | None,
-                 draft_vocab: DraftVocab | None = None, compile: bool = False):
+                 draft_vocab: DraftVocab | None = None, compile: bool = False, prompt_cache: PromptCache | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.model = model
@@ -141,6 +144,7 @@ class Decoder:
         self._views: dict[int, RoundState] = {}
         self._since_chunk = COLD_ROUNDS  # rounds since the last prompt chunk
         self._sampling: tuple[tuple, RowSampling | None] | None = None
+        self.prompts = prompt_cache
 
     def _take_state(self, rows: int, slots: int, use_mtp: bool, pooled: bool) -> RoundState:
         """The decode state: new, or for a compiled decoder a free one of the model's with the same shape (returned to
@@ -245,44 +249,80 @@ class Decoder:
         return out
 
     def _read_chunk(self, seq: Sequence, row: int) -> list[int]:
-        """One prefill chunk of `seq` at `row`; after the last one, its first token (and the MTP reads the prompt)."""
+        """One prefill chunk of `seq` at `row` (its first: from the prompt cache where it holds a prefix); after the
+        last one, its first token."""
         model, st, stats = self.model, self.state, seq.session.stats
         t0 = time.perf_counter()
-        view = st.cache.view(row, row + 1)
-        seq.hidden.append(prefill_chunk(model, seq.prompt, view, seq.read))
-        st.cache.sync(view, row)
-        # while it reads, the row sits in the rounds' bucket as a row that keeps nothing: its verify still writes
-        # keys/values at pos + 0..K, which must land past what it has read (the next chunk overwrites them), not on
-        # its prompt's first positions
-        st.pos[row] = view.pos
-        seq.read = min(seq.read + PREFILL_CHUNK, len(seq.prompt))
+        P = len(seq.prompt)
+        if seq.read == 0 and self.prompts is not None and (snap := self.prompts.lookup(seq.prompt, self.use_mtp)):
+            self._restore(seq, row, snap)
+        if seq.read < P:  # (nothing left after a whole prompt from the cache)
+            view = st.cache.view(row, row + 1)
+            lo = seq.read
+            hidden = prefill_chunk(model, seq.prompt, view, lo)[0]  # [n, H]
+            st.cache.sync(view, row)
+            # while it reads, the row sits in the rounds' bucket as a row that keeps nothing: its verify still writes
+            # keys/values at pos + 0..K, which must land past what it has read (the next chunk overwrites them), not on
+            # its prompt's first positions
+            st.pos[row] = view.pos
+            seq.read = min(lo + PREFILL_CHUNK, P)
+            if self.use_mtp:
+                self._mtp_read(seq, row, lo, hidden)
+            seq.carry = hidden[-1]
+            if self.prompts is not None and self.prompts.wants(seq.prompt, seq.read):
+                self.prompts.store(self._snapshot(seq, row))
         if not seq.decoding:
             stats.time_prefill += time.perf_counter() - t0
             return []
-        hidden = torch.cat(seq.hidden, dim=1)[0]  # [P, H]
-        seq.hidden = []
-        P = len(seq.prompt)
-        logits = model.head(hidden[-1])
+        h = seq.carry
+        logits = model.head(h)
         model.check_finite(logits, "the prompt's forward")  # NaN/Inf weights would otherwise show as a lone EOS
         first = self._first_token(seq.session, logits)
         stats.prefill_forwards += 1
+        stats.prompt_cached = seq.cached
         st.pos[row], st.last[row] = P, first
         if st.seen is not None:
             st.seen[row, torch.tensor(seq.prompt + [first], device=model.device)] = True
-        if self.use_mtp:
-            nxt = seq.prompt[1:] + [first]
-            if P > 1:  # the MTP reads the prompt now, all but its last position: its caches only (`mtp_fill`)
-                views = [c.rows(row, row + 1) for c in st.mtp_cache]
-                depths = range(1, 2) if model.mtp.style == "sequential" else range(1, model.mtp.num_layers + 1)
-                with prompt_products():  # (int4/int8 drafts: the prompt's rows on the bf16 tiles)
-                    for d in depths:
-                        ids = torch.tensor([nxt[:-1]], device=model.device) if model.mtp.style == "sequential" else None
-                        model.mtp_fill(d, hidden[None, :-1], ids, 0, views)
+        if self.use_mtp:  # the prompt's last position waits for the MTP's first round, with the first token
             st.mtp_pos[row], st.pend_n[row] = P - 1, 1
-            st.pend_h[row, 0], st.pend_next[row, 0] = hidden[-1], first
+            st.pend_h[row, 0], st.pend_next[row, 0] = h, first
             self.mtp_pos[row], self.pend_n[row] = P - 1, 1
+        seq.carry = None
         stats.time_prefill += time.perf_counter() - t0
         return seq.session.emit([first], ["prefill"])
+
+    def _mtp_read(self, seq: Sequence, row: int, lo: int, hidden: torch.Tensor) -> None:
+        """The MTP reads what the chunk of positions lo.. (hidden [n, H]) lets it: each position with the token after
+        it, so from lo - 1 (the previous chunk's last, `carry`) to the chunk's last but one; its caches only
+        (`mtp_fill`)."""
+        model = self.model
+        h = hidden if seq.carry is None else torch.cat([seq.carry[None], hidden])
+        if h.shape[0] < 2:
+            return
+        start = lo - 1 if seq.carry is not None else lo
+        views = [c.rows(row, row + 1) for c in self.state.mtp_cache]
+        sequential = model.mtp.style == "sequential"
+        ids = torch.tensor([seq.prompt[start + 1:lo + hidden.shape[0]]], device=model.device) if sequential else None
+        with prompt_products():  # (int4/int8 drafts: the prompt's rows on the bf16 tiles)
+            for d in range(1, 2) if sequential else range(1, model.mtp.num_layers + 1):
+                model.mtp_fill(d, h[None, :-1], ids, start, views)
+
+    def _snapshot(self, seq: Sequence, row: int) -> Snapshot:
+        """Row `row` after the first seq.read tokens of its prompt, for the prompt cache."""
+        n, st = seq.read, self.state
+        mtp = [c.snapshot(row, n - 1) for c in st.mtp_cache] if self.use_mtp else None
+        return Snapshot(seq.prompt[:n], st.cache.snapshot(row, n), mtp, seq.carry.clone())
+
+    def _restore(self, seq: Sequence, row: int, snap: Snapshot) -> None:
+        """Row `row` := a prompt-cache snapshot of the first snap.n tokens of its prompt; the read continues there."""
+        st = self.state
+        st.cache.restore(row, snap.backbone, snap.n)
+        st.pos[row] = snap.n
+        if self.use_mtp:
+            for c, s in zip(st.mtp_cache, snap.mtp):
+                c.restore(row, s)
+        seq.read = seq.cached = snap.n
+        seq.carry = snap.carry
 
     def _first_token(self, session: Session, logits: torch.Tensor) -> int:
         """The token after the prompt from the prefill's last logits [V] (the round's shaping and sampling rule)."""

@@ -11,6 +11,7 @@ class GenerationStats:
     new_tokens: int = 0
     backbone_forwards: int = 0  # decode-time forwards (prefill not counted)
     prefill_forwards: int = 0
+    prompt_cached: int = 0  # prompt tokens taken from the prompt cache (decode/prompt_cache.py), not read
     draft_tokens_max: int = 0  # the k in force (max for `auto`)
     drafted: list[int] = field(default_factory=list)  # per draft position j (0-based): drafts proposed
     accepted: list[int] = field(default_factory=list)  # per draft position j: drafts accepted
@@ -54,6 +55,7 @@ class GenerationStats:
     def as_dict(self) -> dict:
         return {
             "prompt_tokens": self.prompt_tokens,
+            "prompt_cached": self.prompt_cached,
             "new_tokens": self.new_tokens,
             "backbone_forwards": self.backbone_forwards,
             "mean_accepted_length": round(self.mean_accepted_length, 4),

@@ -81,6 +81,16 @@ class KVCache:
     def reset_row(self, b: int) -> None:
         """Nothing to clear: entries are addressed by position and written before they are read."""
 
+    def snapshot(self, row: int, n: int) -> KVCache:
+        """Row `row`'s entries of positions 0..n-1, copied: [1, Hk, n, D] (`decode/prompt_cache.py`)."""
+        return KVCache(self.k[row:row + 1, :, :n].clone(), self.v[row:row + 1, :, :n].clone())
+
+    def restore(self, row: int, snap: KVCache) -> None:
+        """Row `row`'s first positions := a snapshot's."""
+        n = snap.k.shape[2]
+        self.k[row:row + 1, :, :n] = snap.k
+        self.v[row:row + 1, :, :n] = snap.v
+
 
 @dataclass
 class DeltaSteps:
@@ -151,6 +161,14 @@ class DeltaState:
         self.conv[b].zero_()
         self.ssm[b].zero_()
 
+    def snapshot(self, row: int, n: int) -> DeltaState:
+        """Row `row`'s state (after its n positions: the state holds no positions), copied."""
+        return DeltaState(self.conv[row:row + 1].clone(), self.ssm[row:row + 1].clone())
+
+    def restore(self, row: int, snap: DeltaState) -> None:
+        self.conv[row:row + 1] = snap.conv
+        self.ssm[row:row + 1] = snap.ssm
+
 
 class Cache:
     """Per-layer decode state of a batch of rows. `pos`: tokens consumed by a single-sequence cache (a prefill);
@@ -179,6 +197,16 @@ class Cache:
         for layer in self.layers:
             layer.reset_row(b)
         self.rows[b] = 0
+
+    def snapshot(self, row: int, n: int) -> list:
+        """Row `row` after its first n positions, every layer's state copied (`decode/prompt_cache.py`)."""
+        return [layer.snapshot(row, n) for layer in self.layers]
+
+    def restore(self, row: int, snaps: list, n: int) -> None:
+        """Row `row` := a snapshot of n positions; the row continues at position n."""
+        for layer, snap in zip(self.layers, snaps):
+            layer.restore(row, snap)
+        self.rows[row] = n
 
     def check_room(self, n: int) -> None:
         if self.pos + n > self.max_len:

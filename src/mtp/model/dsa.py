@@ -63,6 +63,14 @@ class IndexedKVCache(KVCache):
     def rows(self, lo: int, hi: int) -> IndexedKVCache:
         return IndexedKVCache(self.k[lo:hi], self.v[lo:hi], self.ik[lo:hi])
 
+    def snapshot(self, row: int, n: int) -> IndexedKVCache:
+        kv = super().snapshot(row, n)
+        return IndexedKVCache(kv.k, kv.v, self.ik[row:row + 1, :n].clone())
+
+    def restore(self, row: int, snap: IndexedKVCache) -> None:
+        super().restore(row, snap)
+        self.ik[row:row + 1, :snap.ik.shape[1]] = snap.ik
+
 
 def select_keys(scores: torch.Tensor, allowed: torch.Tensor | None, k: int) -> torch.Tensor:
     """The keys each query keeps: scores [..., S] (fp32) and allowed [..., S] bool (None: all) -> [..., S] bool.

@@ -166,19 +166,21 @@ class Server:
         job.finish()
         stats, result, timing = job.stream.session.stats, job.stream.result, job.timing()
         finish = result.finish_reason if result is not None else job.stopped
-        request.state.log.update(completion_tokens=len(job.new_tokens), finish_reason=finish, **timing,
+        request.state.log.update(completion_tokens=len(job.new_tokens), cached_tokens=stats.prompt_cached,
+                                 finish_reason=finish, **timing,
                                  draft_tokens=self.engine.draft_tokens,
                                  mean_accepted_length=round(stats.mean_accepted_length, 4),
                                  acceptance_per_position=[round(a, 4) for a in stats.acceptance_per_position])
         self.metrics.request_finished(finished_reason(result.finish_reason if result is not None else None,
                                                       job.stopped == "error"),
                                       job.prompt_tokens, len(job.new_tokens), timing["generation_s"],
-                                      timing["time_to_first_token_s"])
+                                      timing["time_to_first_token_s"], stats.prompt_cached)
 
     def result_text(self, job: Job) -> tuple[str, str, dict]:
         r = job.stream.result
         return r.text, P.FINISH_REASONS[r.finish_reason], P.usage(job.prompt_tokens, len(r.tokens),
-                                                                  self.engine.speculative_stats(r.stats))
+                                                                  self.engine.speculative_stats(r.stats),
+                                                                  r.stats.prompt_cached)
 
     async def run_to_end(self, job: Job, request: Request) -> bool:
         """Generate a whole answer; False if the client went away first (the generation is then stopped)."""

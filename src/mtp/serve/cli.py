@@ -23,6 +23,7 @@ DEFAULT_GRACE_S = 5.0  # as serve/shutdown.py (not imported here: it needs uvico
 DEFAULT_PORT = 8000
 DEFAULT_MAX_CONCURRENCY = 8
 DEFAULT_MAX_TOKENS = 256
+DEFAULT_PROMPT_CACHE_MB = 1024  # a snapshot of code-small after a prompt ~0.9 MB, of the Qwen3.5-0.8B shape ~20 MB + 12 KB a token
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
 
@@ -57,6 +58,10 @@ def register(subparsers) -> None:
     p.add_argument("--shutdown-grace", type=float, default=DEFAULT_GRACE_S,
                    help="on SIGTERM / Ctrl-C, seconds the requests in flight may run on before they are stopped "
                         f"with an error (default {DEFAULT_GRACE_S:g})")
+    p.add_argument("--prompt-cache-mb", type=int, default=DEFAULT_PROMPT_CACHE_MB,
+                   help="memory for prompts' states kept to be read again by later requests that start with the same "
+                        f"tokens (a system prompt, a conversation's earlier turns; default {DEFAULT_PROMPT_CACHE_MB} "
+                        "MiB, 0: off). Output is unchanged: a prompt resumes only where a cold read's chunks end")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
 
@@ -80,6 +85,8 @@ def cmd_serve(args) -> int:
         raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if not args.chat_template_timeout > 0:
         raise ValueError(f"--chat-template-timeout must be > 0, got {args.chat_template_timeout}")
+    if args.prompt_cache_mb < 0:
+        raise ValueError(f"--prompt-cache-mb must be >= 0, got {args.prompt_cache_mb}")
     if not args.shutdown_grace >= 0:
         raise ValueError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
     model = load_from_args(args)
@@ -88,7 +95,7 @@ def cmd_serve(args) -> int:
     source = model_name(args)  # a folder is served under its name, a hub id under the id (as vLLM does)
     name = args.served_model_name or (Path(source).resolve().name if Path(source).is_dir() else source)
     engine = Engine(model, args.draft_tokens, args.max_concurrency, draft_vocab=args.draft_vocab, max_batch=args.max_batch,
-                    compile=args.compile)
+                    compile=args.compile, prompt_cache_bytes=args.prompt_cache_mb << 20)
     limits = Limits(max_request_bytes=args.max_request_bytes, chat_template_timeout_s=args.chat_template_timeout)
     app = create_app(engine, name, api_key=args.api_key, default_max_tokens=args.default_max_tokens, limits=limits)
     server = app.state.server
@@ -96,7 +103,8 @@ def cmd_serve(args) -> int:
         print(f"mtp serve: warning: binding {args.host} exposes the API beyond this machine"
               f"{'' if args.api_key else ' WITHOUT an API key'}", file=sys.stderr)
     drafts = f", drafts {model.draft_quantize}" if model.draft_quantize else ""
-    print(f"mtp serve: {name} (context {engine.context}, draft_tokens {engine.draft_tokens}{drafts}) on "
+    cache = f", prompt cache {args.prompt_cache_mb} MiB" if args.prompt_cache_mb else ""
+    print(f"mtp serve: {name} (context {engine.context}, draft_tokens {engine.draft_tokens}{drafts}{cache}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     # uvicorn's own deadline comes after ours (the grace period, then the aborted requests answer; a request still
     # rendering its chat template then ends within the template's time limit)

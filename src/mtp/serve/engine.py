@@ -24,6 +24,8 @@ import torch
 
 from ..decode.decoder import Decoder, Sequence
 from ..decode.draft_vocab import DraftVocab
+from ..decode.prefill import PREFILL_CHUNK
+from ..decode.prompt_cache import PromptCache
 from ..decode.sampling import SamplingParams
 from ..decode.session import GenerationResult, Session
 
@@ -147,7 +149,7 @@ class Engine:
     """The model, the batched decoder on its worker thread, and the admission counter."""
 
     def __init__(self, model, draft_tokens: int | str | None, max_concurrency: int, draft_vocab: int | None = None,
-                 max_batch: int | None = None, metrics=None, compile: bool = False):
+                 max_batch: int | None = None, metrics=None, compile: bool = False, prompt_cache_bytes: int = 0):
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         self.model = model
@@ -161,6 +163,8 @@ class Engine:
         self.context = model.context_length
         self.eos_token_ids = set(model.eos_token_ids)  # the same stop rule as `mtp.generate`
         self.metrics = metrics  # a serve.metrics.Metrics (set by create_app) or None
+        # prompts' states kept for later requests that start with them (decode/prompt_cache.py); outlives a decoder
+        self.prompt_cache = PromptCache(prompt_cache_bytes, PREFILL_CHUNK) if prompt_cache_bytes else None
         self.active = 0
         self.served = 0
         self.live: set[Job] = set()  # started and not finished (event loop thread only)
@@ -174,7 +178,8 @@ class Engine:
         self._thread.start()
 
     def _new_decoder(self) -> Decoder:
-        return Decoder(self.model, self.max_batch, self.context, self.draft_tokens, self.draft_vocab, compile=self.compile)
+        return Decoder(self.model, self.max_batch, self.context, self.draft_tokens, self.draft_vocab, compile=self.compile,
+                       prompt_cache=self.prompt_cache)
 
     # ------------------------------------------------------------------ the event loop's side
     def try_admit(self) -> bool:

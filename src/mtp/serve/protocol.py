@@ -209,10 +209,11 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, speculative: dict | None) -> dict:
-    """OpenAI usage, plus the extension field `speculative` (see `Engine.speculative_stats`)."""
+def usage(prompt_tokens: int, completion_tokens: int, speculative: dict | None, cached_tokens: int = 0) -> dict:
+    """OpenAI usage (`prompt_tokens_details.cached_tokens`: prompt tokens taken from the prompt cache, as OpenAI and
+    vLLM report them), plus the extension field `speculative` (see `Engine.speculative_stats`)."""
     out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-           "total_tokens": prompt_tokens + completion_tokens}
+           "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
     if speculative is not None:
         out["speculative"] = speculative
     return out
