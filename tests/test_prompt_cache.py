@@ -112,6 +112,18 @@ def test_the_cache_keeps_its_budget_least_recently_used_out(models):
         PromptCache(-1, PREFILL_CHUNK)
 
 
+def test_generate_takes_a_prompt_cache_across_calls(models):
+    """A conversation's next turn (the last prompt + the answer + a new message) resumes from the last prompt's last
+    whole chunk; the same prompt again reads nothing."""
+    model = models["bf16"]
+    (first, _), (longer, _) = requests(model.config.vocab_size)[:2]
+    cache = mtp.PromptCache(64 << 20)
+    for prompt, cached in ((first, 0), (first, len(first)), (longer, PREFILL_CHUNK)):
+        r = mtp.generate(model, prompt, max_new_tokens=16, draft_tokens=3, prompt_cache=cache)
+        assert r.tokens == mtp.generate(model, prompt, max_new_tokens=16, draft_tokens=3).tokens
+        assert r.stats.prompt_cached == cached
+
+
 def test_the_server_reports_cached_prompt_tokens(tmp_path):
     from mtp.serve.app import create_app
     from mtp.serve.engine import Engine

@@ -12,15 +12,17 @@ import torch
 
 from .decoder import Decoder
 from .draft_vocab import DraftVocab
+from .prompt_cache import PromptCache
 from .sampling import SamplingParams
 from .session import GenerationResult, Session
 
 
 def decode(session: Session, draft_tokens: int | str | None, vocab: DraftVocab | None = None,
-           compile: bool = False) -> Iterator[list[int]]:
+           compile: bool = False, prompt_cache: PromptCache | None = None) -> Iterator[list[int]]:
     """Decode one session to its end, yielding the tokens emitted per round (the prefill's first token first)."""
     model = session.model
-    decoder = Decoder(model, 1, len(session.tokens) + session.max_new, draft_tokens, vocab, compile=compile)
+    decoder = Decoder(model, 1, len(session.tokens) + session.max_new, draft_tokens, vocab, compile=compile,
+                      prompt_cache=prompt_cache)
     session.stats.draft_tokens_max = decoder.policy.k_max
     seq = decoder.add(session)
     while not seq.finished:
@@ -52,7 +54,8 @@ def stream(model, input_ids, max_new_tokens: int = 128, temperature: float = 0.0
            top_p: float | None = None, repetition_penalty: float = 1.0, seed: int | None = None,
            eos_token_ids: list[int] | None = None, stop: list[str] | str | None = None,
            draft_tokens: int | str | None = None, tokenizer=None,
-           draft_vocab: int | DraftVocab | None = None, compile: bool = False) -> GenerationStream:
+           draft_vocab: int | DraftVocab | None = None, compile: bool = False,
+           prompt_cache: PromptCache | None = None) -> GenerationStream:
     """Streaming generation for one sequence. input_ids: list[int] or [1, T] tensor.
 
     draft_tokens: None or 0 = plain decoding; 1..8 = MTP speculative decoding with k drafts; "auto" =
@@ -61,6 +64,8 @@ def stream(model, input_ids, max_new_tokens: int = 128, temperature: float = 0.0
     token_frequencies.json) or a given DraftVocab; None = the full vocabulary.
     compile: run the rounds through compiled graphs (`decode/compiled.py`; the first use of each graph on a machine
     compiles it, later ones read inductor's disk cache).
+    prompt_cache: a `PromptCache` kept across calls on this model (a conversation's turns, a shared system prompt):
+    the prompt resumes from the longest prefix it holds, with the same output as a cold read.
     """
     if isinstance(input_ids, torch.Tensor):
         if input_ids.dim() == 2:
@@ -80,7 +85,7 @@ def stream(model, input_ids, max_new_tokens: int = 128, temperature: float = 0.0
         draft_vocab = None
     elif isinstance(draft_vocab, int):
         draft_vocab = DraftVocab.for_model(model, draft_vocab)
-    return GenerationStream(session, decode(session, draft_tokens, draft_vocab, compile))
+    return GenerationStream(session, decode(session, draft_tokens, draft_vocab, compile, prompt_cache))
 
 
 def generate(model, input_ids, **kwargs) -> GenerationResult:

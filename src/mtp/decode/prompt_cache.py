@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .prefill import PREFILL_CHUNK
+
 
 @dataclass
 class Snapshot:
@@ -56,10 +58,11 @@ def prefix_keys(tokens: list[int], chunk: int) -> list[tuple[int, int]]:
 
 
 class PromptCache:
-    """Snapshots by prompt prefix, least recently used first out, within `max_bytes`. `chunk`: the decoder's prompt
-    chunk (a snapshot is taken only where a cold read's chunks end)."""
+    """Snapshots by prompt prefix, least recently used first out, within `max_bytes`, for one model (its decoders
+    share it: a server's, or `generate(..., prompt_cache=)` calls). `chunk`: the decoders' prompt chunk (a snapshot is
+    taken only where a cold read's chunks end)."""
 
-    def __init__(self, max_bytes: int, chunk: int):
+    def __init__(self, max_bytes: int, chunk: int = PREFILL_CHUNK):
         if max_bytes < 0:
             raise ValueError(f"the prompt cache's budget must be >= 0 bytes, got {max_bytes}")
         self.max_bytes = max_bytes

@@ -24,7 +24,6 @@ import torch
 
 from ..decode.decoder import Decoder, Sequence
 from ..decode.draft_vocab import DraftVocab
-from ..decode.prefill import PREFILL_CHUNK
 from ..decode.prompt_cache import PromptCache
 from ..decode.sampling import SamplingParams
 from ..decode.session import GenerationResult, Session
@@ -164,7 +163,7 @@ class Engine:
         self.eos_token_ids = set(model.eos_token_ids)  # the same stop rule as `mtp.generate`
         self.metrics = metrics  # a serve.metrics.Metrics (set by create_app) or None
         # prompts' states kept for later requests that start with them (decode/prompt_cache.py); outlives a decoder
-        self.prompt_cache = PromptCache(prompt_cache_bytes, PREFILL_CHUNK) if prompt_cache_bytes else None
+        self.prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
         self.active = 0
         self.served = 0
         self.live: set[Job] = set()  # started and not finished (event loop thread only)
