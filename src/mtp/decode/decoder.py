@@ -6,8 +6,8 @@ entries); rows [0, D) are decoding, and at most one newcomer at row D reads its 
 same chunks as alone, so its numbers do not depend on its company), between the rounds.
 
 One `step`:
-  - admit:   a waiting sequence takes a free row; one chunk of its prompt is read (after the last chunk: its first
-             token, and the MTP reads the prompt);
+  - admit:   a waiting sequence takes a free row; one chunk of its prompt is read, and the MTP reads it (the first
+             chunk may come from the prompt cache, `prompt_cache.py`; after the last chunk: its first token);
   - k:       the policy picks the round's draft length (`policy.DraftPolicy`, 0 = no drafts);
   - round:   `round.draft` then `round.verify` for the decoding rows (padded to a batch bucket; the padding rows
              keep nothing), eager or compiled (`compiled.py`); the host reads one tensor back;
