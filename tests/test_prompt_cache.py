@@ -137,14 +137,17 @@ def test_the_server_reports_cached_prompt_tokens(tmp_path):
 
         async def go(app) -> list[dict]:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
-                return [(await c.post("/v1/completions", json=body)).json() for _ in range(2)]
+                out = [(await c.post("/v1/completions", json=body)).json() for _ in range(2)]
+                metrics = (await c.get("/metrics")).text
+            return out + [metrics]
 
-        first, second = asyncio.run(go(create_app(engine, "m")))
+        first, second, metrics = asyncio.run(go(create_app(engine, "m")))
         n = first["usage"]["prompt_tokens"]
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == n
+        assert f"mtp:prefix_cache_hits_total {float(n)}" in metrics
         assert second["choices"][0]["text"] == first["choices"][0]["text"]
-        plain = asyncio.run(go(create_app(off, "m")))
+        plain = asyncio.run(go(create_app(off, "m")))[:2]
         assert [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in plain] == [0, 0]
         assert plain[1]["choices"][0]["text"] == first["choices"][0]["text"]
     finally:
