@@ -110,6 +110,8 @@ def test_the_cache_keeps_its_budget_least_recently_used_out(models):
     assert [s.stats.prompt_cached for s in sessions] == [0, 0] and tiny.nbytes == 0
     with pytest.raises(ValueError, match="budget"):
         PromptCache(-1, PREFILL_CHUNK)
+    with pytest.raises(ValueError, match="another model"):  # (its states would not fit this model's rows)
+        mtp.generate(models["parallel"], prompts[0], max_new_tokens=2, prompt_cache=cache)
 
 
 def test_generate_takes_a_prompt_cache_across_calls(models):

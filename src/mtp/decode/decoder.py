@@ -145,6 +145,8 @@ class Decoder:
         self._since_chunk = COLD_ROUNDS  # rounds since the last prompt chunk
         self._sampling: tuple[tuple, RowSampling | None] | None = None
         self.prompts = prompt_cache
+        if prompt_cache is not None:
+            prompt_cache.bind(model)
 
     def _take_state(self, rows: int, slots: int, use_mtp: bool, pooled: bool) -> RoundState:
         """The decode state: new, or for a compiled decoder a free one of the model's with the same shape (returned to

@@ -20,6 +20,7 @@ against the snapshot's own tokens, so a hash collision can only cost a miss.
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -69,9 +70,20 @@ class PromptCache:
         self.chunk = chunk
         self.entries: OrderedDict[tuple[int, int], Snapshot] = OrderedDict()
         self.nbytes = 0
+        self._model: weakref.ref | None = None  # the model whose states it holds (`bind`)
         self.hits = 0  # lookups that found a snapshot
         self.lookups = 0
         self.tokens_saved = 0  # prompt tokens not read again
+
+    def bind(self, model) -> None:
+        """Hold `model`'s states from now on: a cache serves the model it first served (another's states do not fit)."""
+        held = None if self._model is None else self._model()
+        if held is not None and held is not model:
+            raise ValueError("this PromptCache holds another model's states; give each model its own")
+        if held is None:
+            self.entries.clear()
+            self.nbytes = 0
+            self._model = weakref.ref(model)
 
     def lookup(self, prompt: list[int], mtp: bool) -> Snapshot | None:
         """The snapshot of the longest prefix of `prompt` a read can continue from: the whole prompt, or a multiple of
