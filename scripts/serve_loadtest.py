@@ -69,10 +69,13 @@ class Tally:
         self.latencies: list[float] = []
         self.failures: list[str] = []
         self.tokens = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0  # prompt tokens the server took from its prompt cache
         self.lock = threading.Lock()
 
     def send(self, request) -> None:
-        """Time `request()` (which returns its completion tokens) and count it."""
+        """Time `request()` (which returns its completion tokens, or (completion, prompt, cached prompt) tokens) and
+        count it."""
         t = time.perf_counter()
         try:
             n = request()
@@ -80,9 +83,12 @@ class Tally:
             with self.lock:
                 self.failures.append(f"{type(e).__name__}: {e}")
             return
+        n, prompt, cached = (n, 0, 0) if isinstance(n, int) else n
         with self.lock:
             self.latencies.append(time.perf_counter() - t)
             self.tokens += n
+            self.prompt_tokens += prompt
+            self.cached_tokens += cached
 
     def latency(self, q: float) -> float | None:
         return round(percentile(self.latencies, q), 4) if self.latencies else None
@@ -184,11 +190,13 @@ class Server:
 
 
 def completion(client: openai.OpenAI, model: str, prompt: str, max_tokens: int, temperature: float = 0.0,
-               penalty: float = 1.0) -> int:
+               penalty: float = 1.0) -> tuple[int, int, int]:
     """One completion, greedy or sampled at `temperature` (no seed), with repetition penalty `penalty` (1: none);
-    returns its completion tokens."""
-    return client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
-                                     extra_body={"repetition_penalty": penalty}).usage.completion_tokens
+    returns its completion tokens, prompt tokens and the prompt tokens the server took from its prompt cache."""
+    usage = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
+                                      extra_body={"repetition_penalty": penalty}).usage
+    details = usage.prompt_tokens_details
+    return usage.completion_tokens, usage.prompt_tokens, (details.cached_tokens or 0) if details else 0
 
 
 def level(base_url: str, api_key: str, model: str, prompts: list[str], clients: int, per_client: int, max_tokens: int,
@@ -218,7 +226,8 @@ def level(base_url: str, api_key: str, model: str, prompts: list[str], clients: 
         tally.failures.append(f"server not healthy and idle after the level: {health}")
     return {"concurrency": 1 if sequential else clients, "sequential": sequential, "requests": clients * per_client,
             "ok": len(tally.latencies), "failed": len(tally.failures), "failures": tally.failures[:5],
-            "new_tokens": tally.tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tally.tokens / wall, 2),
+            "new_tokens": tally.tokens, "prompt_tokens": tally.prompt_tokens, "cached_tokens": tally.cached_tokens,
+            "wall_s": round(wall, 3), "tokens_per_s": round(tally.tokens / wall, 2),
             "latency_p50_s": tally.latency(50), "latency_p95_s": tally.latency(95)}
 
 
@@ -248,12 +257,17 @@ def cell(value) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| mode | concurrency | requests | new tokens/s (total) | p50 latency (s) | p95 latency (s) |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| mode | concurrency | requests | new tokens/s (total) | p50 latency (s) | p95 latency (s) | prompt tokens "
+             "from the cache |", "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['mode']} | {r['concurrency']} | {r['requests']} | {r['tokens_per_s']} | "
-                     f"{cell(r['latency_p50_s'])} | {cell(r['latency_p95_s'])} |")
+                     f"{cell(r['latency_p50_s'])} | {cell(r['latency_p95_s'])} | {cached_share(r)} |")
     return "\n".join(lines)
+
+
+def cached_share(row: dict) -> str:
+    """The share of a row's prompt tokens the server did not read (its prompt cache held them)."""
+    return f"{row['cached_tokens'] / row['prompt_tokens']:.0%}" if row.get("prompt_tokens") else "-"
 
 
 def comparison(rows: list[dict], baseline: dict) -> str:
@@ -262,7 +276,8 @@ def comparison(rows: list[dict], baseline: dict) -> str:
     conc = next(r for r in rows if r["mode"] == baseline["mode"] and r["concurrency"] == c)
     ratio = conc["tokens_per_s"] / baseline["tokens_per_s"] if baseline["tokens_per_s"] else float("nan")
     return (f"- {baseline['mode']}: {c} concurrent clients {conc['tokens_per_s']} tok/s total vs the same {c} requests one "
-            f"after another {baseline['tokens_per_s']} tok/s ({ratio:.2f}x)")
+            f"after another {baseline['tokens_per_s']} tok/s ({ratio:.2f}x; prompt tokens from the cache "
+            f"{cached_share(conc)} / {cached_share(baseline)})")
 
 
 def parse_list(value: str) -> list[str]:

@@ -31,7 +31,8 @@ def test_table_per_mode_and_concurrency(model_dir, tmp_path):
                    "--repetition-penalty", "1.2")
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.splitlines()
-    assert "| mode | concurrency | requests | new tokens/s (total) | p50 latency (s) | p95 latency (s) |" in lines
+    assert ("| mode | concurrency | requests | new tokens/s (total) | p50 latency (s) | p95 latency (s) | prompt tokens "
+            "from the cache |") in lines
     rows = [line.split("|")[1:4] for line in lines if line.startswith("| ") and "mode" not in line]
     assert [[c.strip() for c in r] for r in rows] == [["off", "1", "1"], ["off", "2", "2"], ["auto", "1", "1"], ["auto", "2", "2"]]
     for mode in ("off", "auto"):
@@ -42,6 +43,8 @@ def test_table_per_mode_and_concurrency(model_dir, tmp_path):
     assert [(r["mode"], r["concurrency"], r["failed"]) for r in saved["rows"]] == [("off", 1, 0), ("off", 2, 0), ("auto", 1, 0),
                                                                                    ("auto", 2, 0)]
     assert all(0 < r["new_tokens"] <= 8 * r["requests"] and r["tokens_per_s"] > 0 for r in saved["rows"])
+    # the warm-up request sent prompt 0, and so does the 1-client level: the server's prompt cache holds it
+    assert 0 < saved["rows"][0]["cached_tokens"] == saved["rows"][0]["prompt_tokens"]
     assert [(b["mode"], b["requests"], b["sequential"]) for b in saved["sequential"]] == [("off", 2, True), ("auto", 2, True)]
 
 
