@@ -23,7 +23,6 @@ from safetensors.torch import load_file, save_file
 import mtp
 from conftest import pattern_batch, scripted_drafts_patterns
 from mtp.config import ConfigError, DeepseekV32Config, GlmMoeDsaConfig
-from mtp.decode.prefill import PREFILL_CHUNK
 from mtp.decode.prompt_cache import PromptCache
 from mtp.io import read_tensors
 from mtp.model import config_from_dict
@@ -542,6 +541,6 @@ def test_prompts_from_the_cache_decode_as_cold_reads(name):
     reqs = requests(model.config.vocab_size)
     for draft_tokens in (None, 3):
         cold = decode_one_by_one(model, reqs, draft_tokens, None)
-        warm = decode_one_by_one(model, reqs, draft_tokens, PromptCache(1 << 30, PREFILL_CHUNK))
+        warm = decode_one_by_one(model, reqs, draft_tokens, PromptCache(1 << 30))
         assert [w.new_tokens for w in warm] == [c.new_tokens for c in cold]
         assert warm[2].stats.prompt_cached == len(reqs[2][0])

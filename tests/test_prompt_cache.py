@@ -59,7 +59,7 @@ def test_prompts_from_the_cache_decode_as_cold_reads(models, name, draft_tokens)
     model = models[name]
     reqs = requests(model.config.vocab_size)
     cold = decode_one_by_one(model, reqs, draft_tokens, None)
-    cache = PromptCache(1 << 30, PREFILL_CHUNK)
+    cache = PromptCache(1 << 30)
     warm = decode_one_by_one(model, reqs, draft_tokens, cache)
     for c, w in zip(cold, warm):
         assert w.new_tokens == c.new_tokens
@@ -79,7 +79,7 @@ def test_a_cached_prompt_in_a_batch_decodes_as_alone(models):
     solo = [mtp.generate(model, p, max_new_tokens=24, draft_tokens=3, eos_token_ids=[], **vars(params)).tokens
             for p, params in reqs]
     dec = Decoder(model, max_batch=3, max_len=PREFILL_CHUNK * 2 + 64, draft_tokens=3,
-                  prompt_cache=PromptCache(1 << 30, PREFILL_CHUNK))
+                  prompt_cache=PromptCache(1 << 30))
     seqs = [dec.add(Session(model, p, 24, params, [], None, None)) for p, params in reqs]
     for _ in range(2000):
         if all(s.finished for s in seqs):
@@ -94,22 +94,22 @@ def test_the_cache_keeps_its_budget_least_recently_used_out(models):
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(3)
     prompts = [pattern_batch(vocab, 1, 20, g)[0].tolist() for _ in range(4)]
-    probe = PromptCache(1 << 30, PREFILL_CHUNK)
+    probe = PromptCache(1 << 30)
     decode_one_by_one(model, [(prompts[0], SamplingParams())], 3, probe)
     one = probe.nbytes  # a 20-token prompt keeps one snapshot
     assert len(probe.entries) == 1 and one > 0
-    cache = PromptCache(2 * one + one // 2, PREFILL_CHUNK)  # room for two
+    cache = PromptCache(2 * one + one // 2)  # room for two
     sessions = decode_one_by_one(model, [(prompts[0], SamplingParams()), (prompts[1], SamplingParams()),
                                          (prompts[0], SamplingParams()),  # a hit: prompt 0 is now the most recent
                                          (prompts[2], SamplingParams()),  # evicts prompt 1, the least recent
                                          (prompts[0], SamplingParams()), (prompts[1], SamplingParams())], 3, cache)
     assert [s.stats.prompt_cached for s in sessions] == [0, 0, 20, 0, 20, 0]
     assert cache.nbytes <= cache.max_bytes and len(cache.entries) == 2
-    tiny = PromptCache(one - 1, PREFILL_CHUNK)  # too small for any snapshot: nothing kept, nothing breaks
+    tiny = PromptCache(one - 1)  # too small for any snapshot: nothing kept, nothing breaks
     sessions = decode_one_by_one(model, [(prompts[3], SamplingParams())] * 2, 3, tiny)
     assert [s.stats.prompt_cached for s in sessions] == [0, 0] and tiny.nbytes == 0
     with pytest.raises(ValueError, match="budget"):
-        PromptCache(-1, PREFILL_CHUNK)
+        PromptCache(-1)
     with pytest.raises(ValueError, match="another model"):  # (its states would not fit this model's rows)
         mtp.generate(models["parallel"], prompts[0], max_new_tokens=2, prompt_cache=cache)
 
@@ -120,7 +120,7 @@ def test_generate_takes_a_prompt_cache_across_calls(models):
     model = models["bf16"]
     (first, _), (longer, _) = requests(model.config.vocab_size)[:2]
     cache = mtp.PromptCache(64 << 20)
-    for prompt, cached in ((first, 0), (first, len(first)), (longer, PREFILL_CHUNK)):
+    for prompt, cached in ((first, 0), (first, len(first)), (longer)):
         r = mtp.generate(model, prompt, max_new_tokens=16, draft_tokens=3, prompt_cache=cache)
         assert r.tokens == mtp.generate(model, prompt, max_new_tokens=16, draft_tokens=3).tokens
         assert r.stats.prompt_cached == cached

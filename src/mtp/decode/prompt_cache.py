@@ -60,20 +60,17 @@ def prefix_keys(tokens: list[int], chunk: int) -> list[tuple[int, int]]:
 
 class PromptCache:
     """Snapshots by prompt prefix, least recently used first out, within `max_bytes`, for one model (its decoders
-    share it: a server's, or `generate(..., prompt_cache=)` calls). `chunk`: the decoders' prompt chunk (a snapshot is
-    taken only where a cold read's chunks end)."""
+    share it: a server's, or `generate(..., prompt_cache=)` calls). Snapshots are taken only where a cold read's
+    chunks (PREFILL_CHUNK) end."""
 
-    def __init__(self, max_bytes: int, chunk: int = PREFILL_CHUNK):
+    def __init__(self, max_bytes: int):
         if max_bytes < 0:
             raise ValueError(f"the prompt cache's budget must be >= 0 bytes, got {max_bytes}")
         self.max_bytes = max_bytes
-        self.chunk = chunk
+        self.chunk = PREFILL_CHUNK
         self.entries: OrderedDict[tuple[int, int], Snapshot] = OrderedDict()
         self.nbytes = 0
         self._model: weakref.ref | None = None  # the model whose states it holds (`bind`)
-        self.hits = 0  # lookups that found a snapshot
-        self.lookups = 0
-        self.tokens_saved = 0  # prompt tokens not read again
 
     def bind(self, model) -> None:
         """Hold `model`'s states from now on: a cache serves the model it first served (another's states do not fit)."""
@@ -88,13 +85,10 @@ class PromptCache:
     def lookup(self, prompt: list[int], mtp: bool) -> Snapshot | None:
         """The snapshot of the longest prefix of `prompt` a read can continue from: the whole prompt, or a multiple of
         the chunk shorter than it (`mtp`: one that holds the MTP's entries)."""
-        self.lookups += 1
         for n, key in reversed(prefix_keys(prompt, self.chunk)):
             snap = self.entries.get((n, key))
             if snap is not None and snap.tokens == prompt[:n] and (snap.mtp is not None or not mtp):
                 self.entries.move_to_end((n, key))
-                self.hits += 1
-                self.tokens_saved += n
                 return snap
         return None
 
@@ -115,7 +109,3 @@ class PromptCache:
         while self.nbytes > self.max_bytes:
             _, gone = self.entries.popitem(last=False)
             self.nbytes -= gone.nbytes
-
-    def stats(self) -> dict:
-        return {"entries": len(self.entries), "bytes": self.nbytes, "max_bytes": self.max_bytes,
-                "lookups": self.lookups, "hits": self.hits, "tokens_saved": self.tokens_saved}
