@@ -120,7 +120,7 @@ def test_generate_takes_a_prompt_cache_across_calls(models):
     model = models["bf16"]
     (first, _), (longer, _) = requests(model.config.vocab_size)[:2]
     cache = mtp.PromptCache(64 << 20)
-    for prompt, cached in ((first, 0), (first, len(first)), (longer)):
+    for prompt, cached in ((first, 0), (first, len(first)), (longer, PREFILL_CHUNK)):
         r = mtp.generate(model, prompt, max_new_tokens=16, draft_tokens=3, prompt_cache=cache)
         assert r.tokens == mtp.generate(model, prompt, max_new_tokens=16, draft_tokens=3).tokens
         assert r.stats.prompt_cached == cached
