@@ -155,3 +155,15 @@ def test_the_server_reports_cached_prompt_tokens(tmp_path):
     finally:
         engine.shutdown()
         off.shutdown()
+
+
+def test_the_server_keeps_the_cache_within_half_the_memory_available(monkeypatch, caplog):
+    from mtp.serve import engine as serve_engine
+
+    monkeypatch.setattr(serve_engine, "available_memory", lambda device: 100 << 20)
+    with caplog.at_level("WARNING", logger="mtp.serve"):
+        assert serve_engine.prompt_cache_budget(1 << 30, "cpu") == 50 << 20
+    assert "half the memory available" in caplog.text
+    assert serve_engine.prompt_cache_budget(10 << 20, "cpu") == 10 << 20
+    monkeypatch.setattr(serve_engine, "available_memory", lambda device: None)  # (no bound known: as asked)
+    assert serve_engine.prompt_cache_budget(1 << 30, "cpu") == 1 << 30

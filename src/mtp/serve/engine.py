@@ -27,6 +27,7 @@ from ..decode.draft_vocab import DraftVocab
 from ..decode.prompt_cache import PromptCache
 from ..decode.sampling import SamplingParams
 from ..decode.session import GenerationResult, Session
+from ..model.budget import available_memory, gigabytes
 
 log = logging.getLogger("mtp.serve")
 _END = object()
@@ -144,6 +145,17 @@ class Job:
                 "generation_s": round(now - self.t_start, 5)}
 
 
+def prompt_cache_budget(requested: int, device) -> int:
+    """The prompt cache's bytes: what was asked, at most half the memory available now (the cache fills as requests
+    come, long after the server started; past the machine's memory it would be killed, not refused)."""
+    free = available_memory(device)
+    if free is not None and requested > free // 2:
+        log.warning("the prompt cache keeps %s, half the memory available (--prompt-cache-mb asked %s)",
+                    gigabytes(free // 2), gigabytes(requested))
+        return free // 2
+    return requested
+
+
 class Engine:
     """The model, the batched decoder on its worker thread, and the admission counter."""
 
@@ -163,7 +175,8 @@ class Engine:
         self.eos_token_ids = set(model.eos_token_ids)  # the same stop rule as `mtp.generate`
         self.metrics = metrics  # a serve.metrics.Metrics (set by create_app) or None
         # prompts' states kept for later requests that start with them (decode/prompt_cache.py); outlives a decoder
-        self.prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
+        budget = prompt_cache_budget(prompt_cache_bytes, model.device)
+        self.prompt_cache = PromptCache(budget) if budget else None
         self.active = 0
         self.served = 0
         self.live: set[Job] = set()  # started and not finished (event loop thread only)
