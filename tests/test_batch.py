@@ -3,6 +3,8 @@ the sampled law is the target's (chi-square), rows join and leave between rounds
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -144,6 +146,33 @@ def test_batch_policy_finds_a_best_k_away_from_its_neighbours():
         pol.update(8, k, [(k, n) for n in accepted], ms[k] / 1000)
         picks.append(k)
     assert max(set(picks), key=picks.count) == 1  # (measuring k +- 1 only: mostly k = 3 in these rounds)
+
+
+def test_batch_policy_spends_few_rounds_away_from_its_best():
+    """Once its probes keep confirming the best k they come less often: over 2,000 rounds of 8 rows with the round
+    times above (a round after k = 0 pays the MTP's catch-up), `auto` makes >= 0.97 of the best fixed k's tokens per
+    millisecond (probing k +- 1 every 8 rounds: 0.93)."""
+    ms = {0: 3.1, 1: 4.8, 2: 7.6, 3: 9.6, 4: 12.0, 5: 14.3, 6: 16.5}
+    acc = [0.85, 0.89, 0.92, 0.9, 0.88, 0.87]
+    g = torch.Generator().manual_seed(0)
+    pol = DraftPolicy.from_arg("auto", 8)
+    tokens = elapsed = 0.0
+    last = 1
+    for r in range(2500):
+        k = pol.next_k(8)
+        rows = []
+        for _ in range(8):
+            n = 0
+            while n < k and float(torch.rand(1, generator=g)) < acc[n]:
+                n += 1
+            rows.append((k, n))
+        t = ms[k] + (1.5 if last == 0 and k > 0 else 0.0)
+        pol.update(8, k, rows, t / 1000)
+        last = k
+        if r >= 500:
+            tokens, elapsed = tokens + sum(n + 1 for _, n in rows), elapsed + t
+    best = max(8 * (1 + sum(math.prod(acc[:j]) for j in range(1, k + 1))) / t for k, t in ms.items())
+    assert tokens / elapsed >= 0.97 * best
 
 
 def test_rounds_without_drafts_skip_the_mtp_and_it_catches_up_later(models, monkeypatch):

@@ -6,7 +6,8 @@ a_i = acceptance at draft position i (counts pooled over the rows, with exponent
 text: code accepts more than prose; carried from one generation of a model to the next), t_round the measured time
 of a round at that batch size and k (carried alike). A generation is
 a batch of one. Unseen deeper positions get an optimistic estimate (the last seen acceptance), and every 8th round
-probes one draft more (and, offset, one fewer), so the policy keeps learning. k = 0 (no drafts) wins where verifying
+probes one draft more (and, offset, one fewer; less often while the probes keep confirming the best), so the policy
+keeps learning. k = 0 (no drafts) wins where verifying
 more tokens costs more than the drafts return, as for MoE models on memory-bound CPUs, where each extra verified
 token reads up to top-k more experts (docs/decisions.md, "Qwen3.5-MoE").
 """
@@ -72,6 +73,9 @@ OUTLIER = 2.5
 # only k +- 1 around the best, `auto` sat at k = 3 and never measured k = 1, the best by 14%. An unmeasured k within
 # this factor of the best is tried once; its measured time then decides.
 UNSEEN_BONUS = 1.1
+# At most every 32nd round probes around a best k > 0 once the probes keep confirming it (8 rounds of 8 rows with
+# k = 1 best lost ~8% to its two probes there, the k = 0 one with the MTP's catch-up after it; docs/decisions.md)
+SETTLED_MAX = 2
 
 
 def estimate(times: list[float]) -> float:
@@ -91,6 +95,9 @@ class RoundTimes:
     # a generation where drafting has not paid before starts at the long wait instead of probing every 8, 16, 32, ...
     # rounds again (each probe from k = 0 makes the MTP read up to 9 positions; 0.81x MTP off in int4 before)
     quiet: int = 0
+    # probes around a best k > 0 in a row that left it where it was (each doubles the next wait, up to SETTLED_MAX
+    # doublings): a probe's round is one draft more or fewer than the best, lost throughput while the best holds
+    settled: int = 0
 
     def record(self, key: tuple[int, int], seconds: float) -> None:
         recent = self.samples.setdefault(key, [])
@@ -111,7 +118,8 @@ class DraftPolicy:
     measures k = 0 (the baseline), and so does the first round at a batch size not measured at k = 0 (or the first
     after them that does not follow a prompt chunk: `cold`, whose times are not learned from); every 8th round
     tries k+1 (from k = 0 too, the wait doubling up to every 256th round while the probes find k = 0 best) and every
-    8th (offset) k-1, to keep measuring."""
+    8th (offset) k-1 (the waits doubling up to every 32nd while the probes leave the best k > 0 where it is), to keep
+    measuring; an unmeasured k predicted near the best is tried once (`UNSEEN_BONUS`)."""
 
     k_fixed: int | None  # None: auto; 0: MTP off
     k_max: int = 6
@@ -120,7 +128,7 @@ class DraftPolicy:
     k_last: int = 2
     probe_every: int = 8
     n: int = 0
-    probed: bool = False  # the last round was a probe from k = 0
+    probed: int | None = None  # the last round was a probe around this best k
 
     @property
     def times(self) -> dict[tuple[int, int], float]:
@@ -196,9 +204,12 @@ class DraftPolicy:
                 rate *= UNSEEN_BONUS
             if rate > best:
                 best_k, best = k, rate
-        if self.k_last == 0 and self.probed:  # the last probe from 0 left it at 0: wait longer before the next
-            self.rounds.quiet = min(self.rounds.quiet + 1, 5) if best_k == 0 else 0
-        self.probed = False
+        if self.probed is not None:  # the last round probed around self.probed: did it leave the best there?
+            if self.probed == 0:  # wait longer before the next probe from 0 (up to 32x) ...
+                self.rounds.quiet = min(self.rounds.quiet + 1, 5) if best_k == 0 else 0
+            else:  # ... and around a k > 0 (up to 4x)
+                self.rounds.settled = min(self.rounds.settled + 1, SETTLED_MAX) if best_k == self.probed else 0
+        self.probed = None
         self.k_last = best_k
         if cold:
             return best_k
@@ -208,13 +219,15 @@ class DraftPolicy:
             # costs scaled by B, which keeps their ratio, and drafted at every size while a batch filled up (a round
             # with drafts costs 2-4x a plain one at 5-8 rows here, docs/decisions.md 2026-12-03 third session)
             return 0
-        # probe one draft more every 8th round; from k = 0 too, then every 16th .. 256th while probes keep finding
-        # k = 0 best (where drafting does not pay, a probe costs most: the MTP reads every position it skipped)
-        every = self.probe_every * (1 << self.rounds.quiet if best_k == 0 else 1)
+        # probe one draft more every 8th round, and (offset) one fewer; from k = 0 too, then every 16th .. 256th while
+        # probes keep finding k = 0 best (where drafting does not pay, a probe costs most: the MTP reads every position
+        # it skipped); around a k > 0 every 16th, then 32nd while the probes leave the best where it is
+        every = self.probe_every << (self.rounds.quiet if best_k == 0 else self.rounds.settled)
         if self.n % every == 0 and best_k < self.k_max:
-            self.probed = best_k == 0
+            self.probed = best_k
             return best_k + 1
-        if self.n % self.probe_every == self.probe_every // 2 and best_k > 0:
+        if self.n % every == every // 2 and best_k > 0:
+            self.probed = best_k
             return best_k - 1
         return best_k
 
