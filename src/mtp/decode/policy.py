@@ -74,7 +74,7 @@ OUTLIER = 2.5
 # this factor of the best is tried once; its measured time then decides.
 UNSEEN_BONUS = 1.1
 # At most every 32nd round probes around a best k > 0 once the probes keep confirming it (8 rounds of 8 rows with
-# k = 1 best lost ~8% to its two probes there, the k = 0 one with the MTP's catch-up after it; docs/decisions.md)
+# k = 1 best lost ~7% to its two probes there, the k = 0 one with the MTP's catch-up after it; docs/decisions.md)
 SETTLED_MAX = 2
 
 
