@@ -87,24 +87,55 @@ static void exp_shifted(float* p, int64_t n, float m) {
     }
 }
 
-/* The G x T queries that read kv head h of row b (its G query heads at T positions, q as attend_decode's): each
- * one's key count (0..its position; 0 past the cache, which the caller checks) into n [G*T] and its row widened into
- * qf [G*T][D] -> the most keys any of them sees */
-static int64_t head_queries(const void* q, int64_t sq0, int64_t sq1, int64_t sq2, int bf16, const int64_t* starts,
-                            int64_t b, int64_t h, int64_t G, int64_t T, int64_t S, int64_t D, int64_t* n, float* qf) {
+/* Both kernels' arguments: q [B, A, T, D] at strides (sq0, sq1, sq2) (last 1), k [B, Hk, S, D] and v [B, Hk, S, Dv]
+ * contiguous, starts [B] (row b's token t sits at position starts[b] + t) -> out [B, A, T, Dv] contiguous, in the model
+ * dtype (bf16 or fp32). D % 8 == 0. Query head a reads kv head a / G, G = A / Hk; Q = G * T queries a kv head. */
+typedef struct {
+    int64_t B, A, T, Hk, S, D, Dv, G, Q, sq0, sq1, sq2;
+    int bf16;
+    const void *q, *k, *v;
+    const int64_t* starts;
+    float scale;
+    void* out;
+} Attn;
+
+/* The Q queries that read kv head h of row b (its G query heads at T positions): each one's key count (0..its
+ * position; 0 past the cache, which the caller checks) into n [Q] and its row widened into qf [Q][D] -> the most keys
+ * any of them sees */
+static int64_t head_queries(const Attn* a, int64_t b, int64_t h, int64_t* n, float* qf) {
     int64_t most = 0, nq = 0;
-    for (int64_t g = 0; g < G; g++)
-        for (int64_t t = 0; t < T; t++, nq++) {
-            n[nq] = starts[b] + t + 1 > S ? 0 : starts[b] + t + 1;
+    for (int64_t g = 0; g < a->G; g++)
+        for (int64_t t = 0; t < a->T; t++, nq++) {
+            n[nq] = a->starts[b] + t + 1 > a->S ? 0 : a->starts[b] + t + 1;
             most = n[nq] > most ? n[nq] : most;
-            widen((const char*)q + (size_t)(b * sq0 + (h * G + g) * sq1 + t * sq2) * (bf16 ? 2 : 4), D, bf16, qf + nq * D);
+            const size_t at = (size_t)(b * a->sq0 + (h * a->G + g) * a->sq1 + t * a->sq2) * (a->bf16 ? 2 : 4);
+            widen((const char*)a->q + at, a->D, a->bf16, qf + nq * a->D);
         }
     return most;
 }
 
-/* q [B, A, T, D] at strides (sq0, sq1, sq2) (last 1), k [B, Hk, S, D] and v [B, Hk, S, Dv] contiguous, starts [B]
- * (row b's token t sits at position starts[b] + t) -> out [B, A, T, Dv] contiguous, in the model dtype. D % 8 == 0.
- * Query head a reads kv head a / (A / Hk). 0, or -1 when out of memory. */
+/* head(a, b, h, buf, n) for every row b and kv head h, threads splitting the pairs, each thread with its own scratch
+ * buf of `floats` floats and key counts n [Q] -> 0, or -1 when a thread's scratch could not be allocated */
+typedef void (*Head)(const Attn*, int64_t, int64_t, float*, int64_t*);
+static int each_kv_head(const Attn* a, size_t floats, Head head, int nthreads) {
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && a->B * a->Hk > 1)
+    {
+        float* buf = malloc(sizeof(float) * floats);
+        int64_t* n = malloc(sizeof(int64_t) * (size_t)a->Q);
+        if (!buf || !n) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < a->B * a->Hk; w++)
+            if (buf && n) head(a, w / a->Hk, w % a->Hk, buf, n);
+        free(buf);
+        free(n);
+    }
+    return failed ? -1 : 0;
+}
+
 /* acc[i] += p[j] * v[j][i] for j < n in order, i < Dv (v: n rows of Dv floats): each sum keeps its order over j (the
  * one-query form's), 64 of them in registers through the n values (they were loaded and stored again for every
  * value: at 8 rows x 4 tokens most of a call). */
@@ -130,108 +161,98 @@ static void accumulate(float* acc, const float* p, const float* v, int64_t n, in
         for (int64_t i = i0; i < Dv; i++) acc[i] += p[j] * v[j * Dv + i];
 }
 
+/* one (row b, kv head h) of attend_decode; buf: its scratch (attend_decode says what it holds) */
+static void decode_head(const Attn* a, int64_t b, int64_t h, float* buf, int64_t* n) {
+    const int64_t A = a->A, T = a->T, Hk = a->Hk, S = a->S, D = a->D, Dv = a->Dv, G = a->G, Q = a->Q;
+    const int bf16 = a->bf16;
+    const size_t es = bf16 ? 2 : 4;
+    const float scale = a->scale;
+    float *qf = buf, *p = qf + Q * D, *acc = p + Q * S, *m = acc + Q * Dv, *sum = m + Q, *vf = sum + Q;
+    const int64_t most = head_queries(a, b, h, n, qf);
+    for (int64_t i_q = 0; i_q < Q; i_q++) m[i_q] = -INFINITY;
+    const char* kb = (const char*)a->k + (size_t)((b * Hk + h) * S * D) * es;
+    const char* vb = (const char*)a->v + (size_t)((b * Hk + h) * S * Dv) * es;
+#if defined(__AVX512F__)
+    float* q2 = vf + (D > Dv ? D : Dv) * VBLOCK;
+    for (int64_t i_q = 0; i_q < Q; i_q++)
+        for (int64_t c = 0; c < D; c += 8) {
+            memcpy(q2 + i_q * 2 * D + 2 * c, qf + i_q * D + c, sizeof(float) * 8);
+            memcpy(q2 + i_q * 2 * D + 2 * c + 8, qf + i_q * D + c, sizeof(float) * 8);
+        }
+#endif
+    for (int64_t j0 = 0; j0 < most; j0 += VBLOCK) { /* VBLOCK keys widened, then each query's scores over them */
+        const int64_t nj = most - j0 < VBLOCK ? most - j0 : VBLOCK;
+#if defined(__AVX512F__)
+        widen_pairs(kb + (size_t)(j0 * D) * es, nj, D, bf16, vf);
+#else
+        widen(kb + (size_t)(j0 * D) * es, nj * D, bf16, vf);
+#endif
+        for (int64_t i_q = 0; i_q < Q; i_q++) {
+            const int64_t last = n[i_q] - j0 < nj ? n[i_q] - j0 : nj;
+            float* pq = p + i_q * S + j0;
+            float mq = m[i_q];
+#if defined(__AVX512F__)
+            for (int64_t j = 0; j < last; j += 8) { /* (scores past `last`: of the zero padding, or unused) */
+                float s8[8];
+                dot8_pairs4(q2 + i_q * 2 * D, vf + j * D, D, s8);
+                for (int u = 0; u < 8 && j + u < last; u++) {
+                    const float s = s8[u] * scale;
+                    pq[j + u] = s;
+                    mq = s > mq ? s : mq;
+                }
+            }
+#else
+            for (int64_t j = 0; j < last; j++) {
+                const float s = dot8(qf + i_q * D, vf + j * D, D) * scale;
+                pq[j] = s;
+                mq = s > mq ? s : mq;
+            }
+#endif
+            m[i_q] = mq;
+        }
+    }
+    for (int64_t i_q = 0; i_q < Q; i_q++) {
+        float* pq = p + i_q * S;
+        exp_shifted(pq, n[i_q], m[i_q]);
+        float total = 0.0f;
+        for (int64_t j = 0; j < n[i_q]; j++) total += pq[j];
+        sum[i_q] = total;
+        for (int64_t i = 0; i < Dv; i++) acc[i_q * Dv + i] = 0.0f;
+    }
+    for (int64_t j0 = 0; j0 < most; j0 += VBLOCK) { /* VBLOCK values widened, then each query's sums over them */
+        const int64_t nj = most - j0 < VBLOCK ? most - j0 : VBLOCK;
+        widen(vb + (size_t)(j0 * Dv) * es, nj * Dv, bf16, vf);
+        for (int64_t i_q = 0; i_q < Q; i_q++) {
+            const int64_t last = n[i_q] - j0 < nj ? n[i_q] - j0 : nj;
+            if (last > 0) accumulate(acc + i_q * Dv, p + i_q * S + j0, vf, last, Dv);
+        }
+    }
+    for (int64_t g = 0, nq = 0; g < G; g++)
+        for (int64_t t = 0; t < T; t++, nq++) {
+            if (!n[nq]) continue;
+            const float inv = 1.0f / sum[nq];
+            const int64_t o = ((b * A + h * G + g) * T + t) * Dv;
+            const float* aq = acc + nq * Dv;
+            if (bf16)
+                for (int64_t i = 0; i < Dv; i++) ((uint16_t*)a->out)[o + i] = to_bf16(aq[i] * inv);
+            else
+                for (int64_t i = 0; i < Dv; i++) ((float*)a->out)[o + i] = aq[i] * inv;
+        }
+}
+
 int attend_decode(int64_t B, int64_t A, int64_t T, int64_t Hk, int64_t S, int64_t D, int64_t Dv, int bf16,
                   const void* q, int64_t sq0, int64_t sq1, int64_t sq2, const void* k, const void* v,
                   const int64_t* starts, float scale, void* out, int nthreads) {
-    const int64_t G = A / Hk, Q = G * T; /* queries per kv head */
+    const Attn a = {B, A, T, Hk, S, D, Dv, A / Hk, A / Hk * T, sq0, sq1, sq2, bf16, q, k, v, starts, scale, out};
+    const int64_t Q = a.Q;
 #if defined(__AVX512F__)
     const int64_t Q2 = 2 * Q; /* each query's chunks twice (dot8_pairs4) */
 #else
     const int64_t Q2 = 0;
 #endif
-    const size_t es = bf16 ? 2 : 4;
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && B * Hk > 1)
-    {
-        /* per query: its row (D), its scores over the keys (S), its running output (Dv), max and sum; then VBLOCK keys
-         * or values widened */
-        float* buf = malloc(sizeof(float) * (size_t)(Q * (D + S + Dv + 2) + (D > Dv ? D : Dv) * VBLOCK + Q2 * D));
-        int64_t* n = malloc(sizeof(int64_t) * (size_t)Q); /* keys each query sees: 0..its position */
-        if (!buf || !n) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t w = 0; w < B * Hk; w++) {
-            if (!buf || !n) continue;
-            const int64_t b = w / Hk, h = w % Hk;
-            float *qf = buf, *p = qf + Q * D, *acc = p + Q * S, *m = acc + Q * Dv, *sum = m + Q, *vf = sum + Q;
-            const int64_t most = head_queries(q, sq0, sq1, sq2, bf16, starts, b, h, G, T, S, D, n, qf);
-            for (int64_t i_q = 0; i_q < Q; i_q++) m[i_q] = -INFINITY;
-            const char* kb = (const char*)k + (size_t)((b * Hk + h) * S * D) * es;
-            const char* vb = (const char*)v + (size_t)((b * Hk + h) * S * Dv) * es;
-#if defined(__AVX512F__)
-            float* q2 = vf + (D > Dv ? D : Dv) * VBLOCK;
-            for (int64_t i_q = 0; i_q < Q; i_q++)
-                for (int64_t c = 0; c < D; c += 8) {
-                    memcpy(q2 + i_q * 2 * D + 2 * c, qf + i_q * D + c, sizeof(float) * 8);
-                    memcpy(q2 + i_q * 2 * D + 2 * c + 8, qf + i_q * D + c, sizeof(float) * 8);
-                }
-#endif
-            for (int64_t j0 = 0; j0 < most; j0 += VBLOCK) { /* VBLOCK keys widened, then each query's scores over them */
-                const int64_t nj = most - j0 < VBLOCK ? most - j0 : VBLOCK;
-#if defined(__AVX512F__)
-                widen_pairs(kb + (size_t)(j0 * D) * es, nj, D, bf16, vf);
-#else
-                widen(kb + (size_t)(j0 * D) * es, nj * D, bf16, vf);
-#endif
-                for (int64_t i_q = 0; i_q < Q; i_q++) {
-                    const int64_t last = n[i_q] - j0 < nj ? n[i_q] - j0 : nj;
-                    float* pq = p + i_q * S + j0;
-                    float mq = m[i_q];
-#if defined(__AVX512F__)
-                    for (int64_t j = 0; j < last; j += 8) { /* (scores past `last`: of the zero padding, or unused) */
-                        float s8[8];
-                        dot8_pairs4(q2 + i_q * 2 * D, vf + j * D, D, s8);
-                        for (int u = 0; u < 8 && j + u < last; u++) {
-                            const float s = s8[u] * scale;
-                            pq[j + u] = s;
-                            mq = s > mq ? s : mq;
-                        }
-                    }
-#else
-                    for (int64_t j = 0; j < last; j++) {
-                        const float s = dot8(qf + i_q * D, vf + j * D, D) * scale;
-                        pq[j] = s;
-                        mq = s > mq ? s : mq;
-                    }
-#endif
-                    m[i_q] = mq;
-                }
-            }
-            for (int64_t i_q = 0; i_q < Q; i_q++) {
-                float* pq = p + i_q * S;
-                exp_shifted(pq, n[i_q], m[i_q]);
-                float total = 0.0f;
-                for (int64_t j = 0; j < n[i_q]; j++) total += pq[j];
-                sum[i_q] = total;
-                for (int64_t i = 0; i < Dv; i++) acc[i_q * Dv + i] = 0.0f;
-            }
-            for (int64_t j0 = 0; j0 < most; j0 += VBLOCK) { /* VBLOCK values widened, then each query's sums over them */
-                const int64_t nj = most - j0 < VBLOCK ? most - j0 : VBLOCK;
-                widen(vb + (size_t)(j0 * Dv) * es, nj * Dv, bf16, vf);
-                for (int64_t i_q = 0; i_q < Q; i_q++) {
-                    const int64_t last = n[i_q] - j0 < nj ? n[i_q] - j0 : nj;
-                    if (last > 0) accumulate(acc + i_q * Dv, p + i_q * S + j0, vf, last, Dv);
-                }
-            }
-            for (int64_t g = 0, nq = 0; g < G; g++)
-                for (int64_t t = 0; t < T; t++, nq++) {
-                    if (!n[nq]) continue;
-                    const int64_t a = h * G + g;
-                    const float inv = 1.0f / sum[nq];
-                    const int64_t o = ((b * A + a) * T + t) * Dv;
-                    const float* aq = acc + nq * Dv;
-                    if (bf16)
-                        for (int64_t i = 0; i < Dv; i++) ((uint16_t*)out)[o + i] = to_bf16(aq[i] * inv);
-                    else
-                        for (int64_t i = 0; i < Dv; i++) ((float*)out)[o + i] = aq[i] * inv;
-                }
-        }
-        free(buf);
-        free(n);
-    }
-    return failed ? -1 : 0;
+    /* per query: its row (D), its scores over the keys (S), its running output (Dv), max and sum; then VBLOCK keys or
+     * values widened, and (AVX-512) the queries' chunks twice */
+    return each_kv_head(&a, (size_t)(Q * (D + S + Dv + 2) + (D > Dv ? D : Dv) * VBLOCK + Q2 * D), decode_head, nthreads);
 }
 
 /* Attention of a prompt's chunk (step.c, a prompt read in one call within linear.py's `prompt_products`): attend_decode's
@@ -346,50 +367,45 @@ PROMPT_ATTEND(8, 2, __m256, _mm256, exp8, mask_lt8)
 #endif
 #undef PROMPT_ATTEND
 
+/* attend_prompt's key blocks for S keys: an even number (prompt_head takes two at a time) */
+static int64_t prompt_blocks(int64_t S) { return ((S + PROMPT_L - 1) / PROMPT_L + 1) / 2 * 2; }
+
+/* one (row b, kv head h) of attend_prompt; buf: its scratch (attend_prompt says what it holds) */
+static void prompt_kv_head(const Attn* a, int64_t b, int64_t h, float* buf, int64_t* n) {
+    const int64_t A = a->A, T = a->T, Hk = a->Hk, S = a->S, D = a->D, Dv = a->Dv, G = a->G, Q = a->Q, L = PROMPT_L;
+    const int64_t NB = prompt_blocks(S);
+    const int bf16 = a->bf16;
+    const size_t es = bf16 ? 2 : 4;
+    const float scale = a->scale;
+    float *qf = buf, *kt = qf + Q * D, *vf = kt + NB * D * L, *p = vf + S * Dv, *o = p + PROMPT_QUERIES * NB * L;
+    const int64_t most = head_queries(a, b, h, n, qf);
+    const char* kb = (const char*)a->k + (size_t)((b * Hk + h) * S * D) * es;
+    const int64_t nb = prompt_blocks(most);
+    const int64_t whole = most / L; /* blocks every lane of which a key fills; the others zeroed first */
+    memset(kt + whole * D * L, 0, sizeof(float) * (size_t)((nb - whole) * D * L));
+    for (int64_t j = 0; j < most; j++) /* key j -> block j / L, lane j % L */
+        for (int64_t d = 0; d < D; d++)
+            kt[((j / L) * D + d) * L + j % L] =
+                bf16 ? bf16_to_f(((const uint16_t*)kb)[j * D + d]) : ((const float*)kb)[j * D + d];
+    widen((const char*)a->v + (size_t)((b * Hk + h) * S * Dv) * es, most * Dv, bf16, vf);
+    prompt_head(qf, Q, D, Dv, n, kt, vf, scale, p, NB * L, o);
+    for (int64_t g = 0, nq = 0; g < G; g++)
+        for (int64_t t = 0; t < T; t++, nq++) {
+            const int64_t at = ((b * A + h * G + g) * T + t) * Dv;
+            for (int64_t i = 0; i < Dv; i++) {
+                const float x = n[nq] ? o[nq * Dv + i] : 0.0f;
+                if (bf16) ((uint16_t*)a->out)[at + i] = to_bf16(x);
+                else ((float*)a->out)[at + i] = x;
+            }
+        }
+}
+
 int attend_prompt(int64_t B, int64_t A, int64_t T, int64_t Hk, int64_t S, int64_t D, int64_t Dv, int bf16,
                   const void* q, int64_t sq0, int64_t sq1, int64_t sq2, const void* k, const void* v,
                   const int64_t* starts, float scale, void* out, int nthreads) {
-    const int64_t G = A / Hk, Q = G * T, L = PROMPT_L;
-    const int64_t NB = ((S + L - 1) / L + 1) / 2 * 2; /* key blocks, an even number */
-    const size_t es = bf16 ? 2 : 4;
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && B * Hk > 1)
-    {
-        /* queries [Q][D]; keys [NB][D][L]; values [S][Dv]; PROMPT_QUERIES rows of scores [NB * L]; outputs [Q][Dv] */
-        float* buf = malloc(sizeof(float) * (size_t)(Q * D + NB * D * L + S * Dv + PROMPT_QUERIES * NB * L + Q * Dv));
-        int64_t* n = malloc(sizeof(int64_t) * (size_t)Q);
-        if (!buf || !n) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t w = 0; w < B * Hk; w++) {
-            if (!buf || !n) continue;
-            const int64_t b = w / Hk, h = w % Hk;
-            float *qf = buf, *kt = qf + Q * D, *vf = kt + NB * D * L, *p = vf + S * Dv, *o = p + PROMPT_QUERIES * NB * L;
-            const int64_t most = head_queries(q, sq0, sq1, sq2, bf16, starts, b, h, G, T, S, D, n, qf);
-            const char* kb = (const char*)k + (size_t)((b * Hk + h) * S * D) * es;
-            const int64_t nb = ((most + L - 1) / L + 1) / 2 * 2;
-            const int64_t whole = most / L; /* blocks every lane of which a key fills; the others zeroed first */
-            memset(kt + whole * D * L, 0, sizeof(float) * (size_t)((nb - whole) * D * L));
-            for (int64_t j = 0; j < most; j++) /* key j -> block j / L, lane j % L */
-                for (int64_t d = 0; d < D; d++)
-                    kt[((j / L) * D + d) * L + j % L] =
-                        bf16 ? bf16_to_f(((const uint16_t*)kb)[j * D + d]) : ((const float*)kb)[j * D + d];
-            widen((const char*)v + (size_t)((b * Hk + h) * S * Dv) * es, most * Dv, bf16, vf);
-            prompt_head(qf, Q, D, Dv, n, kt, vf, scale, p, NB * L, o);
-            for (int64_t g = 0, nq = 0; g < G; g++)
-                for (int64_t t = 0; t < T; t++, nq++) {
-                    const int64_t at = ((b * A + h * G + g) * T + t) * Dv;
-                    for (int64_t i = 0; i < Dv; i++) {
-                        const float x = n[nq] ? o[nq * Dv + i] : 0.0f;
-                        if (bf16) ((uint16_t*)out)[at + i] = to_bf16(x);
-                        else ((float*)out)[at + i] = x;
-                    }
-                }
-        }
-        free(buf);
-        free(n);
-    }
-    return failed ? -1 : 0;
+    const Attn a = {B, A, T, Hk, S, D, Dv, A / Hk, A / Hk * T, sq0, sq1, sq2, bf16, q, k, v, starts, scale, out};
+    const int64_t Q = a.Q, L = PROMPT_L, NB = prompt_blocks(S);
+    /* queries [Q][D]; keys [NB][D][L]; values [S][Dv]; PROMPT_QUERIES rows of scores [NB * L]; outputs [Q][Dv] */
+    return each_kv_head(&a, (size_t)(Q * D + NB * D * L + S * Dv + PROMPT_QUERIES * NB * L + Q * Dv), prompt_kv_head,
+                        nthreads);
 }
