@@ -91,8 +91,9 @@ def test_int8_needs_a_bf16_model():
 
 @torch.no_grad()
 def test_int4_kernel_matches_its_dequantized_weight_and_is_row_invariant():
-    """`Int4Weight` codes run by torch's CPU int4 kernel: the product of the dequantized weight (up to bf16 output
-    rounding), and row i of a 1..64-row input exactly as a 1-row input (lossless speculative decoding needs it)."""
+    """`Int4Weight` codes run by the int4 kernel here (qmatmul's, else torch's): the product of the dequantized weight
+    (up to bf16 output rounding and, in qmatmul, int8 activations in blocks of up to 128), and row i of a 1..64-row
+    input exactly as a 1-row input (lossless speculative decoding needs it)."""
     from mtp.model.linear import Int4Weight
 
     g = torch.Generator().manual_seed(0)
@@ -105,7 +106,7 @@ def test_int4_kernel_matches_its_dequantized_weight_and_is_row_invariant():
         assert wq.codes.max() <= 15 and (wq.dequantize() - lin.weight.float()).abs().max() <= wq.scale.max() * 0.5 + 1e-6
         x = torch.randn(64, in_f, generator=g).to(torch.bfloat16)
         want = x.float() @ wq.dequantize().t() + lin.bias.float()
-        torch.testing.assert_close(lin(x).float(), want, atol=0.02, rtol=0.02)
+        torch.testing.assert_close(lin(x).float(), want, atol=0.04, rtol=0.02)
         single = torch.cat([lin(x[i : i + 1]) for i in range(64)])
         for rows in (2, 3, 4, 7, 16, 33, 64):
             assert torch.equal(lin(x[:rows]), single[:rows]), (out_f, in_f, rows)

@@ -19,11 +19,11 @@ from mtp.model.linear import WIDE_MIN_ROWS, FastLinear, Int4Weight, prompt_produ
 needs_kernels = pytest.mark.skipif(not qmatmul.available(), reason=f"qmatmul kernels unavailable: {qmatmul.reason()}")
 
 
-def quantized_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's activation scheme, written independently: x bf16 [M, K] -> codes [M, K/32, 32] and block scales
-    [M, K/32, 1] (fp32 max |x| / 127; codes round(x * 127 / max), half to even, in fp32)."""
+def quantized_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activation scheme, written independently: x bf16 [M, K] -> codes [M, K/block, block] and block
+    scales [M, K/block, 1] (fp32 max |x| / 127; codes round(x * 127 / max), half to even, in fp32)."""
     M, K = x.shape
-    b = x.float().reshape(M, K // 32, 32)
+    b = x.float().reshape(M, K // block, block)
     amax = b.abs().amax(-1, keepdim=True)
     # a true fp32 division, as the kernel's (`127.0 / tensor` is computed as a reciprocal times 127: other roundings)
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
@@ -37,8 +37,14 @@ def reference_q8(x, codes, scale, bias=None):
     return y if bias is None else y + bias.double()
 
 
+def activation_block(group: int) -> int:
+    """int4 weights' activations are quantized in blocks as wide as their groups allow (int8's in blocks of 32): the
+    widest of 128, 64, 32 dividing the group."""
+    return next(b for b in (128, 64, 32) if group % b == 0)
+
+
 def reference_q4(x, wq: Int4Weight, bias=None):
-    q, d = quantized_activations(x)
+    q, d = quantized_activations(x, activation_block(wq.group))
     xd = (q * d).double().reshape(x.shape[0], -1)  # the quantized activations' values (exact in fp64)
     y = xd @ wq.dequantize(torch.float64).t()
     return y if bias is None else y + bias.double()
@@ -254,9 +260,9 @@ def test_vnni_and_avx2_builds_compute_the_same_bits(tmp_path):
 @needs_kernels
 @pytest.mark.parametrize("isa", [native.AVX512_BF16, native.AMX], ids=lambda isa: isa.name)
 def test_bf16_build_keeps_the_integer_bits_and_rounds_bf16_its_own_way(tmp_path, isa):
-    """The AVX-512 BF16 and AMX builds: int8 / int4 outputs bit for bit the AVX2 build's (the AMX build's tiles for 12+
-    rows included); their bf16 products (`vdpbf16ps`, the tiles' `tdpbf16ps`) within the bf16 kernel's bound of the
-    AVX2 build's, and not all equal to them (the build really runs)."""
+    """The AVX-512 BF16 and AMX builds: int8 / int4 outputs bit for bit the AVX2 build's (the AMX build's tiles for 6+
+    int4 rows and 12+ int8 rows included); their bf16 products (`vdpbf16ps`, the tiles' `tdpbf16ps`) within the bf16
+    kernel's bound of the AVX2 build's, and not all equal to them (the build really runs)."""
     if not cpu_runs(isa):
         pytest.skip(f"this CPU cannot run the {isa.name} build")
     bf, avx2 = run_build(isa.name, tmp_path / "bf16"), run_build("avx2", tmp_path / "avx2")

@@ -20,7 +20,7 @@ that runs it):
   weight-only `_weight_int8pack_mm` (bf16 activations).
 - "int4": int4 weights with group-wise affine scales (`Int4Weight`), prepared from a float weight (round to nearest,
   asymmetric, groups of 128 input features) or taken from an int4 checkpoint's own codes. On AVX2
-  `qmatmul.q4_linear` (int8 activations as above), else torch's `_weight_int4pack_mm_for_cpu` (bf16 activations;
+  `qmatmul.q4_linear` (int8 activations in blocks of up to 128), else torch's `_weight_int4pack_mm_for_cpu` (bf16 activations;
   torchao's CPU int4 weight-only tensor calls the same kernel). A layer whose shape torch's kernel cannot run
   (outputs not a multiple of 16, inputs not of 32) gets int8, on every machine, so a model quantizes alike
   everywhere. Both int4 kernels are row-invariant (1..64 rows, 1 and 2 threads).

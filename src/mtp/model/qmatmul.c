@@ -55,29 +55,37 @@ typedef struct {
 int qmatmul_ready(void) { return 0; }
 #endif
 
-/* One row of K bf16 values -> codes xq [K], block scales dx [K/32], block sums of the codes xs [K/32]. */
-static void quantize_row(const uint16_t* x, int64_t K, int8_t* xq, float* dx, int32_t* xs) {
+/* One row of K bf16 values -> codes xq [K], and per block of A inputs (A % 32 == 0, K % A == 0) the scale dx [K/A] and
+ * the sum of the codes xs [K/A]. int8 weights take blocks of 32 (llama.cpp's q8_0: int8 keeps its accuracy); int4
+ * ones take blocks as wide as their groups allow, up to 128 (q4_act_block, as llama.cpp's k-quants take 256): a
+ * block's products then stay integers over 128 inputs and leave the integer units once, not four times (the tiles'
+ * stores of the sums were most of a few rows' cost; the vector kernels gain 10-18%). On code-small's activations the
+ * products' relative error from the activations' rounding goes from 0.70% to 1.10%, small beside int4's own
+ * (docs/decisions.md, 2026-12-06, fourth session). */
+static void quantize_row(const uint16_t* x, int64_t K, int64_t A, int8_t* xq, float* dx, int32_t* xs) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int64_t b = 0; b < K / 32; b++) {
-        __m256 v[4], amax = _mm256_setzero_ps();
-        for (int i = 0; i < 4; i++) {
-            v[i] = bf16x8_to_f(x + b * 32 + i * 8);
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-        }
+    for (int64_t b = 0; b < K / A; b++) {
+        const uint16_t* xb = x + b * A;
+        __m256 amax = _mm256_setzero_ps();
+        for (int64_t i = 0; i < A; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, bf16x8_to_f(xb + i)));
         float a = 0.0f, lanes[8];
         _mm256_storeu_ps(lanes, amax);
         for (int i = 0; i < 8; i++) a = lanes[i] > a ? lanes[i] : a;
         const float d = a / 127.0f;
         const __m256 id = _mm256_set1_ps(a > 0.0f ? 127.0f / a : 0.0f);
-        __m256i q[4];
-        for (int i = 0; i < 4; i++)
-            q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-        /* int32 x 32 -> int8 x 32 in order: packs interleave 128-bit lanes, the permute puts them back */
-        __m256i p16a = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
-        __m256i p8 = _mm256_packs_epi16(p16a, p16b);
-        p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i*)(xq + b * 32), p8);
+        __m256i s32 = _mm256_setzero_si256();
+        for (int64_t c = 0; c < A; c += 32) {
+            __m256i q[4];
+            for (int i = 0; i < 4; i++)
+                q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(bf16x8_to_f(xb + c + i * 8), id),
+                                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            s32 = _mm256_add_epi32(s32, _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+            /* int32 x 32 -> int8 x 32 in order: packs interleave 128-bit lanes, the permute puts them back */
+            __m256i p16a = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
+            __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+            p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i*)(xq + b * A + c), p8);
+        }
         int32_t sl[8], s = 0;
         _mm256_storeu_si256((__m256i*)sl, s32);
         for (int i = 0; i < 8; i++) s += sl[i];
@@ -86,22 +94,28 @@ static void quantize_row(const uint16_t* x, int64_t K, int8_t* xq, float* dx, in
     }
 }
 
+/* rows quantized in blocks of A: codes xq [M][K], dx and xs [M][K/A] */
 typedef struct {
     int8_t* xq;
     float* dx;
     int32_t* xs;
+    int64_t A;
 } QRows;
 
-static int quantize_rows(const uint16_t* x, int64_t M, int64_t K, int nthreads, QRows* q) {
-    const int64_t nb = K / 32;
+static int quantize_rows(const uint16_t* x, int64_t M, int64_t K, int64_t A, int nthreads, QRows* q) {
+    const int64_t na = K / A;
+    q->A = A;
     q->xq = malloc((size_t)(M * K));
-    q->dx = malloc(sizeof(float) * (size_t)(M * nb));
-    q->xs = malloc(sizeof(int32_t) * (size_t)(M * nb));
+    q->dx = malloc(sizeof(float) * (size_t)(M * na));
+    q->xs = malloc(sizeof(int32_t) * (size_t)(M * na));
     if (!q->xq || !q->dx || !q->xs) return -1;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 1)
-    for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, q->xq + m * K, q->dx + m * nb, q->xs + m * nb);
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, A, q->xq + m * K, q->dx + m * na, q->xs + m * na);
     return 0;
 }
+
+/* the activation block of int4 weights in groups of G inputs: the widest of 128, 64, 32 dividing G */
+static int64_t q4_act_block(int64_t G) { return G % 128 == 0 ? 128 : G % 64 == 0 ? 64 : 32; }
 
 static void free_rows(QRows* q) {
     free(q->xq);
@@ -301,10 +315,11 @@ static void q8_tile(const uint8_t* w, int64_t g, int pair, int64_t K, const QRow
  * byte (g, c, j, i) = output 8g+j's code for input 8c+i in its low nibble and for input 8c+4+i in its high one, so
  * one 32-byte load, a mask and a shift give two chunks of 4 inputs x 8 outputs. Codes are 0..15 (unsigned): the
  * u8 x s8 products need no sign trick in either build (AVX2 pairs: 2 * 15 * 127 < 32768). Scales s and offsets lo
- * per (output, group of G inputs) are interleaved the same way, [N/8][K/G][8]. Per output: gacc = fma(dx[b], p[b],
- * gacc) over a group's blocks in order, acc = fma(s[g], gacc, acc) and off += lo[g] * xg[g] over the groups in order
- * (xg: the group's activation sum, in float), y = acc + off: one order whatever the tile, rows and threads. */
-/* The products per block. AVX2: vpmaddubsw into one int16 accumulator per (row, group), widened once per block by
+ * per (output, group of G inputs) are interleaved the same way, [N/8][K/G][8]. Per output: p[a] = the exact integer
+ * sum over activation block a (A inputs, q4_act_block), gacc = fma(dx[a], p[a], gacc) over a group's blocks in
+ * order, acc = fma(s[g], gacc, acc) and off += lo[g] * xg[g] over the groups in order (xg: the group's activation
+ * sum, in float), y = acc + off: one order whatever the tile, rows and threads. */
+/* The products per 32 inputs (an activation block's add up as int32). AVX2: vpmaddubsw into one int16 accumulator per (row, group), widened once per block by
  * vpmaddwd (a pair of u8 x s8 products is at most 2 * 15 * 127 = 3810, a block's 8 of them 30480 < 32768: exact).
  * The VNNI builds (AVX-512) take a chunk's two halves in one 512-bit vpdpbusd: 64-bit lane j holds output j's 4 low-
  * nibble codes (inputs 8c..8c+3) in its low word and its 4 high-nibble codes (8c+4..8c+7) in its high word, against
@@ -353,26 +368,31 @@ typedef __m256i q4_acc;
  * than one row (GCC then computes all 32 products first and spills them); one row unrolls (1.1x). */
 #define Q4_TILE(R, UNROLL)                                                                                           \
     __attribute__((noinline)) static void q4_tile_##R(const uint8_t* w, const float* s, const float* lo, int64_t g0, \
-                                                      int64_t K, int64_t G, const int8_t* xq, const float* dx,      \
-                                                      const float* xg, int64_t nb, float* out) {                    \
-        const int64_t ng = K / G, bpg = G / 32, KP = K / 8;                                                          \
+                                                      int64_t K, int64_t G, int64_t A, const int8_t* xq,            \
+                                                      const float* dx, const float* xg, float* out) {               \
+        const int64_t ng = K / G, na = K / A, apg = G / A, bpa = A / 32, KP = K / 8;                                 \
         const uint8_t* wg = w + g0 * KP * 32;                                                                        \
         float offs[R * 8];                                                                                           \
         for (int i = 0; i < R * 8; i++) out[i] = offs[i] = 0.0f;                                                     \
         for (int64_t q = 0; q < ng; q++) {                                                                           \
             __m256 ga[R];                                                                                            \
             for (int r = 0; r < R; r++) ga[r] = _mm256_setzero_ps();                                                 \
-            for (int64_t b = q * bpg; b < (q + 1) * bpg; b++) {                                                      \
-                q4_acc ia[R], ib[R];                                                                                 \
-                for (int r = 0; r < R; r++) ia[r] = ib[r] = Q4_ZERO;                                                 \
-                _mm_prefetch((const char*)(wg + b * 4 * 32 + PREFETCH), _MM_HINT_T0); /* both lines of the block */  \
-                _mm_prefetch((const char*)(wg + b * 4 * 32 + PREFETCH + 64), _MM_HINT_T0);                           \
-                _Pragma(UNROLL) for (int c = 0; c < 4; c += Q4_STEP) {                                               \
-                    Q4_CHUNKS(wg + (b * 4 + c) * 32);                                                                \
-                    for (int r = 0; r < R; r++) Q4_ROW(ia[r], ib[r], xq + r * K + b * 32 + c * 8);                   \
+            for (int64_t a = q * apg; a < (q + 1) * apg; a++) {                                                      \
+                __m256i is[R];                                                                                       \
+                for (int r = 0; r < R; r++) is[r] = _mm256_setzero_si256();                                          \
+                for (int64_t b = a * bpa; b < (a + 1) * bpa; b++) {                                                  \
+                    q4_acc ia[R], ib[R];                                                                             \
+                    for (int r = 0; r < R; r++) ia[r] = ib[r] = Q4_ZERO;                                             \
+                    _mm_prefetch((const char*)(wg + b * 4 * 32 + PREFETCH), _MM_HINT_T0); /* both lines of the block */ \
+                    _mm_prefetch((const char*)(wg + b * 4 * 32 + PREFETCH + 64), _MM_HINT_T0);                       \
+                    _Pragma(UNROLL) for (int c = 0; c < 4; c += Q4_STEP) {                                           \
+                        Q4_CHUNKS(wg + (b * 4 + c) * 32);                                                            \
+                        for (int r = 0; r < R; r++) Q4_ROW(ia[r], ib[r], xq + r * K + b * 32 + c * 8);               \
+                    }                                                                                                \
+                    for (int r = 0; r < R; r++) is[r] = _mm256_add_epi32(is[r], Q4_SUM(ia[r], ib[r]));               \
                 }                                                                                                    \
                 for (int r = 0; r < R; r++)                                                                          \
-                    ga[r] = _mm256_fmadd_ps(_mm256_set1_ps(dx[r * nb + b]), _mm256_cvtepi32_ps(Q4_SUM(ia[r], ib[r])), ga[r]); \
+                    ga[r] = _mm256_fmadd_ps(_mm256_set1_ps(dx[r * na + a]), _mm256_cvtepi32_ps(is[r]), ga[r]);       \
             }                                                                                                        \
             const __m256 sv = _mm256_loadu_ps(s + (g0 * ng + q) * 8), lv = _mm256_loadu_ps(lo + (g0 * ng + q) * 8);  \
             for (int r = 0; r < R; r++) {                                                                            \
@@ -409,9 +429,9 @@ static inline __m512 load8x2(const float* a, const float* b) {
 }
 #define Q4_PAIR(R)                                                                                           \
     __attribute__((noinline)) static void q4_pair_##R(const uint8_t* w, const float* s, const float* lo, int64_t g0, \
-                                                      int64_t K, int64_t G, const int8_t* xq, const float* dx,      \
-                                                      const float* xg, int64_t nb, float* out) {                    \
-        const int64_t ng = K / G, bpg = G / 32, KP = K / 8;                                                          \
+                                                      int64_t K, int64_t G, int64_t A, const int8_t* xq,            \
+                                                      const float* dx, const float* xg, float* out) {               \
+        const int64_t ng = K / G, na = K / A, apg = G / A, bpa = A / 32, KP = K / 8;                                 \
         const uint8_t *w0 = w + g0 * KP * 32, *w1 = w0 + KP * 32;                                                    \
         const __m512i low = _mm512_set1_epi8(0x0F);                                                                  \
         float offs[R * 16];                                                                                          \
@@ -419,31 +439,36 @@ static inline __m512 load8x2(const float* a, const float* b) {
         for (int64_t q = 0; q < ng; q++) {                                                                           \
             __m512 ga[R];                                                                                            \
             for (int r = 0; r < R; r++) ga[r] = _mm512_setzero_ps();                                                 \
-            for (int64_t b = q * bpg; b < (q + 1) * bpg; b++) {                                                      \
-                _mm_prefetch((const char*)(w1 + KP * 32 + b * 4 * 32), _MM_HINT_T0); /* the next pair's block */    \
-                _mm_prefetch((const char*)(w1 + KP * 32 + b * 4 * 32 + 64), _MM_HINT_T0);                            \
-                _mm_prefetch((const char*)(w1 + 2 * KP * 32 + b * 4 * 32), _MM_HINT_T0);                             \
-                _mm_prefetch((const char*)(w1 + 2 * KP * 32 + b * 4 * 32 + 64), _MM_HINT_T0);                        \
-                __m512i wl[4], wh[4]; /* the block's codes once, then every row through them */                      \
-                for (int c = 0; c < 4; c++) {                                                                        \
-                    const __m512i v = _mm512_inserti64x4(                                                            \
-                        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(w0 + (b * 4 + c) * 32))),         \
-                        _mm256_loadu_si256((const __m256i*)(w1 + (b * 4 + c) * 32)), 1);                             \
-                    wl[c] = _mm512_and_si512(v, low);                                                                \
-                    wh[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);                                          \
-                }                                                                                                    \
-                for (int r = 0; r < R; r++) {                                                                        \
-                    const int8_t* x = xq + r * K + b * 32;                                                           \
-                    __m512i ia = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wl[0], bcast4z(x));                     \
-                    __m512i ib = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wh[0], bcast4z(x + 4));                 \
-                    for (int c = 1; c < 4; c++) {                                                                    \
-                        ia = _mm512_dpbusd_epi32(ia, wl[c], bcast4z(x + c * 8));                                     \
-                        ib = _mm512_dpbusd_epi32(ib, wh[c], bcast4z(x + c * 8 + 4));                                 \
-                    }                                                                                                \
-                    ga[r] = _mm512_fmadd_ps(_mm512_set1_ps(dx[r * nb + b]), _mm512_cvtepi32_ps(_mm512_add_epi32(ia, ib)), \
-                                            ga[r]);                                                                  \
-                }                                                                                                    \
-            }                                                                                                        \
+            for (int64_t a = q * apg; a < (q + 1) * apg; a++) {                                                       \
+                __m512i is[R];                                                                                        \
+                for (int r = 0; r < R; r++) is[r] = _mm512_setzero_si512();                                           \
+                for (int64_t b = a * bpa; b < (a + 1) * bpa; b++) {                                                   \
+                    _mm_prefetch((const char*)(w1 + KP * 32 + b * 4 * 32), _MM_HINT_T0); /* the next pair's block */  \
+                    _mm_prefetch((const char*)(w1 + KP * 32 + b * 4 * 32 + 64), _MM_HINT_T0);                         \
+                    _mm_prefetch((const char*)(w1 + 2 * KP * 32 + b * 4 * 32), _MM_HINT_T0);                          \
+                    _mm_prefetch((const char*)(w1 + 2 * KP * 32 + b * 4 * 32 + 64), _MM_HINT_T0);                     \
+                    __m512i wl[4], wh[4]; /* the block's codes once, then every row through them */                   \
+                    for (int c = 0; c < 4; c++) {                                                                     \
+                        const __m512i v = _mm512_inserti64x4(                                                         \
+                            _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(w0 + (b * 4 + c) * 32))),      \
+                            _mm256_loadu_si256((const __m256i*)(w1 + (b * 4 + c) * 32)), 1);                          \
+                        wl[c] = _mm512_and_si512(v, low);                                                             \
+                        wh[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);                                       \
+                    }                                                                                                 \
+                    for (int r = 0; r < R; r++) {                                                                     \
+                        const int8_t* x = xq + r * K + b * 32;                                                        \
+                        __m512i ia = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wl[0], bcast4z(x));                  \
+                        __m512i ib = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wh[0], bcast4z(x + 4));              \
+                        for (int c = 1; c < 4; c++) {                                                                 \
+                            ia = _mm512_dpbusd_epi32(ia, wl[c], bcast4z(x + c * 8));                                  \
+                            ib = _mm512_dpbusd_epi32(ib, wh[c], bcast4z(x + c * 8 + 4));                              \
+                        }                                                                                             \
+                        is[r] = _mm512_add_epi32(is[r], _mm512_add_epi32(ia, ib));                                    \
+                    }                                                                                                 \
+                }                                                                                                     \
+                for (int r = 0; r < R; r++)                                                                           \
+                    ga[r] = _mm512_fmadd_ps(_mm512_set1_ps(dx[r * na + a]), _mm512_cvtepi32_ps(is[r]), ga[r]);        \
+            }                                                                                                         \
             const __m512 sv = load8x2(s + (g0 * ng + q) * 8, s + ((g0 + 1) * ng + q) * 8);                          \
             const __m512 lv = load8x2(lo + (g0 * ng + q) * 8, lo + ((g0 + 1) * ng + q) * 8);                        \
             for (int r = 0; r < R; r++) {                                                                            \
@@ -481,8 +506,8 @@ static void sum_store(const float* o, int64_t R, int64_t W, int64_t ldo, int64_t
         }
 }
 
-typedef void (*Q4Rows)(const uint8_t*, const float*, const float*, int64_t, int64_t, int64_t, const int8_t*, const float*,
-                       const float*, int64_t, float*);
+typedef void (*Q4Rows)(const uint8_t*, const float*, const float*, int64_t, int64_t, int64_t, int64_t, const int8_t*,
+                       const float*, const float*, float*);
 /* R rows (1..TILE_ROWS) of one group, and (VNNI builds) of a pair of groups */
 static const Q4Rows q4_tiles[TILE_ROWS] = {q4_tile_1, q4_tile_2, q4_tile_3, q4_tile_4,
 #if TILE_ROWS == 8
@@ -496,143 +521,160 @@ static const Q4Rows q4_pairs[TILE_ROWS] = {q4_pair_1, q4_pair_2, q4_pair_3, q4_p
 /* rows m0..m0+R-1 against group g (pair: groups g and g + 1, through q4_pairs) -> y */
 static void q4_tile(const uint8_t* w, const float* s, const float* lo, int64_t G, int64_t g, int pair, int64_t K,
                     const QRows* q, const float* xg, int64_t m0, int64_t R, const float* bias, int64_t N, uint16_t* y) {
-    const int64_t nb = K / 32, ng = K / G, W = pair ? 16 : 8;
+    const int64_t na = K / q->A, ng = K / G, W = pair ? 16 : 8;
     float o[TILE_ROWS * 16];
 #ifdef Q4_PAIRS
     const Q4Rows rows = (pair ? q4_pairs : q4_tiles)[R - 1];
 #else
     const Q4Rows rows = q4_tiles[R - 1];
 #endif
-    rows(w, s, lo, g, K, G, q->xq + m0 * K, q->dx + m0 * nb, xg + m0 * ng, nb, o);
+    rows(w, s, lo, g, K, G, q->A, q->xq + m0 * K, q->dx + m0 * na, xg + m0 * ng, o);
     sum_store(o, R, W, W, g * 8, m0, bias, N, y);
 }
 
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
 #define QMATMUL_AMX_INT 1
 /* The int8 and int4 products of several rows on the AMX tiles, bit for bit the vector kernels' above: `tdpbsud` (s8
- * activations x u8 weight codes) gives each 32-input block's exact integer dot product for up to 16 rows x 8 outputs
- * at once, and the float work after it is the vector kernels' own, lane for lane in the same order (q8: acc =
- * fma(dx[b], p[b], acc) over the blocks; q4: the group sums, scales and offsets as q4_tile), 16 lanes a vector.
- * A thread takes a set of AMX_SET groups of outputs: their codes are first copied (int4: unpacked) into the layout the
- * tiles take, two groups side by side (amx_pack8, amx_unpack4), once for every row of the set; then AMX_BLOCKS
- * blocks' sums leave the tiles together through memory and each row's running sums stay in registers across them
- * (the sums had been loaded and stored again for every block, 8 outputs a tile: 110-145 GMAC/s at 256 rows, a
- * quarter of the bf16 tiles' rate; docs/decisions.md, 2026-12-05, third session).
- * Fewer than 12 rows stay on the vector kernels (code-small's widths, one thread: 4 rows 1.4-2.2x slower through the
- * tiles, 10 rows level, 16 rows faster; docs/decisions.md, 2026-12-05, third session): a prompt's chunks gain,
- * verifies of a few rows do not.
- * Tiles: 0-3 the block sums of 4 pairs of groups [rows][16] int32, 4 the rows' block [rows][32] s8, 5-7 weights
- * [8][64] u8 (4 inputs x 16 outputs a row). */
-#define AMX_MIN_ROWS 12
-#define AMX_BLOCKS 4 /* blocks whose sums leave the tiles together */
-#define AMX_SET 8    /* groups of 8 outputs a thread takes through the tiles at once (4 sum tiles of 16 outputs) */
+ * activations x u8 weight codes) gives an activation block's exact integer sums for up to 16 rows at once, kept in
+ * the tiles over the block (int4: up to 128 inputs, 64 a product; int8: 32); the float work after it is the vector
+ * kernels' own, lane for lane in the same order (q8: acc = fma(dx[b], p[b], acc) over the blocks; q4: the group sums,
+ * scales and offsets as q4_tile), 16 lanes a vector. Threads split sets of groups of outputs; a set takes every row
+ * through it, 16 at a time.
+ * - int8 (q8_amx): the tiles read the codes where they are stored, a group of 8 outputs a tile, 4 groups a set.
+ * - int4 (q4_amx): a set of AMX_SET groups; one activation block at a time, its codes are unpacked to a byte each,
+ *   two groups side by side (amx_unpack4: 8 KB, read back from L1 at once).
+ * What a few rows cost is moving the codes, not multiplying them: the tiles load 64 bytes a cycle, and int4's
+ * unpacked codes must be stored first, each about as long as a 1-row vector product whatever the row count. With the
+ * weights coming from L3 as in a decode step (code-small's widths, one thread), the tiles are faster from 6 int4 rows
+ * and 12 int8 ones (blocks of 32: a store of the sums every 32 inputs), the vector kernels below
+ * (docs/decisions.md, 2026-12-06, fourth session).
+ * Tiles: 0-3 sums [rows][16 or 8] int32, 4 the rows' inputs [rows][kb] s8, 5-7 weights [kb/4][64 or 32] u8 (4 inputs
+ * x 16 or 8 outputs a row). */
+#ifndef Q4_AMX_MIN_ROWS
+#define Q4_AMX_MIN_ROWS 6
+#endif
+#ifndef Q8_AMX_MIN_ROWS
+#define Q8_AMX_MIN_ROWS 12
+#endif
+#define AMX_SET 8 /* groups of 8 outputs a thread takes through the tiles at once (4 sum tiles of 16 outputs) */
 
-static void amx_configure_int(int rows) {
+/* rows of activations, kb inputs (bytes) a product (64, or 32 for blocks of 32), ob outputs' bytes a tile (64: 16
+ * outputs of two groups side by side, int4's unpacked codes; 32: one group of 8, int8 codes as they are stored) */
+static void amx_configure_int(int rows, int kb, int ob) {
     amx_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    for (int t = 0; t < 4; t++) c.rows[t] = (uint8_t)rows, c.colsb[t] = 64;
-    c.rows[4] = (uint8_t)rows, c.colsb[4] = 32;
-    for (int t = 5; t < 8; t++) c.rows[t] = 8, c.colsb[t] = 64;
+    for (int t = 0; t < 4; t++) c.rows[t] = (uint8_t)rows, c.colsb[t] = (uint16_t)ob;
+    c.rows[4] = (uint8_t)rows, c.colsb[4] = (uint16_t)kb;
+    for (int t = 5; t < 8; t++) c.rows[t] = (uint8_t)(kb / 4), c.colsb[t] = (uint16_t)ob;
     _tile_loadconfig(&c);
 }
 
-/* A set's weights as the tiles take them, u [K/32][AMX_SET/2][8][64]: block b of groups 2p and 2p+1 side by side,
- * input quad i's 16 outputs x 4 codes in row i (u8 codes, int4 unpacked). 0..ng groups filled. */
-static void amx_pack8(const uint8_t* w, int64_t g0, int64_t ng, int64_t K, uint8_t* u) {
-    const int64_t KC = K / 4;
-    for (int64_t b = 0; b < K / 32; b++)
-        for (int64_t t = 0; t < ng; t++)
-            for (int i = 0; i < 8; i++)
-                memcpy(u + ((b * (AMX_SET / 2) + t / 2) * 8 + i) * 64 + (t % 2) * 32, w + ((g0 + t) * KC + b * 8 + i) * 32, 32);
-}
-
-/* amx_pack8's layout from int4 codes, one code a byte */
-static void amx_unpack4(const uint8_t* w, int64_t g0, int64_t ng, int64_t K, uint8_t* u) {
+/* The int4 codes ([N/8][K/8][8][4], two a byte) of inputs k0..k0+A-1 of a set as the tiles take them, one a byte:
+ * u [AMX_SET/2][A/4][64], groups 2p and 2p+1 side by side in pair p's rows, input quad i's 16 outputs x 4 codes in
+ * row i, so one product's 16 rows are contiguous. Groups past ng: whatever (a lone last group's pair is read with
+ * it, its sums not used). 64-byte stores: 32-byte ones took twice as long. */
+static void amx_unpack4(const uint8_t* w, int64_t g0, int64_t ng, int64_t K, int64_t k0, int64_t A, uint8_t* u) {
     const int64_t KP = K / 8;
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    for (int64_t b = 0; b < K / 32; b++)
-        for (int64_t t = 0; t < ng; t++)
-            for (int k = 0; k < 4; k++) { /* inputs 8k..8k+3 in the low nibbles, 8k+4..8k+7 in the high ones */
-                const __m256i v = _mm256_loadu_si256((const __m256i*)(w + (g0 + t) * KP * 32 + (b * 4 + k) * 32));
-                uint8_t* o = u + ((b * (AMX_SET / 2) + t / 2) * 8 + 2 * k) * 64 + (t % 2) * 32;
-                _mm256_storeu_si256((__m256i*)o, _mm256_and_si256(v, low));
-                _mm256_storeu_si256((__m256i*)(o + 64), _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
-            }
-}
-
-#define AMX_PAIR(p, t) do { _tile_zero(p); _tile_loadd(t, u + ((b * (AMX_SET / 2) + (p)) * 8) * 64, 64); _tile_dpbsud(p, 4, t); } while (0)
-
-/* blocks b0..b0+n-1 of rows xq.. (the configured row count, row stride K) x ng (<= AMX_SET) groups of u ->
- * c[i][row][8t..8t+7] (columns past ng groups: whatever) */
-static void amx_sums(const uint8_t* u, int64_t ng, const int8_t* xq, int64_t K, int64_t b0, int64_t n,
-                     int32_t c[][16][AMX_SET * 8]) {
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t b = b0 + i;
-        _tile_loadd(4, xq + b * 32, K);
-        AMX_PAIR(0, 5);
-        if (ng > 2) AMX_PAIR(1, 6);
-        if (ng > 4) AMX_PAIR(2, 7);
-        if (ng > 6) AMX_PAIR(3, 5);
-        _tile_stored(0, c[i][0], AMX_SET * 32);
-        if (ng > 2) _tile_stored(1, c[i][0] + 16, AMX_SET * 32);
-        if (ng > 4) _tile_stored(2, c[i][0] + 32, AMX_SET * 32);
-        if (ng > 6) _tile_stored(3, c[i][0] + 48, AMX_SET * 32);
-    }
-}
-#undef AMX_PAIR
-
-/* acc[0..8 ng) = fma(dx[i], float(c[i][r] - offset * xs[i]), acc) over i < n (xs NULL: no offset), 16 lanes a
- * vector */
-static inline void amx_accumulate(float* acc, int32_t c[][16][AMX_SET * 8], int r, int64_t ng, int64_t n,
-                                  const float* dx, const int32_t* xs, int32_t offset) {
-    for (int64_t j = 0; j < ng * 8; j += 32) { /* two vectors at a time: two chains */
-        __m512 a0 = _mm512_loadu_ps(acc + j), a1 = _mm512_loadu_ps(acc + j + 16);
-        for (int64_t i = 0; i < n; i++) {
-            const __m512 d = _mm512_set1_ps(dx[i]);
-            const __m512i corr = _mm512_set1_epi32(xs ? offset * xs[i] : 0);
-            a0 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(c[i][r] + j), corr)), a0);
-            a1 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(c[i][r] + j + 16), corr)), a1);
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t t = 0; t < ng; t += 2) {
+        const uint8_t *w0 = w + ((g0 + t) * KP + k0 / 8) * 32, *w1 = t + 1 < ng ? w0 + KP * 32 : w0;
+        uint8_t* o = u + (t / 2) * (A / 4) * 64;
+        for (int64_t c = 0; c < A / 8; c++) { /* inputs 8c..8c+3 in the low nibbles, 8c+4..8c+7 in the high ones */
+            const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(w0 + c * 32))),
+                                                 _mm256_loadu_si256((const __m256i*)(w1 + c * 32)), 1);
+            _mm512_store_si512((__m512i*)(o + 2 * c * 64), _mm512_and_si512(v, low));
+            _mm512_store_si512((__m512i*)(o + 2 * c * 64 + 64), _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
         }
-        _mm512_storeu_ps(acc + j, a0);
-        _mm512_storeu_ps(acc + j + 16, a1);
     }
 }
 
-/* rows m0..m0+rows-1 (<= 16) x groups g0..g0+ng-1 (ng <= AMX_SET) of int8 codes (u: amx_pack8) -> y, as q8_tile
- * computes them */
-static void q8_amx(const uint8_t* u, int64_t g0, int64_t ng, int64_t K, const QRows* q, int64_t m0, int rows,
+#define Q4_PRODUCT(p, t) do { _tile_loadd(t, u + ((p) * (A / 4) + k / 4) * 64, 64); _tile_dpbsud(p, 4, t); } while (0)
+
+/* The configured rows of xq (row stride K) over inputs k0..k0+A-1 times the set's codes in u (amx_unpack4's layout)
+ * -> the exact integer sums c [rows][8 ng] (columns past ng groups: whatever) */
+static void q4_sums(const uint8_t* u, int64_t ng, const int8_t* xq, int64_t K, int64_t k0, int64_t A,
+                     int32_t c[16][AMX_SET * 8]) {
+    const int64_t kb = A < 64 ? A : 64;
+    _tile_zero(0);
+    if (ng > 2) _tile_zero(1);
+    if (ng > 4) _tile_zero(2);
+    if (ng > 6) _tile_zero(3);
+    for (int64_t k = 0; k < A; k += kb) {
+        _tile_loadd(4, xq + k0 + k, K);
+        Q4_PRODUCT(0, 5);
+        if (ng > 2) Q4_PRODUCT(1, 6);
+        if (ng > 4) Q4_PRODUCT(2, 7);
+        if (ng > 6) Q4_PRODUCT(3, 5);
+    }
+    _tile_stored(0, c[0], AMX_SET * 32);
+    if (ng > 2) _tile_stored(1, c[0] + 16, AMX_SET * 32);
+    if (ng > 4) _tile_stored(2, c[0] + 32, AMX_SET * 32);
+    if (ng > 6) _tile_stored(3, c[0] + 48, AMX_SET * 32);
+}
+#undef Q4_PRODUCT
+
+/* acc[0..8 ng) = fma(d, float(c - corr), acc), 16 lanes a vector */
+static inline void amx_accumulate(float* acc, const int32_t* c, int64_t ng, float d, int32_t corr) {
+    const __m512 dv = _mm512_set1_ps(d);
+    const __m512i cv = _mm512_set1_epi32(corr);
+    for (int64_t j = 0; j < ng * 8; j += 16)
+        _mm512_storeu_ps(acc + j, _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(c + j), cv)),
+                                                  _mm512_loadu_ps(acc + j)));
+}
+
+#define Q8_PRODUCT(t, b) do { _tile_loadd(b, w + ((g0 + (t)) * KC + (a * A + k) / 4) * 32, 32); _tile_dpbsud(t, 4, b); } while (0)
+
+/* rows m0..m0+rows-1 (<= 16) x groups g0..g0+ng-1 (ng <= 4) of int8 codes w -> y, as q8_tile computes them. The tiles
+ * read the codes where they are ([N/8][K/4][8][4]: a group's 8 quads of a block's inputs are 8 rows of 32 bytes), a
+ * group a tile: no copy (the copy into 16-output tiles cost 5-10% more). */
+static void q8_amx(const uint8_t* w, int64_t g0, int64_t ng, int64_t K, const QRows* q, int64_t m0, int rows,
                    const float* sw, const float* bias, int64_t N, uint16_t* y) {
-    const int64_t nb = K / 32;
-    float acc[16][AMX_SET * 8];
-    int32_t c[AMX_BLOCKS][16][AMX_SET * 8];
-    memset(acc, 0, sizeof acc);
-    for (int64_t b0 = 0; b0 < nb; b0 += AMX_BLOCKS) {
-        const int64_t n = nb - b0 < AMX_BLOCKS ? nb - b0 : AMX_BLOCKS;
-        amx_sums(u, ng, q->xq + m0 * K, K, b0, n, c);
+    const int64_t A = q->A, na = K / A, kb = A < 64 ? A : 64, KC = K / 4;
+    const int8_t* xq = q->xq + m0 * K;
+    float acc[16][32];
+    int32_t c[16][32] __attribute__((aligned(64)));
+    memset(acc, 0, sizeof acc[0] * (size_t)rows); /* (the rows there are: all 16 were most of a few rows' time) */
+    for (int64_t a = 0; a < na; a++) {
+        _tile_zero(0);
+        if (ng > 1) _tile_zero(1);
+        if (ng > 2) _tile_zero(2);
+        if (ng > 3) _tile_zero(3);
+        for (int64_t k = 0; k < A; k += kb) {
+            _tile_loadd(4, xq + a * A + k, K);
+            Q8_PRODUCT(0, 5);
+            if (ng > 1) Q8_PRODUCT(1, 6);
+            if (ng > 2) Q8_PRODUCT(2, 7);
+            if (ng > 3) Q8_PRODUCT(3, 5);
+        }
+        _tile_stored(0, c[0], 128);
+        if (ng > 1) _tile_stored(1, c[0] + 8, 128);
+        if (ng > 2) _tile_stored(2, c[0] + 16, 128);
+        if (ng > 3) _tile_stored(3, c[0] + 24, 128);
         for (int r = 0; r < rows; r++)
-            amx_accumulate(acc[r], c, r, ng, n, q->dx + (m0 + r) * nb + b0, q->xs + (m0 + r) * nb + b0, Q8_OFFSET);
+            amx_accumulate(acc[r], c[r], ng, q->dx[(m0 + r) * na + a], Q8_OFFSET * q->xs[(m0 + r) * na + a]);
     }
-    q8_store(acc[0], rows, ng * 8, AMX_SET * 8, g0 * 8, m0, sw, bias, N, y);
+    q8_store(acc[0], rows, ng * 8, 32, g0 * 8, m0, sw, bias, N, y);
 }
+#undef Q8_PRODUCT
 
-/* rows m0..m0+rows-1 (<= 16) x groups g0..g0+ng-1 (ng <= AMX_SET) of int4 codes (u: amx_unpack4) -> y, as q4_tile
- * computes them */
-static void q4_amx(const uint8_t* u, const float* s, const float* lo, int64_t g0, int64_t ng, int64_t K, int64_t G,
+/* rows m0..m0+rows-1 (<= 16) x groups g0..g0+ng-1 (ng <= AMX_SET) of int4 codes w -> y, as q4_tile computes them */
+static void q4_amx(const uint8_t* w, const float* s, const float* lo, int64_t g0, int64_t ng, int64_t K, int64_t G,
                    const QRows* q, const float* xg, int64_t m0, int rows, const float* bias, int64_t N, uint16_t* y) {
-    const int64_t nb = K / 32, bpg = G / 32, nq = K / G;
+    const int64_t A = q->A, na = K / A, apg = G / A, nq = K / G;
     float out[16][AMX_SET * 8], offs[16][AMX_SET * 8], ga[16][AMX_SET * 8], sv[AMX_SET * 8], lv[AMX_SET * 8];
-    int32_t c[AMX_BLOCKS][16][AMX_SET * 8];
-    memset(out, 0, sizeof out);
-    memset(offs, 0, sizeof offs);
+    int32_t c[16][AMX_SET * 8] __attribute__((aligned(64)));
+    uint8_t u[AMX_SET / 2 * 128 / 4 * 64] __attribute__((aligned(64))); /* a block's codes (A <= 128) */
+    memset(out, 0, sizeof out[0] * (size_t)rows);
+    memset(offs, 0, sizeof offs[0] * (size_t)rows);
     memset(sv, 0, sizeof sv);
     memset(lv, 0, sizeof lv);
     for (int64_t qg = 0; qg < nq; qg++) {
-        memset(ga, 0, sizeof ga);
-        for (int64_t b0 = qg * bpg; b0 < (qg + 1) * bpg; b0 += AMX_BLOCKS) {
-            const int64_t n = (qg + 1) * bpg - b0 < AMX_BLOCKS ? (qg + 1) * bpg - b0 : AMX_BLOCKS;
-            amx_sums(u, ng, q->xq + m0 * K, K, b0, n, c);
-            for (int r = 0; r < rows; r++) amx_accumulate(ga[r], c, r, ng, n, q->dx + (m0 + r) * nb + b0, NULL, 0);
+        memset(ga, 0, sizeof ga[0] * (size_t)rows);
+        for (int64_t a = qg * apg; a < (qg + 1) * apg; a++) {
+            amx_unpack4(w, g0, ng, K, a * A, A, u);
+            q4_sums(u, ng, q->xq + m0 * K, K, a * A, A, c);
+            for (int r = 0; r < rows; r++) amx_accumulate(ga[r], c[r], ng, q->dx[(m0 + r) * na + a], 0);
         }
         for (int64_t t = 0; t < ng; t++) {
             memcpy(sv + t * 8, s + ((g0 + t) * nq + qg) * 8, 32);
@@ -652,20 +694,17 @@ static void q4_amx(const uint8_t* u, const float* s, const float* lo, int64_t g0
     sum_store(out[0], rows, ng * 8, AMX_SET * 8, g0 * 8, m0, bias, N, y);
 }
 
-/* every row through the tiles: threads split sets of AMX_SET groups of outputs, each set packed into the thread's
- * buffer (ub: per_thread bytes a thread) by PACK and then taking every row 16 at a time */
-#define AMX_ROWS(G, PACK, CALL)                                                                                     \
+/* every row through the tiles: threads split the sets of AMX_SET groups (of NG), each set taking every row 16 at a
+ * time (CALL, with g0, ng, m0 and rows), products of kb inputs */
+#define AMX_SETS(NG, SET, kb, ob, CALL)                                                                                      \
     do {                                                                                                            \
-        const int64_t sets = ((G) + AMX_SET - 1) / AMX_SET;                                                         \
         _Pragma("omp parallel num_threads(nthreads)") {                                                             \
             int configured = 0;                                                                                     \
-            uint8_t* u = ub + per_thread * (size_t)omp_get_thread_num();                                            \
-            _Pragma("omp for schedule(static)") for (int64_t set = 0; set < sets; set++) {                          \
-                const int64_t g0 = set * AMX_SET, ng = (G) - g0 < AMX_SET ? (G) - g0 : AMX_SET;                     \
-                PACK(w, g0, ng, K, u);                                                                              \
+            _Pragma("omp for schedule(static)") for (int64_t set = 0; set < ((NG) + (SET) - 1) / (SET); set++) {     \
+                const int64_t g0 = set * (SET), ng = (NG) - g0 < (SET) ? (NG) - g0 : (SET);                         \
                 for (int64_t m0 = 0; m0 < M; m0 += 16) {                                                            \
                     const int rows = (int)(M - m0 < 16 ? M - m0 : 16);                                              \
-                    if (rows != configured) amx_configure_int(configured = rows);                                   \
+                    if (rows != configured) amx_configure_int(configured = rows, kb, ob);                           \
                     CALL;                                                                                           \
                 }                                                                                                   \
             }                                                                                                       \
@@ -681,19 +720,16 @@ static void q4_amx(const uint8_t* u, const float* s, const float* lo, int64_t g0
 int q8_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const float* sw, const float* bias, int64_t N,
               uint16_t* y, int nthreads) {
     QRows q = {0}; /* free_rows frees it whatever failed */
-    if (quantize_rows(x, M, K, nthreads, &q)) {
+    if (quantize_rows(x, M, K, 32, nthreads, &q)) { /* (blocks of 32, q8_0's: int8 keeps their accuracy) */
         free_rows(&q);
         return -1;
     }
     const int64_t G = (N + 7) / 8;
 #ifdef QMATMUL_AMX_INT
-    if (M >= AMX_MIN_ROWS) {
-        const size_t per_thread = (size_t)K * AMX_SET * 8; /* a set's codes as the tiles take them */
-        uint8_t* ub = malloc(per_thread * (size_t)nthreads);
-        if (ub) AMX_ROWS(G, amx_pack8, q8_amx(u, g0, ng, K, &q, m0, rows, sw, bias, N, y));
-        free(ub);
+    if (M >= Q8_AMX_MIN_ROWS) {
+        AMX_SETS(G, 4, 32, 32, q8_amx(w, g0, ng, K, &q, m0, rows, sw, bias, N, y));
         free_rows(&q);
-        return ub ? 0 : -1;
+        return 0;
     }
 #endif
 #ifdef Q8_PAIRS
@@ -721,9 +757,9 @@ int q8_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const f
 int q4_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const float* s, const float* lo, int64_t G,
               const float* bias, int64_t N, uint16_t* y, int nthreads) {
     QRows q = {0}; /* free_rows frees it whatever failed */
-    const int64_t nb = K / 32, bpg = G / 32, ng = K / G;
+    const int64_t A = q4_act_block(G), na = K / A, apg = G / A, ng = K / G;
     float* xg = malloc(sizeof(float) * (size_t)(M * ng));
-    if (!xg || quantize_rows(x, M, K, nthreads, &q)) {
+    if (!xg || quantize_rows(x, M, K, A, nthreads, &q)) {
         free(xg);
         free_rows(&q);
         return -1;
@@ -731,19 +767,16 @@ int q4_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const f
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < ng; g++) {
             float t = 0.0f;
-            for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) t += q.dx[m * nb + b] * (float)q.xs[m * nb + b];
+            for (int64_t a = g * apg; a < (g + 1) * apg; a++) t += q.dx[m * na + a] * (float)q.xs[m * na + a];
             xg[m * ng + g] = t;
         }
     const int64_t NG = (N + 7) / 8;
 #ifdef QMATMUL_AMX_INT
-    if (M >= AMX_MIN_ROWS) {
-        const size_t per_thread = (size_t)K * AMX_SET * 8; /* a set's codes unpacked as the tiles take them */
-        uint8_t* ub = malloc(per_thread * (size_t)nthreads);
-        if (ub) AMX_ROWS(NG, amx_unpack4, q4_amx(u, s, lo, g0, ng, K, G, &q, xg, m0, rows, bias, N, y));
-        free(ub);
+    if (M >= Q4_AMX_MIN_ROWS) {
+        AMX_SETS(NG, AMX_SET, (int)(A < 64 ? A : 64), 64, q4_amx(w, s, lo, g0, ng, K, G, &q, xg, m0, rows, bias, N, y));
         free(xg);
         free_rows(&q);
-        return ub ? 0 : -1;
+        return 0;
     }
 #endif
 #ifdef Q4_PAIRS

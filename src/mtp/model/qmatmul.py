@@ -5,8 +5,9 @@ torch's CPU kernels for quantized weights (`_weight_int8pack_mm`, `_weight_int4p
 to float and multiply in float: on an AVX2 CPU they run at 4-6 GB/s of weights, well below the memory bandwidth, so
 a quantized 0.8B-shape step was little faster than bf16 (docs/decisions.md, 2026-12-01, "int8 and int4 at the
 memory's speed"). `qmatmul.c` does what llama.cpp's q8_0 path does instead: it quantizes the activations to int8 in
-blocks of 32 and multiplies int8 by int8 (or int4 by int8) with exact integer block sums (`vpmaddubsw`, or
-`vpdpbusd` with AVX-512 VNNI). The weights are stored interleaved by groups of 8 outputs (`pack_int8`, `pack_int4`),
+blocks of 32 (for int4 weights, as wide as their groups allow up to 128) and multiplies int8 by int8 (or int4 by int8)
+with exact integer block sums (`vpmaddubsw`, `vpdpbusd` with AVX-512 VNNI, or the AMX tiles' `tdpbsud` for several
+rows). The weights are stored interleaved by groups of 8 outputs (`pack_int8`, `pack_int4`),
 so one product gives 8 outputs' partial sums and one weight load serves up to 4 rows (a verify block, a batch):
 docs/decisions.md, 2026-12-02, "interleaved". Each output's float accumulation runs in one fixed order, so the
 kernels are row-invariant by construction: at any row count and thread count, row m of a product is its 1-row
