@@ -12,7 +12,10 @@ microseconds per operation, so its run is not timed). Per round (one backbone fo
   upper bound on the host overhead, which is the part compiling removes;
 - `c_calls`, `c_ms`: calls into our C kernels (model/native.py, which the profiler does not see: the one-call
   forward and draft, the qmatmul products, ...) and the time inside them, each round of a third run timed under
-  `native.timed()`;
+  `native.timed()`; that run is longer (STEADY_TOKENS), so its figures are a steady round's: a generation's first
+  rounds also bind its C programs (~0.3 ms a round shape, once per generation), which over 16 tokens added
+  0.15-0.2 ms to every round (code-small, k = 3: 0.29-0.37 ms against 0.12-0.13; docs/decisions.md, 2026-12-06,
+  fourth session);
 - `host_ms` = that run's round time - c_ms - linear_ms: the Python round, tensor operations and dispatch.
 """
 
@@ -26,6 +29,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from ..decode import generate
 from ..decode.decoder import Decoder
 from ..model import native
+
+STEADY_TOKENS = 128  # the timed run's new tokens (fewer where the context has no room)
 
 # the kernels of the linear layers (model/linear.py: FastLinear's prepared kernels and the plain ones)
 LINEAR_KERNELS = ("mtp::prepared_linear", "mkldnn::_linear_pointwise", "aten::_weight_int8pack_mm", "aten::addmm",
@@ -90,7 +95,8 @@ def _rounds_in_c(model, ids: list[int], kw: dict, linear_ms: float) -> tuple[flo
 
     Decoder._round = timed_round
     try:
-        generate(model, ids, **kw)
+        room = model.context_length - len(ids) - 1
+        generate(model, ids, **{**kw, "max_new_tokens": max(kw["max_new_tokens"], min(STEADY_TOKENS, room))})
     finally:
         Decoder._round = real
     n = max(1, len(rounds))
