@@ -48,6 +48,12 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # batch sizes the round runs at (a comp
 # tokens where k = 0 and 3 tie.
 COLD_ROUNDS = 4
 SLOT_ALIGN = 64  # cache lengths are a multiple of this (compiled attention reduces over whole vector blocks)
+# An eager decoder whose state holds up to this many positions takes it from the model's pool and leaves it there (as a
+# compiled one always does): a generation binds its C round programs to its state, ~0.3-0.6 ms a round shape, and
+# `auto` visits 3-4 shapes a generation, so over 128 tokens binding anew took 4-6% of its rounds' time (code-small;
+# docs/decisions.md, 2026-12-06, fourth session). Longer states are freed with their decoder: the pool keeps each
+# shape it has seen until the model goes.
+POOL_SLOTS = 4096
 
 
 def _has_bf16_kernels(model) -> bool:
@@ -55,14 +61,15 @@ def _has_bf16_kernels(model) -> bool:
     return any(isinstance(m, FastLinear) and m.kernel == "bf16" for m in model.model.modules())
 
 
-def cache_slots(max_len: int, compiled: bool, context: int) -> int:
+def cache_slots(max_len: int, pooled: bool, context: int) -> int:
     """Cache length for sequences of up to max_len (<= context) positions. The verify and chain steps write up to
     PENDING + MAX_DRAFT slots past a sequence's last position; lengths are multiples of SLOT_ALIGN. A compiled graph
-    has its cache length baked in, so compiled decoders round up to a power of two (at least 256; at most the whole
-    context's length): generations of other lengths reuse the same few graphs instead of compiling new ones
-    (compiled attention then reads at most twice the slots it needs)."""
+    has its cache length baked in, and a pooled state serves later generations, so `pooled` decoders (compiled ones,
+    and eager ones up to POOL_SLOTS) round up to a power of two (at least 256; at most the whole context's length):
+    generations of other lengths reuse the same few graphs and states instead of compiling or binding new ones
+    (compiled attention then reads at most twice the slots it needs; eager attention reads the positions there are)."""
     aligned = lambda n: -(-(n + PENDING + MAX_DRAFT + 2) // SLOT_ALIGN) * SLOT_ALIGN  # noqa: E731
-    if compiled:
+    if pooled:
         return min(max(256, 1 << (aligned(max_len) - 1).bit_length()), aligned(context))
     return aligned(max_len)
 
@@ -123,10 +130,11 @@ class Decoder:
                                                                           AcceptanceCounts())
         self.policy = DraftPolicy.from_arg(draft_tokens if use_mtp or use_masks else None, limit, rounds, counts)
         self.max_len = min(max_len, model.context_length)
-        slots = cache_slots(self.max_len, compile, model.context_length)
+        pooled = compile or cache_slots(self.max_len, True, model.context_length) <= POOL_SLOTS
+        slots = cache_slots(self.max_len, pooled, model.context_length)
         model.prepare_decode(slots)
         self.max_batch = max_batch
-        self.state = self._take_state(bucket(max_batch), slots, use_mtp, pooled=compile)
+        self.state = self._take_state(bucket(max_batch), slots, use_mtp, pooled)
         self.masks = MaskDrafter(model, self.state.pos.shape[0]) if use_masks else None
         self.vocab = draft_vocab
         if draft_vocab is not None and use_mtp:
@@ -149,15 +157,22 @@ class Decoder:
             prompt_cache.bind(model)
 
     def _take_state(self, rows: int, slots: int, use_mtp: bool, pooled: bool) -> RoundState:
-        """The decode state: new, or for a compiled decoder a free one of the model's with the same shape (returned to
-        the model when this decoder is collected). A captured CUDA graph reads and writes its state at the addresses
-        it was recorded with: a new state for every generation made cudagraph trees record every graph again on its
-        first round (and give up on graphs after a limit of such re-recordings). A row's state is reset as a sequence
-        takes it (`_reset_row`), as the server's rows are between requests."""
+        """The decode state: new, or where `pooled` a free one of the model's with the same shape (returned to the
+        model when this decoder is collected). A captured CUDA graph reads and writes its state at the addresses it
+        was recorded with: a new state for every generation made cudagraph trees record every graph again on its
+        first round (and give up on graphs after a limit of such re-recordings); the eager round's C programs are bound
+        to its addresses too (POOL_SLOTS). A row's state is reset as a sequence takes it (`_reset_row`), as the
+        server's rows are between requests."""
         if not pooled:
             return RoundState.allocate(self.model, rows, slots, use_mtp, penalty=False)
-        free = self.model.__dict__.setdefault("_free_states", {}).setdefault((rows, slots, use_mtp), [])
-        state = free.pop() if free else RoundState.allocate(self.model, rows, slots, use_mtp, penalty=False)
+        # (the model's dtype, device and MTP module shape its caches: a model cast or given a new MTP gets new states)
+        key = (rows, slots, use_mtp, self.model.dtype, str(self.model.device), id(self.model.mtp))
+        free = self.model.__dict__.setdefault("_free_states", {}).setdefault(key, [])
+        if free:
+            state = free.pop()
+            state.restart()
+        else:
+            state = RoundState.allocate(self.model, rows, slots, use_mtp, penalty=False)
         weakref.finalize(self, free.append, state)
         return state
 

@@ -65,6 +65,15 @@ class RoundState:
             st.seen = torch.zeros(rows, model.config.vocab_size, dtype=torch.bool, device=dev)
         return st
 
+    def restart(self) -> None:
+        """A pooled state for a new decoder: the rows' positions and pending MTP inputs as `allocate` leaves them, so
+        a padding row indexes within its buffers as a fresh one does. The caches are reset row by row as sequences
+        take the rows (a padding row computes on whatever its caches hold and keeps nothing)."""
+        with torch.inference_mode():  # (a state made in a generation's inference mode is an inference tensor's)
+            for t in (self.pos, self.last, self.mtp_pos, self.pend_n, self.pend_next, self.pend_h):
+                if t is not None:
+                    t.zero_()
+
     def tensors(self) -> list[torch.Tensor]:
         """Every state tensor (row moves copy each)."""
         out = [self.pos, self.last] + [t for layer in self.cache.layers for t in vars(layer).values()]
