@@ -319,8 +319,9 @@ static void q8_tile(const uint8_t* w, int64_t g, int pair, int64_t K, const QRow
  * sum over activation block a (A inputs, q4_act_block), gacc = fma(dx[a], p[a], gacc) over a group's blocks in
  * order, acc = fma(s[g], gacc, acc) and off += lo[g] * xg[g] over the groups in order (xg: the group's activation
  * sum, in float), y = acc + off: one order whatever the tile, rows and threads. */
-/* The products per 32 inputs (an activation block's add up as int32). AVX2: vpmaddubsw into one int16 accumulator per (row, group), widened once per block by
- * vpmaddwd (a pair of u8 x s8 products is at most 2 * 15 * 127 = 3810, a block's 8 of them 30480 < 32768: exact).
+/* The products per block of 32 inputs (an activation block's add up in int32). AVX2: vpmaddubsw into one int16
+ * accumulator per (row, group), widened once per block by vpmaddwd (a pair of u8 x s8 products is at most 2 * 15 *
+ * 127 = 3810, a block's 8 of them 30480 < 32768: exact).
  * The VNNI builds (AVX-512) take a chunk's two halves in one 512-bit vpdpbusd: 64-bit lane j holds output j's 4 low-
  * nibble codes (inputs 8c..8c+3) in its low word and its 4 high-nibble codes (8c+4..8c+7) in its high word, against
  * the row's 8 activation bytes broadcast to every lane; two chunks a step, each into its own accumulator (ia: chunks
@@ -694,9 +695,9 @@ static void q4_amx(const uint8_t* w, const float* s, const float* lo, int64_t g0
     sum_store(out[0], rows, ng * 8, AMX_SET * 8, g0 * 8, m0, bias, N, y);
 }
 
-/* every row through the tiles: threads split the sets of AMX_SET groups (of NG), each set taking every row 16 at a
- * time (CALL, with g0, ng, m0 and rows), products of kb inputs */
-#define AMX_SETS(NG, SET, kb, ob, CALL)                                                                                      \
+/* every row through the tiles: threads split the sets of SET groups (of NG), each set taking every row 16 at a time
+ * (CALL, with g0, ng, m0 and rows), tiles configured for products of kb inputs and ob bytes of outputs */
+#define AMX_SETS(NG, SET, kb, ob, CALL)                                                                             \
     do {                                                                                                            \
         _Pragma("omp parallel num_threads(nthreads)") {                                                             \
             int configured = 0;                                                                                     \
