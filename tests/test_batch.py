@@ -11,7 +11,7 @@ import torch
 import mtp
 import test_sampling_stats as stats
 from conftest import pattern_batch, tiny_model, trained_tiny_model
-from mtp.decode.decoder import COLD_ROUNDS, Decoder
+from mtp.decode.decoder import COLD_ROUNDS, POOL_SLOTS, Decoder
 from mtp.decode.policy import AcceptanceCounts, DraftPolicy, RoundTimes
 from mtp.decode.sampling import SamplingParams
 from mtp.decode.session import Session
@@ -386,22 +386,49 @@ def test_compiled_cuda_runner_marks_the_round_state_static(monkeypatch):
     assert marked("cpu", None)[0] == 0
 
 
-def test_compiled_decoders_share_a_free_state_and_decode_alike():
-    """A compiled decoder takes a free decode state of the model's (the same tensors, so captured CUDA graphs replay
-    at the addresses they recorded, docs/decisions.md) and hands it back when collected; two live decoders never share
-    one, and eager decoders allocate their own. A reused state decodes as a new one: each row is reset as it is taken
-    (checked by eager rounds over a pooled state, one sequence after another)."""
+def test_decoders_share_a_free_state_and_decode_alike(monkeypatch):
+    """A decoder takes a free decode state of the model's (the same tensors: captured CUDA graphs replay at the
+    addresses they recorded, and the eager round's C programs stay bound to them, docs/decisions.md) and hands it back
+    when collected; two live decoders never share one; an eager state longer than POOL_SLOTS positions is not kept; a
+    model cast to another dtype gets a new one. A reused state decodes as a new one: each row is reset as it is taken,
+    and a padding row's positions and pending MTP inputs start from zero whatever the last decoder left there."""
     import gc
 
-    model = trained_tiny_model(depth=2)
-    first = Decoder(model, 1, 64, 2, compile=True)
-    state = first.state
-    second = Decoder(model, 1, 64, 2, compile=True)
-    assert second.state is not state
-    assert Decoder(model, 1, 64, 2).state is not state
-    del first
+    model = trained_tiny_model(depth=2, max_position_embeddings=8192)
+    for compile in (True, False):
+        first = Decoder(model, 1, 64, 2, compile=compile)
+        state = first.state
+        assert Decoder(model, 1, 64, 2, compile=compile).state is not state  # (alive while `first` is)
+        del first
+        gc.collect()
+        assert Decoder(model, 1, 64, 2, compile=compile).state is state  # (collected at once: the state is free again)
+    long = Decoder(model, 1, POOL_SLOTS + 64, 2)
+    kept = long.state
+    del long
     gc.collect()
-    assert Decoder(model, 1, 64, 2, compile=True).state is state  # (collected at once: the state is free again)
+    assert all(kept is not s for free in model.__dict__["_free_states"].values() for s in free)
+
+    requests = greedy_requests(model.config.vocab_size, 3, seed=4, max_prompt=30)
+    want = [mtp.generate(model, p, max_new_tokens=n, draft_tokens=2).tokens for p, n, _, _ in requests]
+    dec = Decoder(model, 4, 80, 2)
+    state = dec.state
+    with torch.inference_mode():  # what a last decoder may leave: positions and pending counts past a new one's reads
+        for t in (state.pos, state.mtp_pos, state.pend_n):
+            t.fill_(7)
+    del dec
+    gc.collect()
+    dec = Decoder(model, 4, 80, 2)
+    assert dec.state is state
+    steps, real_step = [], type(model).mtp_step  # (the rounds' tensor path, which indexes every row's pending inputs)
+    monkeypatch.setattr(type(model), "mtp_step", lambda self, *a, **kw: steps.append(1) or real_step(self, *a, **kw))
+    seqs = [dec.add(Session(model, p, n, SamplingParams(), None, None)) for p, n, _, _ in requests]
+    while not all(s.finished for s in seqs):  # (3 rows decoding: row 3 pads the rounds' bucket of 4)
+        dec.step()
+    assert [s.session.new_tokens for s in seqs] == want and steps
+    monkeypatch.undo()
+    cast = model.to(torch.bfloat16)
+    assert Decoder(cast, 2, 64, 2).state.pend_h.dtype == torch.bfloat16
+    model.to(torch.float32)
 
     prompts = ([1, 2, 3, 1, 2], [4, 5, 6, 7], [7, 1, 7, 1, 7, 1])
     want = [mtp.generate(model, p, max_new_tokens=20, draft_tokens=2).tokens for p in prompts]

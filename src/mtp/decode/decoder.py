@@ -165,8 +165,10 @@ class Decoder:
         server's rows are between requests."""
         if not pooled:
             return RoundState.allocate(self.model, rows, slots, use_mtp, penalty=False)
-        # (the model's dtype, device and MTP module shape its caches: a model cast or given a new MTP gets new states)
-        key = (rows, slots, use_mtp, self.model.dtype, str(self.model.device), id(self.model.mtp))
+        # (the model's dtype, device and MTP module shape its caches: a model cast or given a new MTP gets new states; a
+        # weak reference, not an id, which a later module may reuse)
+        mtp = None if self.model.mtp is None else weakref.ref(self.model.mtp)
+        key = (rows, slots, use_mtp, self.model.dtype, str(self.model.device), mtp)
         free = self.model.__dict__.setdefault("_free_states", {}).setdefault(key, [])
         if free:
             state = free.pop()
