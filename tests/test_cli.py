@@ -82,6 +82,9 @@ def test_bad_arguments_get_clear_errors(model_dir, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "mtp.cli", "generate", "--prompt", "x"], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "MTP_MODEL": ""})
     assert proc.returncode != 0 and "$MTP_MODEL is set but empty" in proc.stderr
+    proc = run_cli("serve", "--model", str(tmp_path / "nope"), "--prompt-cache-mb", "-1")  # (refused before loading)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        "mtp serve: error: --prompt-cache-mb must be >= 0, got -1") and "Traceback" not in proc.stderr
 
 
 def test_the_eos_that_ends_generation_is_not_in_the_text(model_dir):
