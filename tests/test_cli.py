@@ -41,8 +41,8 @@ def test_generate_json_equals_the_library_for_plain_and_speculative(model_dir):
 
 
 def test_quantized_drafts_from_the_command_line_keep_the_output(model_dir):
-    """--draft-quantize (default auto: int4 drafts for a bf16 model on qmatmul's kernels, none for fp32): the tokens
-    are the bf16 model's own plain decoding whatever the drafts run, and --json says what they ran."""
+    """--draft-quantize (default auto: int4 drafts for a bf16 or int8 model on qmatmul's kernels, none for fp32): the
+    tokens are the model's own plain decoding whatever the drafts run, and --json says what they ran."""
     from mtp.model import qmatmul
 
     model = mtp.load_model(model_dir, dtype="bfloat16")
@@ -60,6 +60,14 @@ def test_quantized_drafts_from_the_command_line_keep_the_output(model_dir):
         assert out["draft_quantize"] == drafts, extra
         if extra:  # (fp32: its own tokens)
             assert out["tokens"] == want, extra
+    # an int8 model drafts int4 by default too (its MTP layers requantized, an int4 copy of its head)
+    int8 = mtp.load_model(model_dir, dtype="bfloat16", quantize="int8")
+    proc = run_cli("generate", "--model", str(model_dir), "--prompt", prompt, "--max-new-tokens", "24", "--draft-tokens",
+                   "3", "--json", "--threads", "1", "--dtype", "bfloat16", "--quantize", "int8")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["draft_quantize"] == ("int4" if qmatmul.available() else None)
+    assert out["tokens"] == mtp.generate(int8, model.tokenizer.encode(prompt), max_new_tokens=24).tokens
 
 
 def test_generate_prints_text(model_dir):

@@ -114,6 +114,62 @@ def test_a_reduced_draft_vocabulary_drafts_in_the_drafts_precision(trained, bits
         assert mtp.generate(model, prompt, max_new_tokens=30, draft_tokens=3, draft_vocab=vocab).tokens == want
 
 
+def test_unpack_int8_inverts_the_kernels_packing():
+    codes = torch.randint(-128, 128, (21, 64), dtype=torch.int8, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(qmatmul.unpack_int8(qmatmul.pack_int8(codes), 21), codes)
+
+
+@pytest.mark.parametrize("release", [False, True])
+@pytest.mark.parametrize("vocab", [None, 64])
+def test_int4_drafts_for_an_int8_model(trained, release, vocab):
+    """An int8 model (`--quantize int8`, its float weights released or not) drafting int4: the MTP's int8 layers are
+    requantized to int4 in place - from their codes once the float weight is gone, the same codes as quantizing
+    that decode - and its int8 head gets an int4 copy; the backbone, its head and every output stay the int8
+    model's, greedy bit for bit (plain, k = 1..4, auto, a batch of three)."""
+    source = trained if vocab is None else tiny_model(seed=7, vocab_size=vocab)  # (8 head rows: no int4; 64: int4)
+    ref, model = bf16(source, "int8"), bf16(source)
+    model.prepare_for_inference("int8", release=release)
+    before = kernels(model.mtp)
+    q = model.mtp.get_submodule(next(n for n, k in before.items() if k == "int8"))
+    decoded = q.int8_decoded()
+    weight = decoded.to(torch.bfloat16) if release else q.weight.detach().clone()  # (in the model's dtype)
+    if not release:  # (the decode is the weight to within half a step of its row's scale)
+        step = q.weight.float().abs().amax(1, keepdim=True) / 127
+        assert ((decoded - q.weight.float()).abs() <= step / 2 + 1e-3 * step).all()
+    model.quantize_drafts("int4")
+    assert model.draft_quantize == "int4"
+    assert kernels(model.model) == kernels(ref.model) and model.lm_head.kernel == "int8"
+    after = kernels(model.mtp)
+    assert {n: k for n, k in after.items() if before[n] != "int8"} == {n: k for n, k in before.items() if k != "int8"}
+    assert all(after[n] == expected(model.mtp.get_submodule(n), "int4") for n, k in before.items() if k == "int8")
+    assert q.kernel == "int4" and q.released == release
+    want = FastLinear.wrap(torch.nn.Linear(q.in_features, q.out_features, bias=False), "int8")
+    with torch.no_grad():
+        want.weight.copy_(weight)
+    want.prepare("int4")
+    x = torch.randn(3, q.in_features).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(q(x), want(x))  # the same int4 codes as quantizing the float weight / the codes' decode
+    head = model.draft_head_module(1)
+    if vocab is None:
+        assert head is model.lm_head
+    else:
+        assert head is not model.lm_head and head.kernel == "int4" and head.released == model.lm_head.released
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 8, (int(n),), generator=g).tolist() for n in (3, 7, 12)]
+    want_tokens = [mtp.generate(ref, p, max_new_tokens=30).tokens for p in prompts]
+    for p, w in zip(prompts, want_tokens):
+        for k in (None, 1, 2, 4, "auto"):
+            assert mtp.generate(model, p, max_new_tokens=30, draft_tokens=k).tokens == w, (p, k)
+    dec = Decoder(model, 3, 48, 3)
+    sessions = [Session(model, p, 30, SamplingParams(), None, None) for p in prompts]
+    for s in sessions:
+        dec.add(s)
+    while not all(s.done for s in sessions):
+        dec.step()
+    assert [s.new_tokens for s in sessions] == want_tokens
+
+
 def test_sampling_keeps_the_target_distribution():
     """Unseeded speculative sampling over int8 drafts (q the quantized MTP's law) still draws the bf16 backbone's
     joint law of the first three tokens (chi-square against the exact one)."""
@@ -158,12 +214,13 @@ def test_refused_where_it_cannot_run(trained):
         no_mtp.quantize_drafts("int8")
 
 
-def test_auto_quantizes_the_drafts_of_a_bf16_model_only(trained):
-    """--draft-quantize auto: int4 for a bf16 model on qmatmul's kernels, nothing for an fp32 model or one whose layers
-    are quantized already; the explicit choices are taken as they are."""
+def test_auto_quantizes_the_drafts_of_a_bf16_or_int8_model(trained):
+    """--draft-quantize auto: int4 for a bf16 or int8 model on qmatmul's kernels, nothing for an fp32 model or an int4
+    one; the explicit choices are taken as they are."""
     assert draft_precision("auto", bf16(trained)) == ("int4" if qmatmul.available() else None)
     assert draft_precision("auto", trained) is None
-    assert draft_precision("auto", bf16(trained, "int8")) is None
+    assert draft_precision("auto", bf16(trained, "int8")) == ("int4" if qmatmul.available() else None)
+    assert draft_precision("auto", bf16(trained, "int4")) is None
     assert draft_precision("none", bf16(trained)) is None
     assert draft_precision("int4", trained) == "int4" and draft_precision("int8", trained) == "int8"
 

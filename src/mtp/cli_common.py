@@ -101,7 +101,7 @@ def load_from_args(args):
 
 def draft_precision(choice: str, model) -> str | None:
     """--draft-quantize for `model` -> the `quantize_drafts` bits, or None. "auto": int4 where it is known to pay - a
-    bf16 model on the CPU with an MTP and qmatmul's kernels, whose layers are not quantized already (the shipped model
+    bf16 or int8 model on the CPU with an MTP and qmatmul's kernels, no layer of it int4 already (the shipped model
     at k = 3, generation only: on a Zen 4 int8 drafts gave 2.27-2.42x plain instead of 1.97-1.99x and int4 the same as
     int8; on an AMX Xeon int4 2.00-2.02x, int8 1.85-1.89x, bf16 1.57x, at 3.14 tokens a round against 3.19:
     a draft step is mostly its head's bytes; docs/decisions.md, 2026-12-04 second session and 2026-12-05) - else
@@ -115,9 +115,9 @@ def draft_precision(choice: str, model) -> str | None:
     from .model import qmatmul
     from .model.linear import FastLinear
 
-    quantized = any(isinstance(m, FastLinear) and m.kernel in ("int8", "int4") for m in model.modules())
+    int4 = any(isinstance(m, FastLinear) and m.kernel == "int4" for m in model.modules())
     fits = model.has_mtp and model.device.type == "cpu" and model.dtype == torch.bfloat16 and qmatmul.available()
-    return "int4" if fits and not quantized else None
+    return "int4" if fits and not int4 else None
 
 
 def auto_threads() -> int:

@@ -284,7 +284,12 @@ class CausalLM(nn.Module, ABC):
         and its head are untouched, so the output is too: every draft is verified by the backbone's own head; only
         the acceptance can move. What it buys: a draft step reads about half (int8) or a quarter (int4) of a bf16
         one's bytes (docs/decisions.md, 2026-12-04, second session). A prepared bf16 model on the CPU with an
-        MTP module; an int4 layer the kernel cannot run gets int8."""
+        MTP module; an int4 layer the kernel cannot run gets int8.
+
+        In a model quantized already (`--quantize int8`, an int8 checkpoint), int4 drafts requantize the MTP's int8
+        layers to int4 in place (from their float weight, or from their codes where it was released:
+        `FastLinear.requantize`) and copy an int8 head to int4; int4 layers and experts already quantized stay as
+        they are."""
         if bits not in QUANTIZE:
             raise ValueError(f"draft quantization must be one of {', '.join(QUANTIZE)}, got {bits!r}")
         if self.mtp is None:
@@ -299,12 +304,16 @@ class CausalLM(nn.Module, ABC):
         heads = {id(h) for h in self._output_heads()}
         keep = tuple(self.keep_precision)
         linears = [(n, m) for n, m in self.mtp.named_modules(prefix=prefix) if isinstance(m, nn.Linear)]
-        # not the heads (copied below), layers already quantized (their float weights may be gone), layers kept precise
+        # not the heads (copied below), layers kept precise; a quantized layer only to fewer bits (requantized)
         todo: dict[str, list[str]] = {}  # kernel -> the names of the layers that get it
         for n, m in linears:
-            if (id(m) not in heads and not any(n.endswith(s) for s in keep)
-                    and not (isinstance(m, FastLinear) and m.kernel in QUANTIZE)):
-                todo.setdefault(quantized_kernel(bits, m), []).append(n)
+            if id(m) in heads or any(n.endswith(s) for s in keep):
+                continue
+            if isinstance(m, FastLinear) and m.kernel in QUANTIZE:
+                if coarser(m, bits):
+                    m.requantize("int4")
+                continue
+            todo.setdefault(quantized_kernel(bits, m), []).append(n)
         for kernel, names in todo.items():  # (skip: every other layer of the MTP, by its full name)
             prepare_linears(self.mtp, kernel, skip=tuple(n for n, _ in linears if n not in names), prefix=prefix)
         for name, m in self.mtp.named_modules(prefix=prefix):
@@ -313,11 +322,17 @@ class CausalLM(nn.Module, ABC):
         copies = {}
         for d in range(1, self.mtp.num_layers + 1):
             head = self.mtp_head_module(d)
-            if id(head) in copies or (isinstance(head, FastLinear) and head.kernel in QUANTIZE):
+            quantized = isinstance(head, FastLinear) and head.kernel in QUANTIZE
+            if id(head) in copies or (quantized and not coarser(head, bits)):
                 continue
             copy = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None, device="meta")
-            copy.weight = head.weight  # (one parameter: the copy holds only its codes)
             copy.bias = head.bias
+            if quantized and head.released:  # (its own weight: the int8 codes' decode, let go once quantized)
+                copy.weight = nn.Parameter(head.int8_decoded().to(self.dtype), requires_grad=False)
+                copies[id(head)] = FastLinear.wrap(copy, "int4")
+                copies[id(head)].release()
+                continue
+            copy.weight = head.weight  # (one parameter: the copy holds only its codes)
             copies[id(head)] = FastLinear.wrap(copy, quantized_kernel(bits, head))
         self.__dict__["_draft_heads"] = copies
         self.__dict__["_draft_quantize"] = bits
@@ -576,3 +591,8 @@ def init_weights_(model: CausalLM, std: float | None = None, seed: int | None = 
     if seed is not None:
         torch.manual_seed(seed)
     model.init_weights(std)
+
+
+def coarser(layer: FastLinear, bits: str) -> bool:
+    """Would `bits` drafts requantize this quantized layer? An int8 layer int4 drafts can run (int4's shapes)."""
+    return bits == "int4" and layer.kernel == "int8" and int4_fits(layer)

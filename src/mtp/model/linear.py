@@ -356,6 +356,26 @@ class FastLinear(nn.Linear):
                 f"(loaded for inference with release=True, as `mtp generate/serve/bench/check` load): it cannot {what}; "
                 "load the model without release=True to train or change its weights")
 
+    def int8_decoded(self) -> torch.Tensor:
+        """An "int8" layer's weight as its codes give it, codes x scales: fp32 [out, in] (what it multiplies by)."""
+        if self.kernel != "int8":
+            raise ValueError(f"not an int8 layer (kernel {self.kernel})")
+        codes = qmatmul.unpack_int8(self._packed, self.out_features) if self._native else self._packed
+        return codes[:, : self.in_features].float() * self._scale.float()[:, None]
+
+    @torch.no_grad()
+    def requantize(self, kernel: str) -> None:
+        """`prepare(kernel)` for a layer that may have released its float weight: then from the codes it holds
+        (`int8_decoded`; an int8 layer only), and the weight released again. A coarser copy for drafting (an int8
+        layer's int4 codes: the int8 rounding then the int4 one) - not a substitute for quantizing the float weight."""
+        if self._released is None:
+            return self.prepare(kernel)
+        decoded = self.int8_decoded().to(self._released.dtype)
+        del self.__dict__["_released"]
+        self.weight = nn.Parameter(decoded, requires_grad=False)
+        self.prepare(kernel)
+        self.release()
+
     def int4_weight(self) -> Int4Weight:
         """The int4 codes, scales and zero points `prepare("int4")` ran (an "int4" layer only)."""
         if self.kernel != "int4":

@@ -85,6 +85,13 @@ def pack_int8(codes: torch.Tensor) -> torch.Tensor:
     return c.contiguous().view(torch.uint8)
 
 
+def unpack_int8(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """`pack_int8`'s inverse: uint8 [ceil(N/8), K/4, 8, 4] -> int8 codes [N, K] (N = out_features)."""
+    G, C = packed.shape[:2]
+    codes = packed.view(torch.int8) if isa() == "avx2" else (packed.to(torch.int16) - 128).to(torch.int8)
+    return codes.permute(0, 2, 1, 3).reshape(G * 8, C * 4)[:out_features]
+
+
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """int4 codes uint8 [N, K] in 0..15 (K % 8 == 0) -> uint8 [ceil(N/8), 4K], the q4 kernel's interleaved layout: per
     group of 8 outputs (the last padded with zero codes), per 8 inputs, 32 bytes, byte (j, i) = q[j, i] | q[j, 4 + i] << 4."""
