@@ -180,8 +180,8 @@ def _time_interleaved(fns: dict, iters: int, warmup: int) -> dict[str, float]:
 def plain_step_seconds(models: dict, iters: int, warmup: int = 1, context: int = 128) -> dict[str, float]:
     """{name: model} -> {name: median seconds of its plain decode step at position `context`}, the models timed in
     turn every iteration (A B C A B C ...) so the machine's noise hits them alike."""
-    fns = {name: _step_fns(m, 1, context, None)["plain"] for name, m in models.items()}
-    with torch.inference_mode():
+    with torch.inference_mode():  # (the prompt's read too: a quantized model may hold only its codes)
+        fns = {name: _step_fns(m, 1, context, None)["plain"] for name, m in models.items()}
         return _time_interleaved(fns, iters, warmup)
 
 
