@@ -386,6 +386,27 @@ def test_compiled_cuda_runner_marks_the_round_state_static(monkeypatch):
     assert marked("cpu", None)[0] == 0
 
 
+def test_a_reused_state_keeps_its_bound_round_programs(monkeypatch):
+    """The one-call round's programs are bound to the state view they ran on (`round_kernel.greedy_round`): a pooled
+    state carries its views, so the next generation of the same shape binds nothing again (a view new with each
+    decoder bound each width again in its first round: ~0.3-0.6 ms, which `auto` took for the cost of a probe's k and
+    stayed at k = 2 where k = 3-4 was faster, docs/decisions.md); and the tokens are the same."""
+    from mtp.decode import round_kernel
+
+    if not round_kernel.LIBRARY.available():
+        pytest.skip("the C kernels are not available here")
+    model = trained_tiny_model(depth=2).to(torch.bfloat16)
+    model.prepare_for_inference("int8")
+    built, real = [], round_kernel._plan
+    monkeypatch.setattr(round_kernel, "_plan", lambda *a: built.append(a[2]) or real(*a))
+    prompt = [1, 2, 3, 1, 2, 3, 4]
+    first = [mtp.generate(model, prompt, max_new_tokens=24, draft_tokens=k).tokens for k in (2, 3)]
+    assert {2, 3} <= set(built)
+    n = len(built)
+    again = [mtp.generate(model, prompt, max_new_tokens=24, draft_tokens=k).tokens for k in (2, 3)]
+    assert again == first and len(built) == n
+
+
 def test_decoders_share_a_free_state_and_decode_alike(monkeypatch):
     """A decoder takes a free decode state of the model's (the same tensors: captured CUDA graphs replay at the
     addresses they recorded, and the eager round's C programs stay bound to them, docs/decisions.md) and hands it back

@@ -149,7 +149,6 @@ class Decoder:
         self.last_round: list[tuple[Sequence, int, int]] = []  # (sequence, drafts made k, accepted n) of the last round
         self.mtp_pos: list[int] = [0] * self.state.pos.shape[0]  # host mirrors of the MTP positions / pending counts
         self.pend_n: list[int] = [0] * self.state.pos.shape[0]
-        self._views: dict[int, RoundState] = {}
         self._since_chunk = COLD_ROUNDS  # rounds since the last prompt chunk
         self._sampling: tuple[tuple, RowSampling | None] | None = None
         self.prompts = prompt_cache
@@ -195,7 +194,7 @@ class Decoder:
         if session.params.repetition_penalty != 1.0 and self.state.seen is None:
             self.state.seen = torch.zeros(self.state.pos.shape[0], self.model.config.vocab_size, dtype=torch.bool,
                                           device=self.model.device)
-            self._views.clear()
+            self.state.__dict__.pop("views", None)  # (made without it)
         seq = Sequence(session, list(session.tokens))
         self.waiting.append(seq)
         return seq
@@ -362,8 +361,12 @@ class Decoder:
 
     # ------------------------------------------------------------------ the round
     def _view(self, B: int) -> RoundState:
-        """The state of rows [0, B) (views: the round's writes go to the decoder's state)."""
-        view = self._views.get(B)
+        """The state of rows [0, B) (views: the round's writes go to the decoder's state). Kept on the state, which a
+        pooled state carries to the next decoder: the one-call round's programs are bound to the view they ran on
+        (`round_kernel.greedy_round`), and a view new with each generation bound them again in its first round of
+        each width (~0.3-0.6 ms), which `auto`'s probes paid in every generation (docs/decisions.md)."""
+        views = self.state.__dict__.setdefault("views", {})
+        view = views.get((B, self.runner.compiled))
         if view is None:
             st = self.state
             sl = lambda t: None if t is None else t[:B]  # noqa: E731
@@ -373,7 +376,7 @@ class Decoder:
                               [c.rows(0, B) for c in st.mtp_cache], sl(st.mtp_pos), sl(st.pend_h), sl(st.pend_next),
                               sl(st.pend_n), sl(st.seen))
             self.runner.static_state(view)
-            self._views[B] = view
+            views[(B, self.runner.compiled)] = view
         return view
 
     def _row_sampling(self, seqs: list[Sequence], B: int) -> RowSampling | None:
