@@ -207,7 +207,7 @@ def test_rounds_without_drafts_skip_the_mtp_and_it_catches_up_later(models, monk
     n_calls = {}
     for pattern in ([2], [0, 0, 0, 2]):
         it = iter(pattern * 10_000)
-        monkeypatch.setattr(DraftPolicy, "next_k", lambda self, batch, cold=False, it=it: next(it))
+        monkeypatch.setattr(DraftPolicy, "next_k", lambda self, batch, cold=False, bucket=None, it=it: next(it))
         calls["n"], first_drafts[:] = 0, []
         sessions = run_batched(model, requests, "auto")
         for (prompt, max_new, _, _), s in zip(requests, sessions):
@@ -247,9 +247,9 @@ def test_rounds_after_a_prompt_chunk_teach_the_policy_nothing(models):
     ks, colds = [], []
     real_next_k = dec.policy.next_k
 
-    def next_k(batch, cold=False):
+    def next_k(batch, cold=False, bucket=None):
         colds.append(cold)
-        ks.append(real_next_k(batch, cold))
+        ks.append(real_next_k(batch, cold, bucket))
         return ks[-1]
 
     dec.policy.next_k = next_k
@@ -328,7 +328,7 @@ def test_rows_that_joined_apart_catch_up_together(models, monkeypatch):
     monkeypatch.setattr(Decoder, "_round", round_)
     monkeypatch.setattr(type(model), "mtp_head", head)
     it = iter(([0] * 11 + [2]) * 10_000)
-    monkeypatch.setattr(DraftPolicy, "next_k", lambda self, batch, cold=False: next(it))
+    monkeypatch.setattr(DraftPolicy, "next_k", lambda self, batch, cold=False, bucket=None: next(it))
     sessions = run_batched(model, requests, "auto", max_batch=4, arrive_every=3, eos=[])  # (every row runs its length)
     rounds = sum(s.stats.backbone_forwards for s in sessions)
     for (prompt, max_new, _, _), s in zip(requests, sessions):
@@ -354,6 +354,20 @@ def test_a_batch_size_not_measured_yet_starts_with_a_plain_round():
     assert pol.next_k(5) == 0  # 5 rows, never measured: the baseline first
     pol.update(5, 0, [(0, 0)] * 5, flat(5, 0))
     assert pol.next_k(5) >= 2  # then the fit says drafting pays there too
+
+
+def test_round_times_are_kept_by_the_rows_a_round_computes():
+    """5 to 8 decoding rows run in the bucket of 8 (`decoder.bucket`) and cost what 8 rows cost: their round times are
+    kept and read by the bucket (`bucket=`), so a round of 5 reads what rounds of 8 measured - no baseline round of its
+    own, and the rate weighs the bucket's time by the 5 rows' tokens - and records its time there."""
+    pol = DraftPolicy.from_arg("auto", 8)
+    for k in range(7):
+        pol.update(8, k, [], (2.0 + 0.5 * k) * 1e-3, bucket=8)  # (a round of 8 rows: 2 ms, 0.5 ms a draft)
+    pol.counts.offered, pol.counts.accepted = [100.0] * 6, [50.0] * 6  # acceptance ~0.5 at every position
+    assert pol.next_k(5, bucket=8) == 1  # 5 x 1.5 tokens / 2.5 ms beats 5 / 2.0 and 5 x 1.75 / 3.0
+    pol.update(5, 1, [(1, 1)] * 5, 2.5e-3, bucket=8)
+    assert set(pol.times) == {(8, k) for k in range(7)}
+    assert DraftPolicy.from_arg("auto", 8, pol.rounds, pol.counts).next_k(5) == 0  # (keyed by 5: never measured)
 
 
 def test_compiled_cuda_runner_marks_the_round_state_static(monkeypatch):

@@ -449,7 +449,7 @@ class Decoder:
         self.runner.begin_round()
         B = bucket(D)
         st = self._view(B)
-        k = self.policy.next_k(D, cold) if self.use_mtp or self.masks is not None else 0
+        k = self.policy.next_k(D, cold, B) if self.use_mtp or self.masks is not None else 0
         ks = [max(0, min(k, s.session.max_new - len(s.session.new_tokens) - 1)) for s in seqs] + [0] * (B - D)
         if self.masks is not None:  # a row drafts only from a valid mask block
             ks = [min(a, b) for a, b in zip(ks, self.masks.limits(k, B))]
@@ -519,7 +519,8 @@ class Decoder:
         first = graph not in self.runner.called or graph not in bound
         self.runner.called.add(graph)
         bound.add(graph)
-        self.policy.update(D, k, [(ks[b], out[b][K + 1]) for b in range(D)], None if first or cold else time.perf_counter() - t0)
+        self.policy.update(D, k, [(ks[b], out[b][K + 1]) for b in range(D)], None if first or cold else time.perf_counter() - t0,
+                           B)
         self.last_round = [(s, ks[b], out[b][K + 1]) for b, s in enumerate(seqs)]
         return emitted
 

@@ -187,20 +187,24 @@ class DraftPolicy:
         t = self.round_time(b0, k)
         return None if t is None else t * batch / b0
 
-    def next_k(self, batch: int, cold: bool = False) -> int:
+    def next_k(self, batch: int, cold: bool = False, bucket: int | None = None) -> int:
         """k for the next round of a batch of `batch` sequences. `cold`: the round follows a prompt chunk, so its time
-        is not learned from (`update`), and it neither measures k = 0 at a new batch size nor probes."""
+        is not learned from (`update`), and it neither measures k = 0 at a new batch size nor probes. `bucket`: the
+        rows the round computes (`batch` where None), which its time is kept and predicted by: a round of 5 decoding
+        rows computes the 8 of its bucket, as a round of 8 does (keyed by the 5, a drain's few rounds at 5-7 rows were
+        measured apart, each estimate from a handful of rounds)."""
         if self.k_fixed is not None:
             return self.k_fixed
+        rows = batch if bucket is None else bucket
         self.n += 1
         best_k, best = self.k_last, -1.0
         fit = self.fit()
         for k in range(0, self.k_max + 1):
-            t = self.round_time(batch, k, fit)
+            t = self.round_time(rows, k, fit)
             if t is None:
                 break
             rate = batch * self.counts.expected_tokens(k) / t
-            if (batch, k) not in self.times:  # only predicted: worth one round to measure if it comes near the best
+            if (rows, k) not in self.times:  # only predicted: worth one round to measure if it comes near the best
                 rate *= UNSEEN_BONUS
             if rate > best:
                 best_k, best = k, rate
@@ -213,7 +217,7 @@ class DraftPolicy:
         self.k_last = best_k
         if cold:
             return best_k
-        if (self.n >= 2 or batch > 1) and (batch, 0) not in self.times:
+        if (self.n >= 2 or batch > 1) and (rows, 0) not in self.times:
             # measure a plain step early: the baseline drafting must beat; and at a batch size not seen yet, first: with
             # it the fit over B and B*k has two batch sizes, where before a new batch size borrowed the nearest one's
             # costs scaled by B, which keeps their ratio, and drafted at every size while a batch filled up (a round
@@ -231,10 +235,11 @@ class DraftPolicy:
             return best_k - 1
         return best_k
 
-    def update(self, batch: int, k: int, rows: list[tuple[int, int]], seconds: float | None) -> None:
+    def update(self, batch: int, k: int, rows: list[tuple[int, int]], seconds: float | None,
+               bucket: int | None = None) -> None:
         """After a round of `batch` sequences with draft length k: rows = (drafts made, accepted) per sequence;
-        seconds None: the round's time says nothing about later rounds (it compiled a graph)."""
+        seconds None: the round's time says nothing about later rounds (it compiled a graph); `bucket`: as `next_k`'s."""
         self.counts.record(rows)
         if seconds is None:
             return
-        self.rounds.record((batch, k), seconds)
+        self.rounds.record((batch if bucket is None else bucket, k), seconds)
