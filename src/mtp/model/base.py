@@ -326,13 +326,8 @@ class CausalLM(nn.Module, ABC):
             if id(head) in copies or (quantized and not coarser(head, bits)):
                 continue
             copy = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None, device="meta")
+            copy.weight = head.weight  # (one parameter: the copy holds only its codes; heads keep their float weight)
             copy.bias = head.bias
-            if quantized and head.released:  # (its own weight: the int8 codes' decode, let go once quantized)
-                copy.weight = nn.Parameter(head.int8_decoded().to(self.dtype), requires_grad=False)
-                copies[id(head)] = FastLinear.wrap(copy, "int4")
-                copies[id(head)].release()
-                continue
-            copy.weight = head.weight  # (one parameter: the copy holds only its codes)
             copies[id(head)] = FastLinear.wrap(copy, quantized_kernel(bits, head))
         self.__dict__["_draft_heads"] = copies
         self.__dict__["_draft_quantize"] = bits
