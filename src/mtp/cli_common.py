@@ -162,8 +162,8 @@ def add_draft_args(p: argparse.ArgumentParser) -> None:
                         "output is unchanged, the draft head is V/N times cheaper")
     p.add_argument("--draft-quantize", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="run the MTP layers and a copy of their head in int8 / int4 for drafting (the backbone and the "
-                        "output are unchanged; the draft step reads 2-4x fewer bytes). auto (default): int8 for a bf16 "
-                        "model on the CPU whose layers are not quantized already, else none")
+                        "output are unchanged; the draft step reads 2-4x fewer bytes). auto (default): int4 for a bf16 "
+                        "or int8 model on the CPU (an int8 model's MTP layers are requantized), else none")
 
 
 def sampling_kwargs(args, model) -> dict:
