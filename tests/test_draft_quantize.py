@@ -170,6 +170,23 @@ def test_int4_drafts_for_an_int8_model(trained, release, vocab):
     assert [s.new_tokens for s in sessions] == want_tokens
 
 
+@pytest.mark.parametrize("bits", ["int8", "int4"])
+def test_a_quantized_models_reduced_draft_head_runs_its_heads_precision(bits):
+    """An int8 / int4 model drafting in its own precision (no `quantize_drafts`): the reduced draft head takes the
+    head's kernel (it ran bf16, reading 2-4x a row's bytes), its logits are the full head's at its ids bit for bit
+    (the kernels quantize and multiply each row on its own), and the output is the model's."""
+    ref, model = bf16(tiny_model(seed=7, vocab_size=256), bits), bf16(tiny_model(seed=7, vocab_size=256), bits)
+    vocab = DraftVocab(torch.arange(0, 256, 4), 256)
+    head = vocab.head(model, 1)
+    assert head.kernel == bits == model.lm_head.kernel and model.draft_quantize is None
+    x = torch.randn(3, model.config.hidden_size).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(head(x), model.mtp_head(x, 1)[:, vocab.ids])
+    prompt = [1, 2, 3, 4, 5]
+    want = mtp.generate(ref, prompt, max_new_tokens=24).tokens
+    assert mtp.generate(model, prompt, max_new_tokens=24, draft_tokens=3, draft_vocab=vocab).tokens == want
+
+
 def test_sampling_keeps_the_target_distribution():
     """Unseeded speculative sampling over int8 drafts (q the quantized MTP's law) still draws the bf16 backbone's
     joint law of the first three tokens (chi-square against the exact one)."""

@@ -93,13 +93,17 @@ class DraftVocab:
         if model.device.type != "cpu" or model.dtype != torch.bfloat16 or not model.prepared:
             return None
         rows = self._head_rows(model, d)
-        layer = self._heads.get(id(model.mtp_head_module(d)))
+        head = model.mtp_head_module(d)
+        layer = self._heads.get(id(head))
         if layer is None:
+            # the drafts' precision, else the head's own: an int4 model's reduced head in bf16 read 4x the bytes a row
+            # its full head reads (at the Qwen3.5-0.8B shape, 32k rows cost half of the 248k-row int4 head)
+            bits = model.draft_quantize or (head.kernel if isinstance(head, FastLinear) and head.kernel in ("int8", "int4") else None)
             layer = torch.nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
             with torch.inference_mode(False), torch.no_grad():
                 layer.weight = torch.nn.Parameter(rows, requires_grad=False)  # (the rows themselves: no second copy)
-                FastLinear.wrap(layer, quantized_kernel(model.draft_quantize, layer) if model.draft_quantize else "bf16-native")
-            self._heads[id(model.mtp_head_module(d))] = layer
+                FastLinear.wrap(layer, quantized_kernel(bits, layer) if bits else "bf16-native")
+            self._heads[id(head)] = layer
         return layer
 
     def logits(self, model, hidden: torch.Tensor, d: int) -> torch.Tensor:
