@@ -170,6 +170,26 @@ def test_int4_drafts_for_an_int8_model(trained, release, vocab):
     assert [s.new_tokens for s in sessions] == want_tokens
 
 
+@pytest.mark.parametrize("release", [False, True])
+def test_int4_drafts_for_an_int8_moe_model(release):
+    """An int8 MoE model drafting int4: the MTP's routed experts are requantized to int4 (the backbone's stay int8),
+    and the greedy output is the int8 model's, plain and speculative."""
+    ref, model = bf16(tiny_model(seed=5, **MOE), "int8"), bf16(tiny_model(seed=5, **MOE))
+    model.prepare_for_inference("int8", release=release)
+    experts = lambda module: [k for m in module.modules() if type(m).__name__ == "Experts"  # noqa: E731
+                              for pair in m._kernels for k in pair]
+    assert experts(model.mtp) and {k.kernel for k in experts(model.mtp)} == {"int8"}
+    model.quantize_drafts("int4")
+    assert all(k.kernel == expected(k, "int4") for k in experts(model.mtp)) and "int4" in {k.kernel for k in experts(model.mtp)}
+    assert {k.kernel for k in experts(model.model)} == {"int8"}
+    g = torch.Generator().manual_seed(6)
+    for n in (3, 9):
+        prompt = torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
+        want = mtp.generate(ref, prompt, max_new_tokens=24).tokens
+        for k in (None, 2, "auto"):
+            assert mtp.generate(model, prompt, max_new_tokens=24, draft_tokens=k).tokens == want, (n, k)
+
+
 @pytest.mark.parametrize("bits", ["int8", "int4"])
 def test_a_quantized_models_reduced_draft_head_runs_its_heads_precision(bits):
     """An int8 / int4 model drafting in its own precision (no `quantize_drafts`): the reduced draft head takes the

@@ -288,8 +288,8 @@ class CausalLM(nn.Module, ABC):
 
         In a model quantized already (`--quantize int8`, an int8 checkpoint), int4 drafts requantize the MTP's int8
         layers to int4 in place (from their float weight, or from their codes where it was released:
-        `FastLinear.requantize`) and copy an int8 head to int4; int4 layers and experts already quantized stay as
-        they are."""
+        `FastLinear.requantize`), its int8 experts alike, and copy an int8 head to int4; int4 layers stay as they
+        are."""
         if bits not in QUANTIZE:
             raise ValueError(f"draft quantization must be one of {', '.join(QUANTIZE)}, got {bits!r}")
         if self.mtp is None:
@@ -317,8 +317,13 @@ class CausalLM(nn.Module, ABC):
         for kernel, names in todo.items():  # (skip: every other layer of the MTP, by its full name)
             prepare_linears(self.mtp, kernel, skip=tuple(n for n, _ in linears if n not in names), prefix=prefix)
         for name, m in self.mtp.named_modules(prefix=prefix):
-            if isinstance(m, Experts) and "_kernels" not in m.__dict__ and not any(name.endswith(s) for s in keep):
+            if not isinstance(m, Experts) or any(name.endswith(s) for s in keep):
+                continue
+            if "_kernels" not in m.__dict__:
                 m.prepare(bits)
+            else:  # quantized already: an int8 expert's layers to int4 (at real size the experts a token reads dominate)
+                for layer in (k for pair in m._kernels for k in pair if coarser(k, bits)):
+                    layer.requantize("int4")
         copies = {}
         for d in range(1, self.mtp.num_layers + 1):
             head = self.mtp_head_module(d)
