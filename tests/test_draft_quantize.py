@@ -84,7 +84,13 @@ def test_greedy_output_is_the_bf16_models_own(trained, bits):
     three sequences decoded together."""
     ref, model = bf16(trained), bf16(trained)
     model.quantize_drafts(bits)
-    g = torch.Generator().manual_seed(1)
+    decodes_as(model, ref, seed=1)
+
+
+def decodes_as(model, ref, seed: int) -> None:
+    """Three prompts: plain, k = 1, 2, 4 and auto on `model`, and the three decoded together in one batch, give
+    `ref`'s plain tokens."""
+    g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, 8, (int(n),), generator=g).tolist() for n in (3, 7, 12)]
     want = [mtp.generate(ref, p, max_new_tokens=30).tokens for p in prompts]
     for p, w in zip(prompts, want):
@@ -155,19 +161,7 @@ def test_int4_drafts_for_an_int8_model(trained, release, vocab):
         assert head is model.lm_head
     else:
         assert head is not model.lm_head and head.kernel == "int4" and head.weight is model.lm_head.weight
-    g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(0, 8, (int(n),), generator=g).tolist() for n in (3, 7, 12)]
-    want_tokens = [mtp.generate(ref, p, max_new_tokens=30).tokens for p in prompts]
-    for p, w in zip(prompts, want_tokens):
-        for k in (None, 1, 2, 4, "auto"):
-            assert mtp.generate(model, p, max_new_tokens=30, draft_tokens=k).tokens == w, (p, k)
-    dec = Decoder(model, 3, 48, 3)
-    sessions = [Session(model, p, 30, SamplingParams(), None, None) for p in prompts]
-    for s in sessions:
-        dec.add(s)
-    while not all(s.done for s in sessions):
-        dec.step()
-    assert [s.new_tokens for s in sessions] == want_tokens
+    decodes_as(model, ref, seed=4)
 
 
 @pytest.mark.parametrize("release", [False, True])
