@@ -149,6 +149,8 @@ def test_int4_drafts_for_an_int8_model(trained, release, vocab):
     assert {n: k for n, k in after.items() if before[n] != "int8"} == {n: k for n, k in before.items() if k != "int8"}
     assert all(after[n] == expected(model.mtp.get_submodule(n), "int4") for n, k in before.items() if k == "int8")
     assert q.kernel == "int4" and q.released == release
+    fusions = [m.__dict__["_fused"] for m in model.mtp.modules() if "_fused" in m.__dict__]
+    assert fusions and all(f.fused.kernel == p.kernel == "int4" and f.fresh() for f in fusions for p in f.parts)
     want = FastLinear.wrap(torch.nn.Linear(q.in_features, q.out_features, bias=False), "int8")
     with torch.no_grad():
         want.weight.copy_(weight)

@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .cache import Cache, KVCache, Positions
-from .linear import FastLinear, Int4Sources, int4_fits, int4_supported, quantized_kernel, renew_prepared
+from .linear import FastLinear, FusedProjections, Int4Sources, fusable, int4_fits, int4_supported, quantized_kernel, renew_prepared
 from .linear import prepare_for_inference as prepare_linears
 from .moe import Experts, group_experts, split_experts
 from .rope import RotaryTable
@@ -316,6 +316,13 @@ class CausalLM(nn.Module, ABC):
             todo.setdefault(quantized_kernel(bits, m), []).append(n)
         for kernel, names in todo.items():  # (skip: every other layer of the MTP, by its full name)
             prepare_linears(self.mtp, kernel, skip=tuple(n for n, _ in linears if n not in names), prefix=prefix)
+        for m in self.mtp.modules():  # a fusion of requantized parts still held their int8 codes: fused again
+            fusion = m.__dict__.get("_fused")
+            if fusion is not None and any(p.kernel != fusion.fused.kernel for p in fusion.parts):
+                if fusable(fusion.parts):
+                    m.__dict__["_fused"] = FusedProjections(fusion.parts)
+                else:
+                    del m.__dict__["_fused"]
         for name, m in self.mtp.named_modules(prefix=prefix):
             if not isinstance(m, Experts) or any(name.endswith(s) for s in keep):
                 continue
