@@ -102,10 +102,15 @@ typedef struct {
     int64_t A;
 } QRows;
 
+/* n bytes at a 64-byte boundary (free() frees them): the tiles load 64-byte rows, and a buffer where malloc put it
+ * (16-byte aligned) split each row over two cache lines - a 256-row int4 prompt chunk took 18.4 or 24.7 ms from one
+ * call to the next as malloc's address fell (docs/decisions.md, 2026-12-06 fifth session). */
+static void* alloc64(size_t n) { return aligned_alloc(64, (n + 63) / 64 * 64); }
+
 static int quantize_rows(const uint16_t* x, int64_t M, int64_t K, int64_t A, int nthreads, QRows* q) {
     const int64_t na = K / A;
     q->A = A;
-    q->xq = malloc((size_t)(M * K));
+    q->xq = alloc64((size_t)(M * K)); /* (the tiles' rows of codes) */
     q->dx = malloc(sizeof(float) * (size_t)(M * na));
     q->xs = malloc(sizeof(int32_t) * (size_t)(M * na));
     if (!q->xq || !q->dx || !q->xs) return -1;
@@ -1026,7 +1031,8 @@ int bf16_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, cons
     const int64_t KC = (K + 31) / 32, XS = KC * 32, NB = (N + 15) / 16, sets = (NB + 3) / 4;
     uint16_t* xp = NULL; /* rows padded to whole chunks with zeros (only when K is not a multiple of 32) */
     if (K % 32) {
-        if (!(xp = calloc((size_t)(M * XS), sizeof(uint16_t)))) return -1;
+        if (!(xp = alloc64(sizeof(uint16_t) * (size_t)(M * XS)))) return -1;
+        memset(xp, 0, sizeof(uint16_t) * (size_t)(M * XS));
         for (int64_t m = 0; m < M; m++) memcpy(xp + m * XS, x + m * K, sizeof(uint16_t) * (size_t)K);
     }
     const uint16_t* xa = xp ? xp : x;
@@ -1145,7 +1151,7 @@ static void dq4_set(const Codes* q, int64_t b0, int64_t nb, uint16_t* u) {
 static int wide_rows(const uint16_t* x, int64_t M, const Codes* q, void (*decode)(const Codes*, int64_t, int64_t, uint16_t*),
                      const float* bias, uint16_t* y, int nthreads) {
     const int64_t K = q->K, N = q->N, KC = K / 32, NB = (N + 15) / 16, sets = (NB + 3) / 4;
-    uint16_t* ub = malloc(sizeof(uint16_t) * (size_t)(4 * KC * 512 * nthreads)); /* a set's tiles, per thread */
+    uint16_t* ub = alloc64(sizeof(uint16_t) * (size_t)(4 * KC * 512 * nthreads)); /* a set's tiles, per thread */
     if (!ub) return -1;
 #pragma omp parallel num_threads(nthreads)
     {
