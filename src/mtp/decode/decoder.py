@@ -365,8 +365,8 @@ class Decoder:
         pooled state carries to the next decoder: the one-call round's programs are bound to the view they ran on
         (`round_kernel.greedy_round`), and a view new with each generation bound them again in its first round of
         each width (~0.3-0.6 ms), which `auto`'s probes paid in every generation (docs/decisions.md)."""
-        views = self.state.__dict__.setdefault("views", {})
-        view = views.get((B, self.runner.compiled))
+        views, key = self.state.__dict__.setdefault("views", {}), (B, self.runner.compiled)
+        view = views.get(key)
         if view is None:
             st = self.state
             sl = lambda t: None if t is None else t[:B]  # noqa: E731
@@ -376,7 +376,7 @@ class Decoder:
                               [c.rows(0, B) for c in st.mtp_cache], sl(st.mtp_pos), sl(st.pend_h), sl(st.pend_next),
                               sl(st.pend_n), sl(st.seen))
             self.runner.static_state(view)
-            views[(B, self.runner.compiled)] = view
+            views[key] = view
         return view
 
     def _row_sampling(self, seqs: list[Sequence], B: int) -> RowSampling | None:
@@ -519,8 +519,8 @@ class Decoder:
         first = graph not in self.runner.called or graph not in bound
         self.runner.called.add(graph)
         bound.add(graph)
-        self.policy.update(D, k, [(ks[b], out[b][K + 1]) for b in range(D)], None if first or cold else time.perf_counter() - t0,
-                           B)
+        seconds = None if first or cold else time.perf_counter() - t0
+        self.policy.update(D, k, [(ks[b], out[b][K + 1]) for b in range(D)], seconds, B)
         self.last_round = [(s, ks[b], out[b][K + 1]) for b, s in enumerate(seqs)]
         return emitted
 

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import qmatmul, rtn
-from .packed import dequantize_codes
+from .packed import dequantize_codes, dequantize_scaled
 
 KERNELS = ("bf16", "bf16-native", "int8", "int4", "fp32")
 # Group sizes torch's CPU int4 kernel takes (a larger group is split into these).
@@ -356,12 +356,13 @@ class FastLinear(nn.Linear):
                 f"(loaded for inference with release=True, as `mtp generate/serve/bench/check` load): it cannot {what}; "
                 "load the model without release=True to train or change its weights")
 
-    def int8_decoded(self) -> torch.Tensor:
-        """An "int8" layer's weight as its codes give it, codes x scales: fp32 [out, in] (what it multiplies by)."""
+    def int8_decoded(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """An "int8" layer's weight as its codes give it, codes x scales (`packed.dequantize_scaled`, per channel):
+        [out, in] in `dtype` (what it multiplies by)."""
         if self.kernel != "int8":
             raise ValueError(f"not an int8 layer (kernel {self.kernel})")
         codes = qmatmul.unpack_int8(self._packed, self.out_features) if self._native else self._packed
-        return codes[:, : self.in_features].float() * self._scale.float()[:, None]
+        return dequantize_scaled(codes[:, : self.in_features], self._scale, None, dtype)
 
     @torch.no_grad()
     def requantize(self, kernel: str) -> None:
@@ -370,7 +371,7 @@ class FastLinear(nn.Linear):
         layer's int4 codes: the int8 rounding then the int4 one) - not a substitute for quantizing the float weight."""
         if self._released is None:
             return self.prepare(kernel)
-        decoded = self.int8_decoded().to(self._released.dtype)
+        decoded = self.int8_decoded(self._released.dtype)
         del self.__dict__["_released"]
         self.weight = nn.Parameter(decoded, requires_grad=False)
         self.prepare(kernel)
