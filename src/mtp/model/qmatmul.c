@@ -172,6 +172,17 @@ static inline __m512i bcast4z(const int8_t* p) { /* bcast4 on 16 lanes */
     memcpy(&v, p, 4);
     return _mm512_set1_epi32(v);
 }
+
+/* 16 outputs n.. of one row -> yr (bf16): v, times sw when given (rounded), plus bias when given (rounded), rounded
+ * as to_bf16; outputs past N left out. What q8_store / sum_store do for 8 outputs, lane for lane the same operations:
+ * the pair kernels store their sums this way, not through a float buffer (sum_store was 4% of an int4 k = 3 run: its
+ * 32-byte loads of the kernel's 64-byte stores waited on them, docs/decisions.md 2026-12-06 sixth session). */
+static inline void pair_store(uint16_t* yr, __m512 v, const float* sw, const float* bias, int64_t n, int64_t N) {
+    const __mmask16 keep = lanes16(N - n);
+    if (sw) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(keep, sw + n));
+    if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, bias + n));
+    f_to_bf16x16(yr, v, keep);
+}
 #endif
 
 /* R rows (<= TILE_ROWS) x GS groups of 8 outputs from group g0: out [R][GS][8] floats (before the output scale). Two integer
@@ -230,13 +241,14 @@ Q8_TILE(8, 1)
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define Q8_PAIRS 1
-/* R rows x two groups of 8 outputs (g0, g0 + 1) -> out [R][16] floats (before the output scale): q8_tile_R_1's
+/* R rows x two groups of 8 outputs (g0, g0 + 1) -> y [R][N] (bf16, outputs 8 g0 .., pair_store): q8_tile_R_1's
  * arithmetic lane for lane, each 512-bit product over a chunk of both groups side by side (16 outputs x 4 inputs),
  * half the products of two 256-bit tiles and one conversion and multiply-add per row and block for 16 outputs. The
  * same exact integer block sums and the same float operations per output: the same bits as q8_tile. */
 #define Q8_PAIR(R)                                                                                                   \
     __attribute__((noinline)) static void q8_pair_##R(const uint8_t* w, int64_t g0, int64_t K, const int8_t* xq,    \
-                                                      const float* dx, const int32_t* xs, int64_t nb, float* out) { \
+                                                      const float* dx, const int32_t* xs, int64_t nb, const float* sw, \
+                                                      const float* bias, int64_t N, uint16_t* y) {                  \
         __m512 f[R];                                                                                                 \
         for (int r = 0; r < R; r++) f[r] = _mm512_setzero_ps();                                                      \
         const int64_t KC = K / 4;                                                                                    \
@@ -262,7 +274,7 @@ Q8_TILE(8, 1)
                 f[r] = _mm512_fmadd_ps(_mm512_set1_ps(dx[r * nb + b]), _mm512_cvtepi32_ps(p), f[r]);                \
             }                                                                                                        \
         }                                                                                                            \
-        for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * 16, f[r]);                                            \
+        for (int r = 0; r < R; r++) pair_store(y + r * N + g0 * 8, f[r], sw, bias, g0 * 8, N);                       \
     }
 Q8_PAIR(2)
 Q8_PAIR(3)
@@ -299,21 +311,24 @@ static const Q8Rows q8_tiles[TILE_ROWS] = {q8_tile_1_1, q8_tile_2_1, q8_tile_3_1
 #endif
 };
 #ifdef Q8_PAIRS
-static const Q8Rows q8_pairs[TILE_ROWS] = {NULL, q8_pair_2, q8_pair_3, q8_pair_4, q8_pair_5, q8_pair_6, q8_pair_7, q8_pair_8};
+typedef void (*Q8Pair)(const uint8_t*, int64_t, int64_t, const int8_t*, const float*, const int32_t*, int64_t,
+                       const float*, const float*, int64_t, uint16_t*);
+static const Q8Pair q8_pairs[TILE_ROWS] = {NULL, q8_pair_2, q8_pair_3, q8_pair_4, q8_pair_5, q8_pair_6, q8_pair_7, q8_pair_8};
 #endif
 
 /* rows m0..m0+R-1 against group g (pair: groups g and g + 1, through q8_pairs) -> y */
 static void q8_tile(const uint8_t* w, int64_t g, int pair, int64_t K, const QRows* q, int64_t m0, int64_t R,
                     const float* sw, const float* bias, int64_t N, uint16_t* y) {
-    const int64_t nb = K / 32, W = pair ? 16 : 8;
-    float o[TILE_ROWS * 16];
+    const int64_t nb = K / 32;
 #ifdef Q8_PAIRS
-    const Q8Rows rows = (pair ? q8_pairs : q8_tiles)[R - 1];
-#else
-    const Q8Rows rows = q8_tiles[R - 1];
+    if (pair) {
+        q8_pairs[R - 1](w, g, K, q->xq + m0 * K, q->dx + m0 * nb, q->xs + m0 * nb, nb, sw, bias, N, y + m0 * N);
+        return;
+    }
 #endif
-    rows(w, g, K, q->xq + m0 * K, q->dx + m0 * nb, q->xs + m0 * nb, nb, o);
-    q8_store(o, R, W, W, g * 8, m0, sw, bias, N, y);
+    float o[TILE_ROWS * 8];
+    q8_tiles[R - 1](w, g, K, q->xq + m0 * K, q->dx + m0 * nb, q->xs + m0 * nb, nb, o);
+    q8_store(o, R, 8, 8, g * 8, m0, sw, bias, N, y);
 }
 
 /* int4 codes (pack_int4 in qmatmul.py), interleaved as the int8 ones: groups of 8 outputs, [N/8][K/8][8][4] bytes,
@@ -423,8 +438,8 @@ Q4_TILE(8, "GCC unroll 1")
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define Q4_PAIRS 1
-/* R rows x two groups of 8 outputs (g0, g0 + 1) -> out [R][16] floats: q4_tile_R's arithmetic lane for lane, with
- * lane j of a 512-bit vector one output. A 32-byte chunk of each group side by side holds 4 inputs of 16 outputs in
+/* R rows x two groups of 8 outputs (g0, g0 + 1) -> y [R][N] (bf16, outputs 8 g0 .., pair_store): q4_tile_R's
+ * arithmetic lane for lane, with lane j of a 512-bit vector one output. A 32-byte chunk of each group side by side holds 4 inputs of 16 outputs in
  * its low nibbles and the next 4 in its high ones, so the block sums need no fold (the two words of q4_widen's lanes:
  * add, shift, add, narrowing, 6 operations a row and block for 8 outputs, as many as the products at 4 rows) and the
  * conversion and multiply-add of each block serve 16 outputs. The same exact integer block sums and the same float
@@ -436,11 +451,12 @@ static inline __m512 load8x2(const float* a, const float* b) {
 #define Q4_PAIR(R)                                                                                           \
     __attribute__((noinline)) static void q4_pair_##R(const uint8_t* w, const float* s, const float* lo, int64_t g0, \
                                                       int64_t K, int64_t G, int64_t A, const int8_t* xq,            \
-                                                      const float* dx, const float* xg, float* out) {               \
+                                                      const float* dx, const float* xg, const float* bias,          \
+                                                      int64_t N, uint16_t* y) {                                     \
         const int64_t ng = K / G, na = K / A, apg = G / A, bpa = A / 32, KP = K / 8;                                 \
         const uint8_t *w0 = w + g0 * KP * 32, *w1 = w0 + KP * 32;                                                    \
         const __m512i low = _mm512_set1_epi8(0x0F);                                                                  \
-        float offs[R * 16];                                                                                          \
+        float out[R * 16], offs[R * 16];                                                                             \
         for (int i = 0; i < R * 16; i++) out[i] = offs[i] = 0.0f;                                                    \
         for (int64_t q = 0; q < ng; q++) {                                                                           \
             __m512 ga[R];                                                                                            \
@@ -483,8 +499,9 @@ static inline __m512 load8x2(const float* a, const float* b) {
                                                               _mm512_mul_ps(lv, _mm512_set1_ps(xg[r * ng + q]))));  \
             }                                                                                                        \
         }                                                                                                            \
-        for (int i = 0; i < R * 16; i += 16)                                                                         \
-            _mm512_storeu_ps(out + i, _mm512_add_ps(_mm512_loadu_ps(out + i), _mm512_loadu_ps(offs + i)));           \
+        for (int r = 0; r < R; r++)                                                                                  \
+            pair_store(y + r * N + g0 * 8, _mm512_add_ps(_mm512_loadu_ps(out + r * 16), _mm512_loadu_ps(offs + r * 16)), \
+                       NULL, bias, g0 * 8, N);                                                                       \
     }
 Q4_PAIR(1)
 Q4_PAIR(2)
@@ -521,21 +538,24 @@ static const Q4Rows q4_tiles[TILE_ROWS] = {q4_tile_1, q4_tile_2, q4_tile_3, q4_t
 #endif
 };
 #ifdef Q4_PAIRS
-static const Q4Rows q4_pairs[TILE_ROWS] = {q4_pair_1, q4_pair_2, q4_pair_3, q4_pair_4, q4_pair_5, q4_pair_6, q4_pair_7, q4_pair_8};
+typedef void (*Q4Pair)(const uint8_t*, const float*, const float*, int64_t, int64_t, int64_t, int64_t, const int8_t*,
+                       const float*, const float*, const float*, int64_t, uint16_t*);
+static const Q4Pair q4_pairs[TILE_ROWS] = {q4_pair_1, q4_pair_2, q4_pair_3, q4_pair_4, q4_pair_5, q4_pair_6, q4_pair_7, q4_pair_8};
 #endif
 
 /* rows m0..m0+R-1 against group g (pair: groups g and g + 1, through q4_pairs) -> y */
 static void q4_tile(const uint8_t* w, const float* s, const float* lo, int64_t G, int64_t g, int pair, int64_t K,
                     const QRows* q, const float* xg, int64_t m0, int64_t R, const float* bias, int64_t N, uint16_t* y) {
-    const int64_t na = K / q->A, ng = K / G, W = pair ? 16 : 8;
-    float o[TILE_ROWS * 16];
+    const int64_t na = K / q->A, ng = K / G;
 #ifdef Q4_PAIRS
-    const Q4Rows rows = (pair ? q4_pairs : q4_tiles)[R - 1];
-#else
-    const Q4Rows rows = q4_tiles[R - 1];
+    if (pair) {
+        q4_pairs[R - 1](w, s, lo, g, K, G, q->A, q->xq + m0 * K, q->dx + m0 * na, xg + m0 * ng, bias, N, y + m0 * N);
+        return;
+    }
 #endif
-    rows(w, s, lo, g, K, G, q->A, q->xq + m0 * K, q->dx + m0 * na, xg + m0 * ng, o);
-    sum_store(o, R, W, W, g * 8, m0, bias, N, y);
+    float o[TILE_ROWS * 8];
+    q4_tiles[R - 1](w, s, lo, g, K, G, q->A, q->xq + m0 * K, q->dx + m0 * na, xg + m0 * ng, o);
+    sum_store(o, R, 8, 8, g * 8, m0, bias, N, y);
 }
 
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
