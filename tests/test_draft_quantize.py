@@ -45,8 +45,9 @@ def expected(layer, bits: str) -> str:
 @pytest.mark.parametrize("bits", ["int8", "int4"])
 @pytest.mark.parametrize("moe", [False, True])
 def test_only_the_drafts_are_quantized(trained, bits, moe):
-    """The backbone's layers, head and logits do not move; every MTP projection but the input one (`keep_precision`)
-    and each expert runs `bits`; the drafts read a quantized copy of the head that shares its weight."""
+    """The backbone's layers, head and logits do not move; every MTP projection, the input one too (only the drafts
+    read it), but the routers (`keep_precision`), and each expert runs `bits`; the drafts read a quantized copy of the
+    head that shares its weight."""
     model = bf16(tiny_model(seed=5, **MOE) if moe else trained)
     ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
@@ -62,8 +63,8 @@ def test_only_the_drafts_are_quantized(trained, bits, moe):
         assert torch.equal(model.mtp_head(hidden, 1), mtp_logits)  # the head itself is the backbone's, unchanged
         drafted = model.draft_head(hidden, 1)
     mtp_kernels = kernels(model.mtp)
-    kept = [n for n in mtp_kernels if any(f"mtp.{n}".endswith(s) for s in model.keep_precision)]
-    assert "fc" in kept  # the input projection (and an MoE layer's routers) keep their precision
+    kept = [n for n in mtp_kernels if any(f"mtp.{n}".endswith(s) for s in model.keep_precision if s != "mtp.fc")]
+    assert bool(kept) == moe and "fc" in mtp_kernels  # an MoE layer's routers keep their precision, fc does not
     assert all(mtp_kernels.pop(n) not in ("int8", "int4") for n in kept)
     assert mtp_kernels and all(k == expected(model.mtp.get_submodule(n), bits) for n, k in mtp_kernels.items())
     assert bits in mtp_kernels.values()
@@ -146,7 +147,8 @@ def test_int4_drafts_for_an_int8_model(trained, release, vocab):
     assert model.draft_quantize == "int4"
     assert kernels(model.model) == kernels(ref.model) and model.lm_head.kernel == "int8"
     after = kernels(model.mtp)
-    assert {n: k for n, k in after.items() if before[n] != "int8"} == {n: k for n, k in before.items() if k != "int8"}
+    assert before["fc"] == "bf16-native" and after.pop("fc") == expected(model.mtp.fc, "int4")  # (kept bf16 in the model)
+    assert {n: k for n, k in after.items() if before[n] != "int8"} == {n: k for n, k in before.items() if k != "int8" and n != "fc"}
     assert all(after[n] == expected(model.mtp.get_submodule(n), "int4") for n, k in before.items() if k == "int8")
     assert q.kernel == "int4" and q.released == release
     fusions = [m.__dict__["_fused"] for m in model.mtp.modules() if "_fused" in m.__dict__]
@@ -164,6 +166,20 @@ def test_int4_drafts_for_an_int8_model(trained, release, vocab):
     else:
         assert head is not model.lm_head and head.kernel == "int4" and head.weight is model.lm_head.weight
     decodes_as(model, ref, seed=4)
+
+
+def test_int4_drafts_for_an_int4_model(trained):
+    """An int4 model drafting int4 (`--draft-quantize auto`): only the MTP's input projection, which the model keeps
+    bf16, changes (to int4, in the one-call draft chain too); every other layer and head stays, and the output is the
+    int4 model's, greedy bit for bit (plain, k = 1..4, auto, a batch of three)."""
+    ref, model = bf16(trained, "int4"), bf16(trained, "int4")
+    before = kernels(model)
+    model.quantize_drafts("int4")
+    after = kernels(model)
+    assert before["mtp.fc"] == "bf16-native" and after.pop("mtp.fc") == expected(model.mtp.fc, "int4")
+    assert after == {n: k for n, k in before.items() if n != "mtp.fc"}
+    assert model.draft_head_module(1) is model.lm_head or model.draft_head_module(1).kernel == model.lm_head.kernel
+    decodes_as(model, ref, seed=6)
 
 
 @pytest.mark.parametrize("release", [False, True])
@@ -247,13 +263,13 @@ def test_refused_where_it_cannot_run(trained):
         no_mtp.quantize_drafts("int8")
 
 
-def test_auto_quantizes_the_drafts_of_a_bf16_or_int8_model(trained):
-    """--draft-quantize auto: int4 for a bf16 or int8 model on qmatmul's kernels, nothing for an fp32 model or an int4
-    one; the explicit choices are taken as they are."""
+def test_auto_quantizes_the_drafts_of_a_bf16_int8_or_int4_model(trained):
+    """--draft-quantize auto: int4 for a bf16, int8 or int4 model on qmatmul's kernels (an int4 model's input
+    projection, kept bf16, then runs int4), nothing for an fp32 model; the explicit choices are taken as they are."""
     assert draft_precision("auto", bf16(trained)) == ("int4" if qmatmul.available() else None)
     assert draft_precision("auto", trained) is None
     assert draft_precision("auto", bf16(trained, "int8")) == ("int4" if qmatmul.available() else None)
-    assert draft_precision("auto", bf16(trained, "int4")) is None
+    assert draft_precision("auto", bf16(trained, "int4")) == ("int4" if qmatmul.available() else None)
     assert draft_precision("none", bf16(trained)) is None
     assert draft_precision("int4", trained) == "int4" and draft_precision("int8", trained) == "int8"
 

@@ -341,7 +341,7 @@ def draft_state(model, B: int, seed: int):
     return st
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "bf16", "bf16+drafts-int4", "int8+drafts-int4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "bf16", "bf16+drafts-int4", "int8+drafts-int4", "int4+drafts-int4"])
 @pytest.mark.parametrize("B,K,layers,reduced,rule", [
     (1, 1, 1, False, None), (1, 3, 1, False, None), (3, 4, 1, False, None), (2, 3, 2, False, None),
     (1, 3, 1, True, None), (3, 4, 2, True, None), (1, 3, 1, False, "seeded"), (3, 4, 2, False, "seeded"),

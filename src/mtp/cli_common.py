@@ -101,11 +101,12 @@ def load_from_args(args):
 
 def draft_precision(choice: str, model) -> str | None:
     """--draft-quantize for `model` -> the `quantize_drafts` bits, or None. "auto": int4 where it is known to pay - a
-    bf16 or int8 model on the CPU with an MTP and qmatmul's kernels, no layer of it int4 already (the shipped model
-    at k = 3, generation only: on a Zen 4 int8 drafts gave 2.27-2.42x plain instead of 1.97-1.99x and int4 the same as
-    int8; on an AMX Xeon int4 2.00-2.02x, int8 1.85-1.89x, bf16 1.57x, at 3.14 tokens a round against 3.19:
-    a draft step is mostly its head's bytes; docs/decisions.md, 2026-12-04 second session and 2026-12-05; an int8
-    model at k = 4: 1.62x its plain with int4 drafts, 1.44x with int8 ones, 2026-12-06 fifth session) - else None."""
+    bf16, int8 or int4 model on the CPU with an MTP and qmatmul's kernels (the shipped model at k = 3, generation only:
+    on a Zen 4 int8 drafts gave 2.27-2.42x plain instead of 1.97-1.99x and int4 the same as int8; on an AMX Xeon int4
+    2.00-2.02x, int8 1.85-1.89x, bf16 1.57x, at 3.14 tokens a round against 3.19: a draft step is mostly its head's
+    bytes; docs/decisions.md, 2026-12-04 second session and 2026-12-05; an int8 model at k = 4: 1.62x its plain with
+    int4 drafts, 1.44x with int8 ones, 2026-12-06 fifth session; an int4 model, whose drafts only gain an int4 input
+    projection: k = 3 0.556 -> 0.528 s for the bench prompts, sixth session) - else None."""
     if choice == "none":
         return None
     if choice != "auto":
@@ -113,11 +114,9 @@ def draft_precision(choice: str, model) -> str | None:
     import torch
 
     from .model import qmatmul
-    from .model.linear import FastLinear
 
-    int4 = any(isinstance(m, FastLinear) and m.kernel == "int4" for m in model.modules())
     fits = model.has_mtp and model.device.type == "cpu" and model.dtype == torch.bfloat16 and qmatmul.available()
-    return "int4" if fits and not int4 else None
+    return "int4" if fits else None
 
 
 def auto_threads() -> int:
@@ -162,8 +161,9 @@ def add_draft_args(p: argparse.ArgumentParser) -> None:
                         "output is unchanged, the draft head is V/N times cheaper")
     p.add_argument("--draft-quantize", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="run the MTP layers and a copy of their head in int8 / int4 for drafting (the backbone and the "
-                        "output are unchanged; the draft step reads 2-4x fewer bytes). auto (default): int4 for a bf16 "
-                        "or int8 model on the CPU (an int8 model's MTP layers are requantized), else none")
+                        "output are unchanged; the draft step reads 2-4x fewer bytes). auto (default): int4 for a bf16, "
+                        "int8 or int4 model on the CPU (an int8 model's MTP layers are requantized; an int4 model's "
+                        "gets its input projection in int4), else none")
 
 
 def sampling_kwargs(args, model) -> dict:

@@ -118,6 +118,10 @@ class CausalLM(nn.Module, ABC):
     # The MTP's input projection: kept in bf16 when the rest is quantized (serving engines learned that int8 there
     # costs acceptance; vLLM keeps `mtp.fc` unquantised). Families name theirs.
     keep_precision: ClassVar[tuple[str, ...]] = ("mtp.fc",)
+    # Which of those is the MTP's input projection: quantized drafts (`quantize_drafts`) quantize it too - only the
+    # drafts read it, and on the shipped model int4 there left the acceptance as it was while a bf16 one was ~4% of an
+    # int4 speculative run (docs/decisions.md, 2026-12-06 sixth session). None: no such projection.
+    mtp_input_projection: ClassVar[str | None] = "mtp.fc"
     # Of those, the ones that run qmatmul's bf16 product ("bf16-native") even where bf16 layers run oneDNN's
     # (MTP_BF16=torch): what a family's one-call draft reads (Qwen3.5: model/step.py), so the draft and the layers give
     # the same bits. The rest (routers) run what bf16 layers run (`linear.bf16_kernel`).
@@ -279,17 +283,17 @@ class CausalLM(nn.Module, ABC):
 
     def quantize_drafts(self, bits: str) -> None:
         """Draft in `bits` ("int8" / "int4", weight-only, as `prepare_for_inference` quantizes): the MTP module's
-        linear layers and experts (but `keep_precision`, and layers already quantized) are quantized in place, and each
-        depth drafts with a quantized copy of its head (`draft_head_module`; the copy shares the weight). The backbone
-        and its head are untouched, so the output is too: every draft is verified by the backbone's own head; only
-        the acceptance can move. What it buys: a draft step reads about half (int8) or a quarter (int4) of a bf16
-        one's bytes (docs/decisions.md, 2026-12-04, second session). A prepared bf16 model on the CPU with an
-        MTP module; an int4 layer the kernel cannot run gets int8.
+        linear layers and experts (but `keep_precision` other than its input projection, and layers already quantized)
+        are quantized in place, and each depth drafts with a quantized copy of its head (`draft_head_module`; the copy
+        shares the weight). The backbone and its head are untouched, so the output is too: every draft is verified by
+        the backbone's own head; only the acceptance can move. What it buys: a draft step reads about half (int8) or
+        a quarter (int4) of a bf16 one's bytes (docs/decisions.md, 2026-12-04, second session). A prepared bf16 model
+        on the CPU with an MTP module; an int4 layer the kernel cannot run gets int8.
 
         In a model quantized already (`--quantize int8`, an int8 checkpoint), int4 drafts requantize the MTP's int8
         layers to int4 in place (from their float weight, or from their codes where it was released:
         `FastLinear.requantize`), its int8 experts alike, and copy an int8 head to int4; int4 layers stay as they
-        are."""
+        are (in an int4 model only the input projection, kept bf16 by `prepare_for_inference`, changes)."""
         if bits not in QUANTIZE:
             raise ValueError(f"draft quantization must be one of {', '.join(QUANTIZE)}, got {bits!r}")
         if self.mtp is None:
@@ -302,7 +306,7 @@ class CausalLM(nn.Module, ABC):
             self.prepare_for_inference()
         prefix = "mtp"  # (the attribute's name: the full names `keep_precision` is written in start with it)
         heads = {id(h) for h in self._output_heads()}
-        keep = tuple(self.keep_precision)
+        keep = tuple(s for s in self.keep_precision if s != self.mtp_input_projection)
         linears = [(n, m) for n, m in self.mtp.named_modules(prefix=prefix) if isinstance(m, nn.Linear)]
         # not the heads (copied below), layers kept precise; a quantized layer only to fewer bits (requantized)
         todo: dict[str, list[str]] = {}  # kernel -> the names of the layers that get it

@@ -44,6 +44,7 @@ class NextNMoeForCausalLM(CausalLM):
     fp32_parameters = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
     experts_key = "n_routed_experts"
     keep_precision = ("eh_proj",)  # the MTP input projection stays unquantised (`base.prepare_for_inference`)
+    mtp_input_projection = "eh_proj"
 
     @staticmethod
     def attention(config: NextNMoeConfig, layer: int) -> nn.Module:

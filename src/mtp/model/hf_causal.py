@@ -225,6 +225,7 @@ class HFCausalLM(CausalLM):
 
     config_class = HFCausalConfig
     keep_precision = ("eh_proj",)
+    mtp_input_projection = "eh_proj"
 
     @staticmethod
     def mtp_tensor_pattern(config: HFCausalConfig) -> str:

@@ -77,6 +77,7 @@ class LlamaForCausalLM(CausalLM):
 
     config_class = LlamaConfig
     keep_precision = ()  # no MTP input projection
+    mtp_input_projection = None
 
     @staticmethod
     def mtp_tensor_pattern(config: LlamaConfig) -> str:

@@ -63,6 +63,7 @@ class MiMoForCausalLM(CausalLM):
 
     config_class = MiMoConfig
     keep_precision = ("input_proj",)  # the MTP input projection stays unquantised (`base.prepare_for_inference`)
+    mtp_input_projection = "input_proj"
 
     @staticmethod
     def internal_name(name: str, config: MiMoConfig | None = None) -> str | None:

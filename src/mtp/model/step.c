@@ -480,8 +480,8 @@ typedef struct {
                                        rotary dims, rotary table rows */
     float eps;                      /* the pre-fc norms' */
     const uint16_t *embed, *norm_e, *norm_h; /* the embedding the MTP reads [V, H]; pre_fc_norm_embedding, _hidden [H] */
-    const uint16_t* fc;             /* the input projection [2H] -> [H], bf16 in qmatmul's pack_bf16 layout */
     const uint16_t* norm;           /* the MTP's final norm [H] */
+    Linear fc;                      /* the input projection [2H] -> [H] (bf16-native, or int8 / int4 drafts) */
     Linear head;                    /* the output head the drafts take: [H] -> [N] (N = V, or a reduced vocabulary) */
     const int64_t* vocab_ids;       /* [N] the token of each head output (a reduced vocabulary), or NULL: N = V */
     const uint16_t *cos, *sin;      /* rotary tables [P, R] */
@@ -513,7 +513,7 @@ static int mtp_input(const Kernels* k, const Draft* d, const int64_t* ids, const
     for (int64_t m = 0; m < M; m++) memcpy(cat + m * 2 * H, x + m * H, row);
     k->rmsnorm(M, H, hid, H, d->norm_h, 1, d->eps, 1, e, nth);
     for (int64_t m = 0; m < M; m++) memcpy(cat + m * 2 * H + H, e + m * H, row);
-    return k->bf16_linear(cat, M, 2 * H, d->fc, NULL, H, x, nth);
+    return linear(k, &d->fc, cat, M, x, 0, nth);
 }
 
 /* What an attention layer's forward over T tokens per row leaves in its cache, and nothing more: input norm, the
@@ -540,7 +540,7 @@ static int attention_kv(const Kernels* k, const Step* s, const Layer* l, int nth
 /* The greedy draft chain of a sequential MTP (round.py's `draft` with no sampling rule and the full head), as one
  * call: depth 1 reads each row's W pending positions (MTP slots mtp_pos + 0..W-1) and drafts token 1 from the output
  * at its last pending one; depth j reads draft j-1 at slot mtp_pos + pend_n - 2 + j. Depth j runs MTP layer (j-1) % L
- * with its cache. Each piece is the eager path's kernel (fc: bf16_linear, the layer and norm: qwen35_decode, the head,
+ * with its cache. Each piece is the eager path's kernel (fc: its linear, the layer and norm: qwen35_decode, the head,
  * argmax_rows) or an exact copy, so the drafts and the caches written are the eager ones bit for bit; at depth 1 an
  * attention layer writes every pending position's key and value (`attention_kv`) and runs whole only at the last.
  * 0; -1 out of memory; -2 a token outside the vocabulary; -3 a position outside the cache or the rotary table;

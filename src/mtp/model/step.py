@@ -16,7 +16,7 @@ rows' first positions are on the host (`Positions.starts`). Anything else (bf16 
 compiled graph) takes the per-layer path. MTP_STEP=0 (or MTP_NATIVE=0) turns it off.
 
 The draft chain of the MTP (decode/round.py `draft`, greedy or by the drafts' rule: repetition penalty, temperature,
-top-k) is one call too (`draft`, `build_draft`): each depth's embedding row, pre-fc norms, "bf16-native" input
+top-k) is one call too (`draft`, `build_draft`): each depth's embedding row, pre-fc norms, input
 projection, MTP layer and norm, the head (int8, int4 or bf16-native; or a reduced draft vocabulary's bf16-native head,
 its argmax mapped to the token ids) and the pick (the argmax, or a sampled row's argmax of x + its noise, x = logits
 penalised over the tokens seen and the drafts before, / T, cut to its top-k, writing the x the unseeded rule reads as
@@ -74,7 +74,7 @@ class _Step(ctypes.Structure):
 
 class _Draft(ctypes.Structure):
     _fields_ = ([(n, i64) for n in ("B", "W", "K", "H", "V", "S", "R", "P")] + [("eps", f32)]
-                + [(n, p) for n in ("embed", "norm_e", "norm_h", "fc", "norm")] + [("head", _Linear), ("vocab_ids", p)]
+                + [(n, p) for n in ("embed", "norm_e", "norm_h", "norm")] + [("fc", _Linear), ("head", _Linear), ("vocab_ids", p)]
                 + [(n, p) for n in ("cos", "sin", "pend_h", "pend_next")] + [("PR", i64)]
                 + [(n, p) for n in ("pend_n", "mtp_pos", "drafts", "temp", "greedy", "top_k", "noise", "q", "penalty",
                                     "seen")])
@@ -310,8 +310,8 @@ def build(layers: list[nn.Module], norm: nn.Module, embed: nn.Embedding | None, 
 
 def build_draft(model: nn.Module) -> Program:
     """The greedy draft chain of `model`'s sequential MTP (`draft`): its layers (as `build` reads them; the chain runs
-    one at a time), its embedding, pre-fc norms, "bf16-native" input projection and the head it drafts with (int8, int4
-    or bf16-native)."""
+    one at a time), its embedding, pre-fc norms, input projection and the head it drafts with (each int8, int4 or
+    bf16-native)."""
     mtp = model.mtp
     if mtp is None or mtp.style != "sequential":
         raise Ineligible("no sequential MTP module")
@@ -332,12 +332,10 @@ def build_draft(model: nn.Module) -> Program:
     norms = (mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden)
     if type(embed) is not nn.Embedding or any(type(n) is not RMSNorm or n.eps != prog.eps for n in norms):
         raise Ineligible("the MTP's embedding or pre-fc norms are not the kinds the C draft runs")
-    fc, H = mtp.fc, prog.hidden
-    if not (isinstance(fc, FastLinear) and fc.kernel == "bf16-native" and fc.bias is None
-            and (fc.in_features, fc.out_features) == (2 * H, H)):
-        raise Ineligible("the MTP's input projection is not a bf16-native layer without bias")
-    prepared.append((fc, fc._packed, None))
-    params.append((fc._parameters, "weight", fc.weight, fc.weight._version))
+    fc_module, H = mtp.fc, prog.hidden
+    fc = _linear(fc_module, prepared, params)
+    if (fc.K, fc.N) != (2 * H, H):
+        raise Ineligible("the MTP's input projection is not [2H] -> [H]")
     head_prepared: list = []
     head_module = heads.pop()
     head = _linear(head_module, head_prepared, params)
@@ -345,10 +343,9 @@ def build_draft(model: nn.Module) -> Program:
     e = param(embed, "weight", "the embedding")
     if e.shape[1] != H or head.K != H or head.N != e.shape[0]:
         raise Ineligible("the embedding and the head do not fit the hidden size")
-    d = _Draft(H=H, V=e.shape[0], eps=prog.eps, embed=e.data_ptr(), fc=fc._packed.data_ptr(), norm=prog.norm.data_ptr(),
-               head=head)
+    d = _Draft(H=H, V=e.shape[0], eps=prog.eps, embed=e.data_ptr(), fc=fc, norm=prog.norm.data_ptr(), head=head)
     d.norm_e, d.norm_h = (param(n, "weight", "a pre-fc norm").data_ptr() for n in norms)
-    return replace(prog, params=params, prepared=prepared, modules=prog.modules + [embed, fc, head_module, *norms],
+    return replace(prog, params=params, prepared=prepared, modules=prog.modules + [embed, fc_module, head_module, *norms],
                    draft=d)
 
 
