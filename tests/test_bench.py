@@ -73,6 +73,27 @@ def test_measure_costs_structure():
     assert costs["c_draft"] > 0 and costs["t1_s"] > 0
 
 
+def test_the_automatic_draft_vocabulary_makes_its_share_of_the_counted_tokens(model_dir, tmp_path):
+    """`--draft-vocab auto`: the fewest most frequent tokens making 95% of the counts, rounded up to a multiple of 64;
+    None where the folder has no counts or the share needs more than 3/4 of the vocabulary."""
+    model = mtp.load_model(model_dir)
+    counts = torch.arange(300, 0, -1)  # the fixture's: ids 0.. most frequent
+    made = counts.cumsum(0)
+    n = int((made < 0.95 * made[-1]).sum()) + 1
+    assert made[n - 1] >= 0.95 * made[-1] > made[n - 2]
+    want = -(-n // 64) * 64
+    assert DraftVocab.auto_size(model) == (want if want <= 225 else None)
+    skewed = [10_000] * 70 + [1] * 230
+    (model_dir / "token_frequencies.json").write_text(json.dumps({"split": "train", "tokens": 1, "counts": skewed}))
+    try:
+        assert DraftVocab.auto_size(model) == 128
+    finally:
+        (model_dir / "token_frequencies.json").write_text(
+            json.dumps({"split": "train", "tokens": int(made[-1]), "counts": counts.tolist()}))
+    model.source_path = str(tmp_path)  # (no counts there)
+    assert DraftVocab.auto_size(model) is None
+
+
 def test_draft_vocab_restricts_the_head_and_maps_back_to_full_ids():
     model = tiny_model(seed=2)
     ids = [5, 17, 40]

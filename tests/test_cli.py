@@ -70,6 +70,32 @@ def test_quantized_drafts_from_the_command_line_keep_the_output(model_dir):
     assert out["tokens"] == mtp.generate(int8, model.tokenizer.encode(prompt), max_new_tokens=24).tokens
 
 
+def test_the_draft_vocabulary_from_the_command_line_keeps_the_output(model_dir, tmp_path):
+    """--draft-vocab (default auto: the most frequent tokens making 95% of token_frequencies.json beside the model, a
+    multiple of 64; the full vocabulary where the folder has no such file), none, N: the tokens are the model's plain
+    decoding whatever the drafts may take, and --json says what they took."""
+    import shutil
+
+    folder = shutil.copytree(model_dir, tmp_path / "with_counts")
+    model = mtp.load_model(folder)
+    V = model.config.vocab_size
+    counts = [1000] * 100 + [1] * (V - 100)  # 96 tokens make 95%: 128 drafted over
+    (folder / "token_frequencies.json").write_text(json.dumps({"split": "train", "tokens": sum(counts), "counts": counts}))
+    assert sum(counts[:96]) >= 0.95 * sum(counts) > sum(counts[:95]) and V >= 4 * 128 / 3
+    prompt = "def add(a, b):"
+    want = mtp.generate(model, model.tokenizer.encode(prompt), max_new_tokens=24).tokens
+    for where, extra, vocab in [(folder, [], 128), (folder, ["--draft-vocab", "none"], None),
+                                (folder, ["--draft-vocab", "64"], 64), (model_dir, [], None)]:
+        proc = run_cli("generate", "--model", str(where), "--prompt", prompt, "--max-new-tokens", "24",
+                       "--draft-tokens", "3", "--json", "--threads", "1", *extra)
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout)
+        assert out["draft_vocab"] == vocab and out["tokens"] == want, (where, extra)
+    for bad in ("0", "-3", "many"):
+        proc = run_cli("generate", "--model", str(folder), "--prompt", prompt, "--draft-vocab", bad)
+        assert proc.returncode == 2 and "expected auto, none or a number of tokens >= 1" in proc.stderr, bad
+
+
 def test_generate_prints_text(model_dir):
     proc = run_cli("generate", "--model", str(model_dir), "--prompt", "for i in", "--max-new-tokens", "8", "--threads", "1")
     assert proc.returncode == 0, proc.stderr

@@ -278,6 +278,10 @@ def test_bench_variants_name_the_drafts_precision():
     v = Variant.parse("bf16+draft-int4")
     assert (v.dtype, v.quantize, v.draft_quantize) == ("bfloat16", None, "int4")
     assert Variant.parse("int8+vocab64").draft_quantize is None  # (then the command line's)
+    assert Variant.parse("int8").draft_vocab is None and Variant.parse("int8+vocab-full").draft_vocab == 0  # (None: the
+    assert Variant.parse("bf16+vocab64").draft_vocab == 64  # command line's --draft-vocab; 0: the full vocabulary)
+    with pytest.raises(ValueError, match="vocab-full"):
+        Variant.parse("bf16+vocab0")
     assert Variant.parse("bf16+draft-none").model_key != Variant.parse("bf16+draft-int8").model_key
     with pytest.raises(ValueError, match="draft-none"):
         Variant.parse("bf16+draft-int3")

@@ -121,7 +121,7 @@ def cmd_generate(args) -> int:
     if args.json:
         out = {"prompt": prompt, "prompt_tokens": ids, "tokens": r.tokens, "text": r.text,
                "finish_reason": r.finish_reason, "kinds": r.kinds, "draft_tokens": args.draft_tokens,
-               "draft_quantize": model.draft_quantize,
+               "draft_quantize": model.draft_quantize, "draft_vocab": args.draft_vocab,
                "wall_time_s": round(wall, 5), "stats": r.stats.as_dict()}
         print(json.dumps(out, ensure_ascii=False))
     else:

@@ -96,6 +96,8 @@ def load_from_args(args):
                        release=quantize is not None)
     if bits := draft_precision(getattr(args, "draft_quantize", "none"), model):
         model.quantize_drafts(bits)
+    if hasattr(args, "draft_vocab"):  # (commands that draft: --draft-vocab's choice -> a size or None)
+        args.draft_vocab = draft_vocab_size(args.draft_vocab, model)
     return model
 
 
@@ -117,6 +119,27 @@ def draft_precision(choice: str, model) -> str | None:
 
     fits = model.has_mtp and model.device.type == "cpu" and model.dtype == torch.bfloat16 and qmatmul.available()
     return "int4" if fits else None
+
+
+def draft_vocab_size(choice: str | int, model) -> int | None:
+    """--draft-vocab for `model` -> the number of most frequent tokens to draft over, or None (the full vocabulary).
+    "auto": `DraftVocab.auto_size` (the most frequent tokens making 95% of the model folder's token_frequencies.json;
+    none where the folder has no such file)."""
+    if choice == "none":
+        return None
+    if choice == "auto":
+        from .decode.draft_vocab import DraftVocab
+
+        return DraftVocab.auto_size(model)
+    return int(choice)
+
+
+def _vocab_choice(text: str) -> str | int:
+    if text in ("auto", "none"):
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected auto, none or a number of tokens >= 1, got {text!r}")
+    return int(text)
 
 
 def auto_threads() -> int:
@@ -156,9 +179,11 @@ def add_compile_arg(p: argparse.ArgumentParser, default: bool = False) -> None:
 
 
 def add_draft_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
-                   help="draft over the N most frequent tokens (token_frequencies.json beside the model); "
-                        "output is unchanged, the draft head is V/N times cheaper")
+    p.add_argument("--draft-vocab", type=_vocab_choice, default="auto", metavar="auto|none|N",
+                   help="draft over the N most frequent tokens (token_frequencies.json beside the model); output is "
+                        "unchanged, the draft head is V/N times cheaper. auto (default): the most frequent tokens "
+                        "that make 95%% of the counted ones where the model folder has the file (4,224 of the "
+                        "shipped model's 8,192), else the full vocabulary; none: the full vocabulary")
     p.add_argument("--draft-quantize", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="run the MTP layers and a copy of their head in int8 / int4 for drafting (the backbone and the "
                         "output are unchanged; the draft step reads 2-4x fewer bytes). auto (default): int4 for a bf16, "

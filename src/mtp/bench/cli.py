@@ -88,8 +88,8 @@ def register(subparsers) -> None:
     add_draft_args(p)
     p.add_argument("--variants", type=_variants, default=[],
                    help="more variants measured beside the default one, interleaved: comma list of fp32, bf16, fp16, int8, int4, "
-                        "each optionally +vocabN, +compile, +draft-none|int8|int4 (the drafts' precision; default: "
-                        "--draft-quantize's), "
+                        "each optionally +vocabN or +vocab-full (the draft vocabulary; default: --draft-vocab's), "
+                        "+compile, +draft-none|int8|int4 (the drafts' precision; default: --draft-quantize's), "
                         "e.g. bf16+draft-none,int8,int8+vocab4096; each is checked against its own plain decoding")
     p.add_argument("--quick", action="store_true", help="a CI-sized run: 1 prompt per kind, few tokens, 2 repeats")
     p.add_argument("--no-transformers", action="store_true", help="leave transformers' generate out")
@@ -264,7 +264,9 @@ def cmd_bench(args) -> int:
 
     model = load_from_args(args)
     default = Variant("", args.dtype, args.quantize, args.draft_vocab, args.compile, args.draft_quantize)
-    variants = [default] + [replace(v, draft_quantize=v.draft_quantize or args.draft_quantize) for v in args.variants]
+    variants = [default] + [replace(v, draft_quantize=v.draft_quantize or args.draft_quantize,
+                                    draft_vocab=args.draft_vocab if v.draft_vocab is None else v.draft_vocab)
+                            for v in args.variants]
     models = {default.model_key: model}
     for v in variants[1:]:
         if v.model_key not in models:
@@ -278,7 +280,7 @@ def cmd_bench(args) -> int:
     # two bf16 implementations round differently and part ways after a few dozen tokens
     hf_model, hf_note = (None, "left out (--no-transformers)") if args.no_transformers else load_transformers(
         model.source_path, torch.float32, model.device)
-    fp32_runs = [v for v in variants if v.quantize is None and v.draft_vocab is None
+    fp32_runs = [v for v in variants if v.quantize is None
                  and (v.dtype == "float32" or (v.dtype == "auto" and model.dtype == torch.float32))]
     hf_reference = plain_name(fp32_runs[0]) if fp32_runs else None
     if hf_model is not None and hf_reference is None:

@@ -27,9 +27,10 @@ HF_MTP = "transformers use_mtp"  # transformers' own MTP speculative decoding (`
 
 @dataclass(frozen=True)
 class Variant:
-    """How the model runs: weights' dtype, int8/int4 quantization, reduced draft vocabulary, compiled rounds, the
-    drafts' precision (--draft-quantize's choices; None: the command line's). `name` "" is the default (the command
-    line's --dtype / --quantize / --draft-vocab / --compile / --draft-quantize)."""
+    """How the model runs: weights' dtype, int8/int4 quantization, reduced draft vocabulary (its size; 0: the full
+    vocabulary; None: the command line's), compiled rounds, the drafts' precision (--draft-quantize's choices; None:
+    the command line's). `name` "" is the default (the command line's --dtype / --quantize / --draft-vocab /
+    --compile / --draft-quantize)."""
 
     name: str = ""
     dtype: str = "auto"
@@ -44,19 +45,22 @@ class Variant:
 
     @classmethod
     def parse(cls, spec: str) -> Variant:
-        """'bf16', 'int8', 'fp32', 'bf16+vocab4096', 'int8+compile', 'bf16+draft-int8' -> a Variant."""
+        """'bf16', 'int8', 'fp32', 'bf16+vocab4096', 'bf16+vocab-full', 'int8+compile', 'bf16+draft-int8' -> a
+        Variant."""
         parts = spec.strip().split("+")
         dtypes = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": "auto"}
         head, vocab, compiled, drafts = parts[0], None, False, None
         for extra in parts[1:]:
             if extra == "compile":
                 compiled = True
-            elif extra.startswith("vocab") and extra[5:].isdigit():
+            elif extra.startswith("vocab") and extra[5:].isdigit() and int(extra[5:]) > 0:
                 vocab = int(extra[5:])
+            elif extra == "vocab-full":
+                vocab = 0
             elif extra.startswith("draft-") and extra.removeprefix("draft-") in ("none", "int8", "int4", "auto"):
                 drafts = extra.removeprefix("draft-")
             else:
-                raise ValueError(f"bench variant {spec!r}: '+{extra}' is none of '+vocabN', '+compile', "
+                raise ValueError(f"bench variant {spec!r}: '+{extra}' is none of '+vocabN', '+vocab-full', '+compile', "
                                  "'+draft-none|int8|int4|auto'")
         if head in ("int8", "int4"):
             return cls(spec, "bfloat16", head, vocab, compiled, drafts)
@@ -187,7 +191,7 @@ def make_generate_fn(models: dict, hf_model, cfg: BenchConfig, max_new_tokens: i
     `models`: the loaded model of each variant's (dtype, quantize)."""
     if cfg.engine == "mtp":
         model = models[cfg.variant.model_key]
-        vocab = cfg.variant.draft_vocab if cfg.draft_tokens else None
+        vocab = (cfg.variant.draft_vocab or None) if cfg.draft_tokens else None
 
         def run_mtp(ids: list[int]):
             r = generate(model, ids, max_new_tokens=max_new_tokens, temperature=0.0, draft_tokens=cfg.draft_tokens,
