@@ -110,6 +110,22 @@ def test_draft_vocab_restricts_the_head_and_maps_back_to_full_ids():
     assert DraftVocab.from_counts(counts, 2, always=[0]).ids.tolist() == [0, 9]  # EOS kept, then the most frequent
 
 
+def test_a_models_draft_vocabulary_is_made_once_and_follows_its_head(model_dir):
+    """`DraftVocab.for_model` gives one vocabulary per model and size (each generate made and prepared its own), and
+    its head rows are taken again when the head's weight changes in place (training, healing)."""
+    model = mtp.load_model(model_dir)
+    vocab = DraftVocab.for_model(model, 64)
+    assert DraftVocab.for_model(model, 64) is vocab and DraftVocab.for_model(model, 128) is not vocab
+    h = torch.randn(model.config.hidden_size)
+    with torch.inference_mode():
+        before = vocab.logits(model, h, 1)
+    with torch.no_grad():
+        model.mtp_head_module(1).weight.mul_(2)
+    with torch.inference_mode():
+        torch.testing.assert_close(vocab.logits(model, h, 1), model.mtp_head(h, 1)[vocab.ids])
+        assert not torch.allclose(vocab.logits(model, h, 1), before)
+
+
 def test_bench_quick_writes_report(model_dir, tmp_path, capsys):
     out = tmp_path / "bench"
     rc = main(["bench", "--model", str(model_dir), "--quick", "--out", str(out), "--threads", "1"])
