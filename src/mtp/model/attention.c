@@ -20,11 +20,15 @@
 
 #include "native.h"
 
+/* n values (bf16 or fp32) -> fp32 (exact), 8 at a time (the keys and values a call widens were a tenth of it) */
 static void widen(const void* src, int64_t n, int bf16, float* dst) {
-    if (bf16)
-        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f(((const uint16_t*)src)[i]);
-    else
+    if (!bf16) {
         memcpy(dst, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, bf16x8_to_f((const uint16_t*)src + i));
+    for (; i < n; i++) dst[i] = bf16_to_f(((const uint16_t*)src)[i]);
 }
 
 /* sum of a[i] * b[i] over D (% 8 == 0) in 8 lanes, lane l taking i = l mod 8 in order, then the lanes as
@@ -46,16 +50,23 @@ static inline float dot8(const float* a, const float* b, int64_t D) {
  * ...], 2D floats), kp 4 pairs of keys, each pair's chunks side by side ([k c0, k' c0, k c1, k' c1, ...], 2D floats a
  * pair) -> s[0..7]. Each half of a pair's 16 lanes runs dot8's lanes for its key in dot8's order, then dot8's tree:
  * the same scores, bit for bit, in half the multiplies (and 4 chains in flight). */
-static inline void dot8_pairs4(const float* q2, const float* kp, int64_t D, float* s) {
+static inline __m256 dot8_pairs4(const float* q2, const float* kp, int64_t D) {
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t i = 0; i < 2 * D; i += 16) {
         const __m512 qi = _mm512_loadu_ps(q2 + i);
         for (int u = 0; u < 4; u++) acc[u] = _mm512_add_ps(acc[u], _mm512_mul_ps(qi, _mm512_loadu_ps(kp + u * 2 * D + i)));
     }
-    for (int u = 0; u < 4; u++) {
-        s[2 * u] = lanes8_sum(_mm512_castps512_ps256(acc[u]));
-        s[2 * u + 1] = lanes8_sum(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[u]), 1)));
-    }
+    /* lanes8_sum's tree for the 8 keys at once, in vertical adds (the same adds of the same values: the same bits; the
+     * 8 horizontal sums and their scalar stores were most of a verify's attention): acc[u] holds keys 2u, 2u + 1 as 128-bit
+     * quarters [lo, hi, lo', hi'] */
+    const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(acc[0], acc[1], 0x88), _mm512_shuffle_f32x4(acc[0], acc[1], 0xDD));
+    const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2], acc[3], 0x88), _mm512_shuffle_f32x4(acc[2], acc[3], 0xDD));
+    /* s01: quarter k (keys 0..3) = l0+l4, l1+l5, l2+l6, l3+l7 of key k; s23: keys 4..7 */
+    const __m512 h = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x88), _mm512_shuffle_ps(s01, s23, 0xDD));
+    /* h: quarter k = [(l0+l4)+(l1+l5), (l2+l6)+(l3+l7)] of key k, then the same of key k + 4 */
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(h, h, 0x88), _mm512_shuffle_ps(h, h, 0xDD));
+    /* r: quarter k = [key k, key k + 4, key k, key k + 4]: lanes 0, 4, 8, 12, then 1, 5, 9, 13 are keys 0..7 */
+    return _mm512_castps512_ps256(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), r));
 }
 
 /* keys [n][D] (bf16 or fp32) -> kp in dot8_pairs4's layout, pairs (0, 1), (2, 3), ..., zeros past the last key up to
@@ -161,6 +172,33 @@ static void accumulate(float* acc, const float* p, const float* v, int64_t n, in
         for (int64_t i = i0; i < Dv; i++) acc[i] += p[j] * v[j * Dv + i];
 }
 
+#if defined(__AVX512F__)
+/* accumulate for R queries at once over their first n values (Dv == 64): acc[r] += p[r][j] * v[j] for j < n in order,
+ * each query's sums in its own registers, so each keeps accumulate's order and bits; one query's 4 chains waited on
+ * the add's latency at every value (a quarter of a verify's attention), R queries' 4R chains do not, and each value
+ * row is loaded once for the R. */
+#define ACCUMULATE_ROWS(R)                                                                                          \
+    static void accumulate_##R(float* const* acc, const float* const* p, const float* v, int64_t n) {               \
+        __m512 a[R][4];                                                                                             \
+        for (int r = 0; r < R; r++)                                                                                 \
+            for (int u = 0; u < 4; u++) a[r][u] = _mm512_loadu_ps(acc[r] + 16 * u);                                 \
+        for (int64_t j = 0; j < n; j++) {                                                                           \
+            __m512 vj[4];                                                                                           \
+            for (int u = 0; u < 4; u++) vj[u] = _mm512_loadu_ps(v + j * 64 + 16 * u);                              \
+            for (int r = 0; r < R; r++) {                                                                           \
+                const __m512 pj = _mm512_set1_ps(p[r][j]);                                                          \
+                for (int u = 0; u < 4; u++) a[r][u] = _mm512_add_ps(a[r][u], _mm512_mul_ps(pj, vj[u]));            \
+            }                                                                                                       \
+        }                                                                                                           \
+        for (int r = 0; r < R; r++)                                                                                 \
+            for (int u = 0; u < 4; u++) _mm512_storeu_ps(acc[r] + 16 * u, a[r][u]);                                 \
+    }
+ACCUMULATE_ROWS(2)
+ACCUMULATE_ROWS(3)
+ACCUMULATE_ROWS(4)
+#undef ACCUMULATE_ROWS
+#endif
+
 /* one (row b, kv head h) of attend_decode; buf: its scratch (attend_decode says what it holds) */
 static void decode_head(const Attn* a, int64_t b, int64_t h, float* buf, int64_t* n) {
     const int64_t A = a->A, T = a->T, Hk = a->Hk, S = a->S, D = a->D, Dv = a->Dv, G = a->G, Q = a->Q;
@@ -192,15 +230,16 @@ static void decode_head(const Attn* a, int64_t b, int64_t h, float* buf, int64_t
             float* pq = p + i_q * S + j0;
             float mq = m[i_q];
 #if defined(__AVX512F__)
+            __m256 mv = _mm256_set1_ps(mq);
             for (int64_t j = 0; j < last; j += 8) { /* (scores past `last`: of the zero padding, or unused) */
-                float s8[8];
-                dot8_pairs4(q2 + i_q * 2 * D, vf + j * D, D, s8);
-                for (int u = 0; u < 8 && j + u < last; u++) {
-                    const float s = s8[u] * scale;
-                    pq[j + u] = s;
-                    mq = s > mq ? s : mq;
-                }
+                const __m256 s = _mm256_mul_ps(dot8_pairs4(q2 + i_q * 2 * D, vf + j * D, D), _mm256_set1_ps(scale));
+                const __mmask8 in = last - j >= 8 ? (__mmask8)0xff : (__mmask8)((1u << (last - j)) - 1);
+                _mm256_mask_storeu_ps(pq + j, in, s);
+                mv = _mm256_mask_max_ps(mv, in, mv, s); /* (the max of the same scores, whatever the order) */
             }
+            float lanes[8];
+            _mm256_storeu_ps(lanes, mv);
+            for (int u = 0; u < 8; u++) mq = lanes[u] > mq ? lanes[u] : mq;
 #else
             for (int64_t j = 0; j < last; j++) {
                 const float s = dot8(qf + i_q * D, vf + j * D, D) * scale;
@@ -212,17 +251,44 @@ static void decode_head(const Attn* a, int64_t b, int64_t h, float* buf, int64_t
         }
     }
     for (int64_t i_q = 0; i_q < Q; i_q++) {
-        float* pq = p + i_q * S;
-        exp_shifted(pq, n[i_q], m[i_q]);
-        float total = 0.0f;
-        for (int64_t j = 0; j < n[i_q]; j++) total += pq[j];
-        sum[i_q] = total;
+        exp_shifted(p + i_q * S, n[i_q], m[i_q]);
+        sum[i_q] = 0.0f;
         for (int64_t i = 0; i < Dv; i++) acc[i_q * Dv + i] = 0.0f;
     }
+    /* each query's total over its weights in order, the queries' sums side by side (one query's chain of adds waited on
+     * each add's latency) */
+    for (int64_t j = 0; j < most; j++)
+        for (int64_t i_q = 0; i_q < Q; i_q++)
+            if (j < n[i_q]) sum[i_q] += p[i_q * S + j];
     for (int64_t j0 = 0; j0 < most; j0 += VBLOCK) { /* VBLOCK values widened, then each query's sums over them */
         const int64_t nj = most - j0 < VBLOCK ? most - j0 : VBLOCK;
         widen(vb + (size_t)(j0 * Dv) * es, nj * Dv, bf16, vf);
-        for (int64_t i_q = 0; i_q < Q; i_q++) {
+        int64_t i_q = 0;
+#if defined(__AVX512F__)
+        for (; Dv == 64 && i_q + 1 < Q; i_q += 4) { /* up to 4 queries at once over the values they all see */
+            const int64_t R = Q - i_q < 4 ? Q - i_q : 4;
+            float* accs[4];
+            const float* ps[4];
+            int64_t common = nj;
+            for (int64_t r = 0; r < R; r++) {
+                const int64_t last = n[i_q + r] - j0 < nj ? n[i_q + r] - j0 : nj;
+                common = last < common ? last : common;
+                accs[r] = acc + (i_q + r) * Dv;
+                ps[r] = p + (i_q + r) * S + j0;
+            }
+            common = common > 0 ? common : 0;
+            if (common > 0) {
+                if (R == 4) accumulate_4(accs, ps, vf, common);
+                else if (R == 3) accumulate_3(accs, ps, vf, common);
+                else accumulate_2(accs, ps, vf, common);
+            }
+            for (int64_t r = 0; r < R; r++) { /* a query's values past the common ones, in their order */
+                const int64_t last = n[i_q + r] - j0 < nj ? n[i_q + r] - j0 : nj;
+                if (last > common) accumulate(accs[r], ps[r] + common, vf + common * Dv, last - common, Dv);
+            }
+        }
+#endif
+        for (; i_q < Q; i_q++) {
             const int64_t last = n[i_q] - j0 < nj ? n[i_q] - j0 : nj;
             if (last > 0) accumulate(acc + i_q * Dv, p + i_q * S + j0, vf, last, Dv);
         }
