@@ -100,10 +100,12 @@ def test_dedicated_embeddings_use_their_own_tables():
 
 
 @pytest.mark.parametrize("style,dtype,drafts", [("sequential", torch.float32, None), ("sequential", torch.bfloat16, None),
-                                                ("sequential", torch.bfloat16, "int8"), ("parallel", torch.bfloat16, None)])
+                                                ("sequential", torch.bfloat16, "int8"), ("sequential", torch.bfloat16, "int4"),
+                                                ("parallel", torch.bfloat16, None)])
 def test_reading_a_prompt_writes_the_caches_a_full_step_writes(style, dtype, drafts):
     """The decoder reads a prompt into the MTP's caches with `mtp_fill` (the layer's keys and values, no attention, no
-    MLP): the entries equal, bit for bit, those of the full `mtp_step`, so the drafts after it are the same."""
+    MLP; the key and value projections alone, not the fused one): the entries equal, bit for bit, those of the full
+    `mtp_step`, so the drafts after it are the same."""
     from mtp.model.linear import prompt_products
 
     model = tiny_model(mtp_style=style, mtp_num_hidden_layers=2 if style == "parallel" else 1).to(dtype)
