@@ -14,6 +14,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -107,13 +108,62 @@ typedef struct {
  * call to the next as malloc's address fell (docs/decisions.md, 2026-12-06 fifth session). */
 static void* alloc64(size_t n) { return aligned_alloc(64, (n + 63) / 64 * 64); }
 
-static int quantize_rows(const uint16_t* x, int64_t M, int64_t K, int64_t A, int nthreads, QRows* q) {
+/* The calling thread's scratch for a product's quantized rows, kept from call to call up to SCRATCH_KEPT bytes (at a
+ * 64-byte boundary; freed when the thread ends; a larger one - a long forward's rows - goes back after its call,
+ * `scratch_done`): a product runs to its end before its thread starts another, and the four mallocs and frees a call
+ * made were ~2.5% of an int4 speculative run (docs/decisions.md, 2026-12-06 sixth session). NULL when out of memory. */
+#define SCRATCH_KEPT ((size_t)4 << 20)
+typedef struct {
+    void* p;
+    size_t cap;
+} Scratch;
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+static void scratch_free(void* s) {
+    free(((Scratch*)s)->p);
+    free(s);
+}
+static void scratch_init(void) { pthread_key_create(&scratch_key, scratch_free); }
+static void* scratch(size_t n) {
+    pthread_once(&scratch_once, scratch_init);
+    Scratch* s = pthread_getspecific(scratch_key);
+    if (!s) {
+        if (!(s = calloc(1, sizeof *s))) return NULL;
+        if (pthread_setspecific(scratch_key, s)) {
+            free(s);
+            return NULL;
+        }
+    }
+    if (n > s->cap) {
+        free(s->p);
+        s->p = alloc64(n);
+        s->cap = s->p ? n : 0;
+    }
+    return s->p;
+}
+
+static void scratch_done(void) {
+    Scratch* s = pthread_getspecific(scratch_key);
+    if (s && s->cap > SCRATCH_KEPT) {
+        free(s->p);
+        s->p = NULL;
+        s->cap = 0;
+    }
+}
+
+/* x's M rows quantized in blocks of A into q (the calling thread's scratch, with `extra` floats after it for the
+ * caller: *more) */
+static int quantize_rows(const uint16_t* x, int64_t M, int64_t K, int64_t A, int nthreads, QRows* q, int64_t extra,
+                         float** more) {
     const int64_t na = K / A;
+    const size_t codes = (size_t)(M * K + 63) / 64 * 64; /* (the tiles' rows of codes, at 64-byte boundaries) */
+    uint8_t* buf = scratch(codes + sizeof(float) * (size_t)(2 * M * na + extra));
+    if (!buf) return -1;
     q->A = A;
-    q->xq = alloc64((size_t)(M * K)); /* (the tiles' rows of codes) */
-    q->dx = malloc(sizeof(float) * (size_t)(M * na));
-    q->xs = malloc(sizeof(int32_t) * (size_t)(M * na));
-    if (!q->xq || !q->dx || !q->xs) return -1;
+    q->xq = (int8_t*)buf;
+    q->dx = (float*)(buf + codes);
+    q->xs = (int32_t*)(q->dx + M * na);
+    if (more) *more = (float*)(q->xs + M * na);
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 1)
     for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, A, q->xq + m * K, q->dx + m * na, q->xs + m * na);
     return 0;
@@ -122,11 +172,6 @@ static int quantize_rows(const uint16_t* x, int64_t M, int64_t K, int64_t A, int
 /* the activation block of int4 weights in groups of G inputs: the widest of 128, 64, 32 dividing G */
 static int64_t q4_act_block(int64_t G) { return G % 128 == 0 ? 128 : G % 64 == 0 ? 64 : 32; }
 
-static void free_rows(QRows* q) {
-    free(q->xq);
-    free(q->dx);
-    free(q->xs);
-}
 
 #define PREFETCH 2048
 
@@ -745,16 +790,13 @@ static void q4_amx(const uint8_t* w, const float* s, const float* lo, int64_t g0
  * ran out of registers, docs/decisions.md 2026-12-02), every row through it TILE_ROWS at a time. */
 int q8_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const float* sw, const float* bias, int64_t N,
               uint16_t* y, int nthreads) {
-    QRows q = {0}; /* free_rows frees it whatever failed */
-    if (quantize_rows(x, M, K, 32, nthreads, &q)) { /* (blocks of 32, q8_0's: int8 keeps their accuracy) */
-        free_rows(&q);
-        return -1;
-    }
+    QRows q;
+    if (quantize_rows(x, M, K, 32, nthreads, &q, 0, NULL)) return -1; /* (blocks of 32, q8_0's: int8 keeps its accuracy) */
     const int64_t G = (N + 7) / 8;
 #ifdef QMATMUL_AMX_INT
     if (M >= Q8_AMX_MIN_ROWS) {
         AMX_SETS(G, 4, 32, 32, q8_amx(w, g0, ng, K, &q, m0, rows, sw, bias, N, y));
-        free_rows(&q);
+        scratch_done();
         return 0;
     }
 #endif
@@ -773,7 +815,7 @@ int q8_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const f
         for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS)
             q8_tile(w, g, 0, K, &q, m0, M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS, sw, bias, N, y);
 #endif
-    free_rows(&q);
+    scratch_done();
     return 0;
 }
 
@@ -782,14 +824,10 @@ int q8_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const f
  * (one at a time, every row through it TILE_ROWS at a time, as q8_linear). */
 int q4_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const float* s, const float* lo, int64_t G,
               const float* bias, int64_t N, uint16_t* y, int nthreads) {
-    QRows q = {0}; /* free_rows frees it whatever failed */
+    QRows q;
     const int64_t A = q4_act_block(G), na = K / A, apg = G / A, ng = K / G;
-    float* xg = malloc(sizeof(float) * (size_t)(M * ng));
-    if (!xg || quantize_rows(x, M, K, A, nthreads, &q)) {
-        free(xg);
-        free_rows(&q);
-        return -1;
-    }
+    float* xg;
+    if (quantize_rows(x, M, K, A, nthreads, &q, M * ng, &xg)) return -1;
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < ng; g++) {
             float t = 0.0f;
@@ -800,8 +838,7 @@ int q4_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const f
 #ifdef QMATMUL_AMX_INT
     if (M >= Q4_AMX_MIN_ROWS) {
         AMX_SETS(NG, AMX_SET, (int)(A < 64 ? A : 64), 64, q4_amx(w, s, lo, g0, ng, K, G, &q, xg, m0, rows, bias, N, y));
-        free(xg);
-        free_rows(&q);
+        scratch_done();
         return 0;
     }
 #endif
@@ -818,8 +855,7 @@ int q4_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const f
         for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS)
             q4_tile(w, s, lo, G, g, 0, K, &q, xg, m0, M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS, bias, N, y);
 #endif
-    free(xg);
-    free_rows(&q);
+    scratch_done();
     return 0;
 }
 
