@@ -227,6 +227,38 @@ def test_a_new_generation_starts_from_the_acceptance_the_last_one_saw(models):
     assert one.counts is two.counts and Decoder(model, 1, 64, 3).policy.k_fixed == 3
 
 
+def test_auto_rests_the_mtp_where_drafting_has_not_paid(models):
+    """Once QUIET_MAX probes in a row have found k = 0 best, `auto` generations of one sequence run plain - no MTP
+    state, no prompt read by the MTP - all but every REST_PROBE-th, which drafts again to measure; a batch decoder
+    keeps its MTP; the tokens are plain decoding's throughout."""
+    from mtp.decode.decoder import Decoder
+    from mtp.decode.policy import QUIET_MAX, REST_PROBE
+
+    model = models["sequential-hybrid"]
+    prompt = [3, 1, 4, 1, 5]
+    want = mtp.generate(model, prompt, max_new_tokens=12).tokens
+    assert mtp.generate(model, prompt, max_new_tokens=12, draft_tokens="auto").tokens == want
+    rounds = next(r for key, r in model.__dict__["_round_times"].items() if key[-1] == 1)
+    assert Decoder(model, 1, 64, "auto").use_mtp  # (quiet below QUIET_MAX: nothing rests)
+    for k in range(1, 7):  # rounds with drafts 100x a plain one's: k = 0 best throughout
+        for _ in range(16):
+            rounds.record((1, k), 100 * rounds.estimates[(1, 0)])
+    rounds.quiet, rounds.rested = QUIET_MAX, 0
+    drafted = []
+    for _ in range(2 * REST_PROBE):
+        r = mtp.generate(model, prompt, max_new_tokens=12, draft_tokens="auto")
+        assert r.tokens == want
+        drafted.append(r.stats.draft_tokens_max > 0)
+    assert drafted == [(i + 1) % REST_PROBE == 0 for i in range(2 * REST_PROBE)]
+    assert Decoder(model, 4, 64, "auto").use_mtp  # a batch decoder keeps its MTP
+    for _ in range(16):  # drafting pays again: the next probing generation drafts, and then none rests
+        rounds.record((1, 3), rounds.estimates[(1, 0)])
+    while not (r := mtp.generate(model, prompt, max_new_tokens=12, draft_tokens="auto")).stats.draft_tokens_max:
+        assert r.tokens == want
+    assert r.tokens == want and rounds.quiet < QUIET_MAX
+    assert Decoder(model, 1, 64, "auto").use_mtp and rounds.rested == 0
+
+
 @pytest.mark.parametrize("stop_kind", ["eos", "length"])
 def test_stops_are_exact_under_speculation(models, stop_kind):
     model = models["sequential-hybrid"]

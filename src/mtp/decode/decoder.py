@@ -128,6 +128,8 @@ class Decoder:
         rounds = model.__dict__.setdefault("_round_times", {}).setdefault(setup, RoundTimes())
         counts = model.__dict__.setdefault("_acceptance", {}).setdefault((draft_vocab is not None, use_masks),
                                                                           AcceptanceCounts())
+        if draft_tokens == "auto" and use_mtp and max_batch == 1 and rounds.rest():
+            use_mtp = False  # drafting has not paid here: this generation runs plain (`RoundTimes.rest`)
         self.policy = DraftPolicy.from_arg(draft_tokens if use_mtp or use_masks else None, limit, rounds, counts)
         self.max_len = min(max_len, model.context_length)
         pooled = compile or cache_slots(self.max_len, True, model.context_length) <= POOL_SLOTS

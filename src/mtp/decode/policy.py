@@ -76,6 +76,10 @@ UNSEEN_BONUS = 1.1
 # At most every 32nd round probes around a best k > 0 once the probes keep confirming it (8 rounds of 8 rows with
 # k = 1 best lost ~7% to its two probes there, the k = 0 one with the MTP's catch-up after it; docs/decisions.md)
 SETTLED_MAX = 2
+# The most doublings of the wait between probes from k = 0 (every 256th round); a model whose probes have found k = 0
+# best this many times in a row runs its generations of one sequence plain, all but every REST_PROBE-th (`rest`)
+QUIET_MAX = 5
+REST_PROBE = 8
 
 
 def estimate(times: list[float]) -> float:
@@ -98,6 +102,19 @@ class RoundTimes:
     # probes around a best k > 0 in a row that left it where it was (each doubles the next wait, up to SETTLED_MAX
     # doublings): a probe's round is one draft more or fewer than the best, lost throughput while the best holds
     settled: int = 0
+    # generations of one sequence begun since the probes last settled on k = 0 for good (`rest`)
+    rested: int = 0
+
+    def rest(self) -> bool:
+        """Whether a new `auto` generation of one sequence runs plain, the MTP left out: where QUIET_MAX probes in a
+        row have found k = 0 best, the MTP's upkeep is all drafting still costs (its read of the prompt and of the
+        positions skipped: fp32 `auto` ran at 0.94x plain on the shipped model, its rounds at k = 0 throughout;
+        docs/decisions.md, 2026-12-06 sixth session). Every REST_PROBE-th such generation drafts again, to measure."""
+        if self.quiet < QUIET_MAX:
+            self.rested = 0
+            return False
+        self.rested += 1
+        return self.rested % REST_PROBE != 0
 
     def record(self, key: tuple[int, int], seconds: float) -> None:
         recent = self.samples.setdefault(key, [])
@@ -210,11 +227,13 @@ class DraftPolicy:
                 best_k, best = k, rate
         if self.probed is not None:  # the last round probed around self.probed: did it leave the best there?
             if self.probed == 0:  # wait longer before the next probe from 0 (up to 32x) ...
-                self.rounds.quiet = min(self.rounds.quiet + 1, 5) if best_k == 0 else 0
+                self.rounds.quiet = min(self.rounds.quiet + 1, QUIET_MAX) if best_k == 0 else 0
             else:  # ... and around a k > 0 (up to 4x)
                 self.rounds.settled = min(self.rounds.settled + 1, SETTLED_MAX) if best_k == self.probed else 0
         self.probed = None
         self.k_last = best_k
+        if best_k > 0:  # drafting pays again: generations stop resting the MTP (`RoundTimes.rest`)
+            self.rounds.quiet = min(self.rounds.quiet, QUIET_MAX - 1)
         if cold:
             return best_k
         if (self.n >= 2 or batch > 1) and (rows, 0) not in self.times:
