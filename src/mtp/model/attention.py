@@ -53,8 +53,8 @@ class GatedAttention(nn.Module):
         """`forward`'s keys and values of x [B, T, H] at positions pos.start.. written into `cache`, and nothing else: no
         query attends (an MTP layer reading a prompt only needs what later drafts attend to). The key and value
         projections alone (a fused layer's parts run on views of its codes, each output its own row's product: the same
-        bits; the query and gate columns were 3/4 of the fused product, ~40% of an MTP prompt read) and `keys_values`,
-        so the same entries as `forward`."""
+        bits; the query and gate columns were 3/4 of the fused product: 0.18 -> 0.06 ms of a ~0.8 ms read of 218
+        positions, int4) and `keys_values`, so the same entries as `forward`."""
         cache.write(*self.keys_values(self.k_proj(x), self.v_proj(x), pos), pos.start)
 
     def new_state(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:

@@ -119,7 +119,7 @@ class CausalLM(nn.Module, ABC):
     # costs acceptance; vLLM keeps `mtp.fc` unquantised). Families name theirs.
     keep_precision: ClassVar[tuple[str, ...]] = ("mtp.fc",)
     # Which of those is the MTP's input projection: quantized drafts (`quantize_drafts`) quantize it too - only the
-    # drafts read it, and on the shipped model int4 there left the acceptance as it was while a bf16 one was ~4% of an
+    # drafts read it, and on the shipped model int4 there left the acceptance as it was while a bf16 one was ~5% of an
     # int4 speculative run (docs/decisions.md, 2026-12-06 sixth session). None: no such projection.
     mtp_input_projection: ClassVar[str | None] = "mtp.fc"
     # Of those, the ones that run qmatmul's bf16 product ("bf16-native") even where bf16 layers run oneDNN's

@@ -110,8 +110,9 @@ static void* alloc64(size_t n) { return aligned_alloc(64, (n + 63) / 64 * 64); }
 
 /* The calling thread's scratch for a product's quantized rows, kept from call to call up to SCRATCH_KEPT bytes (at a
  * 64-byte boundary; freed when the thread ends; a larger one - a long forward's rows - goes back after its call,
- * `scratch_done`): a product runs to its end before its thread starts another, and the four mallocs and frees a call
- * made were ~2.5% of an int4 speculative run (docs/decisions.md, 2026-12-06 sixth session). NULL when out of memory. */
+ * `scratch_done`): a product runs to its end before its thread starts another, and its four mallocs and frees were a
+ * quarter of the allocator's 2.25% of an int4 speculative run (docs/decisions.md, 2026-12-06 sixth session). NULL when
+ * out of memory. */
 #define SCRATCH_KEPT ((size_t)4 << 20)
 typedef struct {
     void* p;
@@ -171,7 +172,6 @@ static int quantize_rows(const uint16_t* x, int64_t M, int64_t K, int64_t A, int
 
 /* the activation block of int4 weights in groups of G inputs: the widest of 128, 64, 32 dividing G */
 static int64_t q4_act_block(int64_t G) { return G % 128 == 0 ? 128 : G % 64 == 0 ? 64 : 32; }
-
 
 #define PREFETCH 2048
 
