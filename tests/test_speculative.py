@@ -238,11 +238,12 @@ def test_auto_rests_the_mtp_where_drafting_has_not_paid(models):
     prompt = [3, 1, 4, 1, 5]
     want = mtp.generate(model, prompt, max_new_tokens=12).tokens
     assert mtp.generate(model, prompt, max_new_tokens=12, draft_tokens="auto").tokens == want
-    rounds = next(r for key, r in model.__dict__["_round_times"].items() if key[-1] == 1)
-    assert Decoder(model, 1, 64, "auto").use_mtp  # (quiet below QUIET_MAX: nothing rests)
-    for k in range(1, 7):  # rounds with drafts 100x a plain one's: k = 0 best throughout
+    first = Decoder(model, 1, 64, "auto")  # (its round times are the ones every generation of one sequence shares)
+    assert first.use_mtp  # (quiet below QUIET_MAX: nothing rests)
+    rounds = first.policy.rounds
+    for k in range(0, 7):  # rounds with drafts 100x a plain one's: k = 0 best throughout
         for _ in range(16):
-            rounds.record((1, k), 100 * rounds.estimates[(1, 0)])
+            rounds.record((1, k), 1e-3 if k == 0 else 0.1)
     rounds.quiet, rounds.rested = QUIET_MAX, 0
     drafted = []
     for _ in range(2 * REST_PROBE):
@@ -252,7 +253,7 @@ def test_auto_rests_the_mtp_where_drafting_has_not_paid(models):
     assert drafted == [(i + 1) % REST_PROBE == 0 for i in range(2 * REST_PROBE)]
     assert Decoder(model, 4, 64, "auto").use_mtp  # a batch decoder keeps its MTP
     for _ in range(16):  # drafting pays again: the next probing generation drafts, and then none rests
-        rounds.record((1, 3), rounds.estimates[(1, 0)])
+        rounds.record((1, 3), 0.5 * rounds.estimates[(1, 0)])
     while not (r := mtp.generate(model, prompt, max_new_tokens=12, draft_tokens="auto")).stats.draft_tokens_max:
         assert r.tokens == want
     assert r.tokens == want and rounds.quiet < QUIET_MAX

@@ -8,8 +8,8 @@ is the MTP's distribution restricted to the N tokens (shaped by temperature / to
 exactly the law the drafts are drawn from, so the acceptance rule stays exact.
 
 On the CPU in bf16 the reduced head is a prepared "bf16-native" layer (`DraftVocab.head`; int8 / int4 where the drafts
-are quantized, `CausalLM.quantize_drafts`), which the model's one-call draft chain reads too (`CausalLM.mtp_draft`),
-so the chain runs in C with the step-by-step chain's drafts.
+are quantized, `CausalLM.quantize_drafts`, or the full head is), which the model's one-call draft chain reads too
+(`CausalLM.mtp_draft`), so the chain runs in C with the step-by-step chain's drafts.
 
 The counts come from `token_frequencies.json` beside the model (written by `mtp data` for its train split and
 copied into every model folder `mtp train` writes). The command line drafts over the most frequent tokens that make

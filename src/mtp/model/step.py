@@ -17,8 +17,8 @@ compiled graph) takes the per-layer path. MTP_STEP=0 (or MTP_NATIVE=0) turns it 
 
 The draft chain of the MTP (decode/round.py `draft`, greedy or by the drafts' rule: repetition penalty, temperature,
 top-k) is one call too (`draft`, `build_draft`): each depth's embedding row, pre-fc norms, input
-projection, MTP layer and norm, the head (int8, int4 or bf16-native; or a reduced draft vocabulary's bf16-native head,
-its argmax mapped to the token ids) and the pick (the argmax, or a sampled row's argmax of x + its noise, x = logits
+projection, MTP layer and norm, the head (int8, int4 or bf16-native; or a reduced draft vocabulary's head in the
+drafts' precision, its argmax mapped to the token ids) and the pick (the argmax, or a sampled row's argmax of x + its noise, x = logits
 penalised over the tokens seen and the drafts before, / T, cut to its top-k, writing the x the unseeded rule reads as
 q), K depths back to back: ~25 tensor operations and 2 program calls per depth before, the same drafts, q and MTP
 keys/values bit for bit (tests/test_step.py).
@@ -611,11 +611,11 @@ def draft(model, K: int, pend_h: torch.Tensor, pend_next: torch.Tensor, pend_n: 
     noise and penalties (each sampled row drafts argmax(x + noise), x = logits penalised over the tokens seen and the
     drafts before, / T, outside its top-k -inf; a greedy row argmax(x); q gets every row's x), or None: argmaxes.
     pend_h [B, PR, H], pend_next [B, PR], pend_n and mtp_pos [B]: the round state's; `width`: the pending positions
-    depth 1 reads; `host`: (mtp_pos, pend_n) on the host; `vocab`: a reduced draft vocabulary's head (a "bf16-native"
-    layer [H] -> [N]) and its token ids [N] (decode/draft_vocab.py), instead of the full head. A pending count past
-    `width` raises ValueError, a pending token outside the vocabulary IndexError, before anything is written. K = 0
-    (round.py's `catch_up`): depth 1 reads the `width` pending positions into the MTP's caches, nothing drafted ->
-    [B, 0]."""
+    depth 1 reads; `host`: (mtp_pos, pend_n) on the host; `vocab`: a reduced draft vocabulary's head (a prepared
+    layer [H] -> [N], int8, int4 or bf16-native) and its token ids [N] (decode/draft_vocab.py), instead of the full
+    head. A pending count past `width` raises ValueError, a pending token outside the vocabulary IndexError, before
+    anything is written. K = 0 (round.py's `catch_up`): depth 1 reads the `width` pending positions into the MTP's
+    caches, nothing drafted -> [B, 0]."""
     found = _draft_program(model) if K >= 0 else None
     if found is None:
         return None
