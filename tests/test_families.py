@@ -342,6 +342,32 @@ def test_greedy_speculative_equals_plain(name, over, monkeypatch):
     assert scripted_drafts_patterns(model, prompt, monkeypatch) == {"none", "some", "all"}
 
 
+@pytest.mark.parametrize("name, over", [("deepseek_v3", {"num_nextn_predict_layers": 2}), ("glm4_moe-shared-head", {}),
+                                        ("mimo", {})])
+def test_quantized_drafts_keep_the_output_and_take_the_input_projection(name, over):
+    """`--draft-quantize auto`'s int4 drafts (what the command line gives a bf16 model on the CPU): the family's MTP
+    input projection (`mtp_input_projection`: eh_proj / input_proj) runs a quantized kernel with the rest of the MTP,
+    the backbone does not, and greedy speculative decoding is still the bf16 model's plain decoding."""
+    from mtp.model import qmatmul
+    from mtp.model.linear import FastLinear
+
+    if not qmatmul.available():
+        pytest.skip("quantized drafts run qmatmul's kernels")
+    model = trained(name, **over).to(torch.bfloat16)
+    model.prepare_for_inference()
+    g = torch.Generator().manual_seed(1)
+    prompts = [pattern_batch(8, 1, int(torch.randint(2, 16, (1,), generator=g)), g)[0].tolist() for _ in range(3)]
+    want = [mtp.generate(model, p, max_new_tokens=24).tokens for p in prompts]
+    backbone = {n: m.kernel for n, m in model.model.named_modules() if isinstance(m, FastLinear)}
+    model.quantize_drafts("int4")
+    projections = [m for n, m in model.mtp.named_modules() if n.endswith(model.mtp_input_projection)]
+    assert projections and all(m.kernel in ("int8", "int4") for m in projections)
+    assert {n: m.kernel for n, m in model.model.named_modules() if isinstance(m, FastLinear)} == backbone
+    for p, w in zip(prompts, want):
+        for k in (1, 3, "auto"):
+            assert mtp.generate(model, p, max_new_tokens=24, draft_tokens=k).tokens == w, (p, k)
+
+
 # ---------------------------------------------------------------------- training
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
