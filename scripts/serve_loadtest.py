@@ -94,6 +94,13 @@ class Tally:
         return round(percentile(self.latencies, q), 4) if self.latencies else None
 
 
+def openai_clients(base_url: str, api_key: str, n: int, timeout: float) -> list[openai.OpenAI]:
+    """n clients, made before a level's clock starts: making one takes 15-35 ms of Python here, and 8 made inside the
+    timed threads (under one GIL) held back the last clients' first requests by ~150 ms, 12% of an 8-client level's
+    wall time, which the sequential baseline (one client) did not pay (docs/decisions.md, 2026-12-06 seventh session)."""
+    return [openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout) for _ in range(n)]
+
+
 def in_threads(clients: int, loop) -> float:
     """Run loop(c) for c in range(clients), one thread each; returns the wall time."""
     t0 = time.perf_counter()
@@ -110,10 +117,11 @@ def run(base_url: str, api_key: str, clients: int, requests: int, max_tokens: in
     model = probe.models.list().data[0].id
     tally = Tally()
 
+    made = openai_clients(base_url, api_key, clients, 120)
+
     def client_loop(c: int) -> None:
-        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
         for r in range(requests):
-            tally.send(lambda: one_request(client, model, c + r, prompt, max_tokens))  # noqa: B023 - called at once
+            tally.send(lambda: one_request(made[c], model, c + r, prompt, max_tokens))  # noqa: B023 - called at once
 
     wall = in_threads(clients, client_loop)
     health = httpx.get(base_url.removesuffix("/v1") + "/health", timeout=10).json()
@@ -208,16 +216,16 @@ def level(base_url: str, api_key: str, model: str, prompts: list[str], clients: 
     def send(client: openai.OpenAI, i: int) -> None:
         tally.send(lambda: completion(client, model, prompts[i % len(prompts)], max_tokens, temperature, penalty))
 
+    made = openai_clients(base_url, api_key, 1 if sequential else clients, 600)
+
     def client_loop(c: int) -> None:
-        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
         for r in range(per_client):
-            send(client, r * clients + c)
+            send(made[c], r * clients + c)
 
     if sequential:
         t0 = time.perf_counter()
-        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
         for i in range(clients * per_client):
-            send(client, i)
+            send(made[0], i)
         wall = time.perf_counter() - t0
     else:
         wall = in_threads(clients, client_loop)
