@@ -75,17 +75,17 @@ static inline void sigmoid_mul8(const uint16_t* x, const uint16_t* gate, uint16_
  * out = round(round(silu(gate)) * up), silu(g) = g / (1 + exp(-g)). */
 void silu_mul(int64_t rows, int64_t N, const uint16_t* gate, int64_t sg, const uint16_t* up, int64_t su, uint16_t* out,
               int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && rows * N >= 65536)
-    for (int64_t r = 0; r < rows; r++)
+    PARALLEL_FOR(rows * N >= 65536, r, rows, {
         for (int64_t i = 0; i < N; i += ACT_LANES)
             SILU_MUL(gate + r * sg + i, up + r * su + i, out + r * N + i, N - i < ACT_LANES ? N - i : ACT_LANES);
+    });
 }
 
 /* x, gate bf16 [rows, N] at row strides sx, sg -> out bf16 [rows, N] contiguous: out = round(x * round(sigmoid(gate))). */
 void sigmoid_mul(int64_t rows, int64_t N, const uint16_t* x, int64_t sx, const uint16_t* gate, int64_t sg,
                  uint16_t* out, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && rows * N >= 65536)
-    for (int64_t r = 0; r < rows; r++)
+    PARALLEL_FOR(rows * N >= 65536, r, rows, {
         for (int64_t i = 0; i < N; i += ACT_LANES)
             SIGMOID_MUL(x + r * sx + i, gate + r * sg + i, out + r * N + i, N - i < ACT_LANES ? N - i : ACT_LANES);
+    });
 }

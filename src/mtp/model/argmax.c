@@ -57,6 +57,5 @@ static int64_t argmax_row(const void* x, int64_t V, int bf16) {
 /* x [rows, V] at row stride sx (elements), bf16 or fp32 -> out int64 [rows]. */
 void argmax_rows(int64_t rows, int64_t V, const void* x, int64_t sx, int bf16, int64_t* out, int nthreads) {
     const size_t esize = bf16 ? 2 : 4;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && rows > 1 && rows * V >= 65536)
-    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row((const char*)x + (size_t)(r * sx) * esize, V, bf16);
+    PARALLEL_FOR(rows > 1 && rows * V >= 65536, r, rows, { out[r] = argmax_row((const char*)x + (size_t)(r * sx) * esize, V, bf16); });
 }

@@ -129,22 +129,29 @@ static int64_t head_queries(const Attn* a, int64_t b, int64_t h, int64_t* n, flo
 /* head(a, b, h, buf, n) for every row b and kv head h, threads splitting the pairs, each thread with its own scratch
  * buf of `floats` floats and key counts n [Q] -> 0, or -1 when a thread's scratch could not be allocated */
 typedef void (*Head)(const Attn*, int64_t, int64_t, float*, int64_t*);
+/* each_kv_head's work, run by every thread of its region (the `omp for` splits the pairs) or by the calling thread
+ * alone (no region entered: native.h PARALLEL_FOR) */
+static void kv_heads_work(const Attn* a, size_t floats, Head head, int* failed) {
+    float* buf = malloc(sizeof(float) * floats);
+    int64_t* n = malloc(sizeof(int64_t) * (size_t)a->Q);
+    if (!buf || !n) {
+#pragma omp atomic write
+        *failed = 1;
+    }
+#pragma omp for schedule(static)
+    for (int64_t w = 0; w < a->B * a->Hk; w++)
+        if (buf && n) head(a, w / a->Hk, w % a->Hk, buf, n);
+    free(buf);
+    free(n);
+}
+
 static int each_kv_head(const Attn* a, size_t floats, Head head, int nthreads) {
     int failed = 0;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && a->B * a->Hk > 1)
-    {
-        float* buf = malloc(sizeof(float) * floats);
-        int64_t* n = malloc(sizeof(int64_t) * (size_t)a->Q);
-        if (!buf || !n) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t w = 0; w < a->B * a->Hk; w++)
-            if (buf && n) head(a, w / a->Hk, w % a->Hk, buf, n);
-        free(buf);
-        free(n);
-    }
+    if (nthreads > 1 && a->B * a->Hk > 1) {
+#pragma omp parallel num_threads(nthreads)
+        kv_heads_work(a, floats, head, &failed);
+    } else
+        kv_heads_work(a, floats, head, &failed);
     return failed ? -1 : 0;
 }
 

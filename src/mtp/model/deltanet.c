@@ -310,6 +310,126 @@ static void recurrence(const Rec* r) {
  * then updated in place to the state after the last token, with the same arithmetic, and no update is kept (a plain
  * step, T = 1, or a prompt's chunk: the prefill then computes what T plain steps would).
  * C = 2*Hk*Kd + Hv*Vd (all q heads, all k heads, all v heads); Hv a multiple of Hk. 0, or -1 when out of memory. */
+/* deltanet_decode's arguments and what it derives from them, for `decode_work` */
+typedef struct {
+    Shape s;
+    int64_t C, W, rep, sb0, sb1, sa0, sa1, sz0, sz1;
+    size_t esize;
+    float qscale, eps;
+    int in_place;
+    const void *window, *taps, *b, *a, *z, *norm_w;
+    const float *A_log, *dt_bias, *ssm;
+    float *qkv, *updates;
+    void* out;
+    int* failed;
+} Decode;
+
+/* deltanet_decode's work, run by every thread of its parallel region (the `omp for` loops split it), or by the calling
+ * thread alone (the loops run whole: no region entered, native.h PARALLEL_FOR) */
+static void decode_work(const Decode* d) {
+    const Shape s = d->s;
+    const int64_t B = s.B, T = s.T, Hk = s.Hk, Hv = s.Hv, Kd = s.Kd, Vd = s.Vd, C = d->C, W = d->W, rep = d->rep;
+    const int64_t sb0 = d->sb0, sb1 = d->sb1, sa0 = d->sa0, sa1 = d->sa1, sz0 = d->sz0, sz1 = d->sz1;
+    const int bf16 = s.bf16, in_place = d->in_place;
+    const size_t esize = d->esize;
+    const float qscale = d->qscale, eps = d->eps;
+    const void *window = d->window, *taps = d->taps, *b = d->b, *a = d->a, *z = d->z, *norm_w = d->norm_w;
+    const float *A_log = d->A_log, *dt_bias = d->dt_bias, *ssm = d->ssm;
+    float *qkv = d->qkv, *updates = d->updates;
+    void* out = d->out;
+    int* failed = d->failed;
+    /* 1: conv, SiLU and norms, split over (row, token, head): blocks of CONV_BLOCK_MAX tokens, then (AVX-512) a
+     * block of 8, then the rest one by one */
+    const int64_t parts = 2 * Hk + Hv, TB = T / CONV_BLOCK_MAX, T8 = (T - CONV_BLOCK_MAX * TB) / 8;
+    const int64_t tail = T - CONV_BLOCK_MAX * TB - 8 * T8;
+#pragma omp for schedule(static)
+    for (int64_t w = 0; w < B * (TB + T8) * parts; w++) {
+        const int64_t rb = w / parts, p = w % parts, r = rb / (TB + T8), b = rb % (TB + T8);
+        const int64_t t0 = b < TB ? b * CONV_BLOCK_MAX : TB * CONV_BLOCK_MAX;
+        const int64_t c0 = p < 2 * Hk ? p * Kd : 2 * Hk * Kd + (p - 2 * Hk) * Vd;
+        const int64_t n = p < 2 * Hk ? Kd : Vd;
+        float cm[n * CONV_BLOCK_MAX];
+        const void* wr = (const char*)window + (size_t)(r * C * W) * esize;
+        float* dst = qkv + (r * T + t0) * C + c0;
+#if CONV_BLOCK_MAX == 16
+        if (b < TB) conv_block_16(&s, wr, taps, t0, c0, n, p < 2 * Hk, p < Hk ? qscale : 1.0f, dst, C, cm);
+        else
+#endif
+            conv_block_8(&s, wr, taps, t0, c0, n, p < 2 * Hk, p < Hk ? qscale : 1.0f, dst, C, cm);
+    }
+#pragma omp for schedule(static)
+    for (int64_t w = 0; w < (tail ? B * parts : 0); w++) {
+        const int64_t r = w / parts, p = w % parts, t0 = T - tail;
+        const int64_t c0 = p < 2 * Hk ? p * Kd : 2 * Hk * Kd + (p - 2 * Hk) * Vd;
+        const int64_t n = p < 2 * Hk ? Kd : Vd;
+        float* dst = qkv + (r * T + t0) * C + c0;
+        conv_tokens(&s, (const char*)window + (size_t)(r * C * W) * esize, taps, t0, c0, n, dst, C);
+        if (p < 2 * Hk)
+            for (int64_t t = 0; t < tail; t++) l2norm(dst + t * C, n, p < Hk ? qscale : 1.0f);
+    }
+    /* 2: the recurrence and the gated norm, split over (row, value head) */
+    /* per thread: q, k, v of each token (3T pointers, first: aligned as malloc aligns), then the floats */
+    const float** ptrs = malloc(3 * sizeof(float*) * (size_t)T + sizeof(float) * (size_t)(Kd * DN_COLS + T * Vd + Vd + 2 * T));
+    float* scratch = ptrs ? (float*)(ptrs + 3 * T) : NULL;
+    if (!scratch) {
+#pragma omp atomic write
+        *failed = 1;
+    }
+#pragma omp for schedule(static)
+    for (int64_t w = 0; w < B * Hv; w++) {
+        if (!scratch) continue;
+        const int64_t r = w / Hv, h = w % Hv, hk = h / rep;
+        float *o = scratch + Kd * DN_COLS, *gate = o + T * Vd, *g = gate + Vd, *beta = g + T;
+        const float neg_A = -expf(A_log[h]);
+        for (int64_t t = 0; t < T; t++) {
+            const float* x = qkv + (r * T + t) * C;
+            ptrs[t] = x + hk * Kd;
+            ptrs[T + t] = x + Hk * Kd + hk * Kd;
+            ptrs[2 * T + t] = x + 2 * Hk * Kd + h * Vd;
+            beta[t] = 1.0f / (1.0f + expf(-load(b, r * sb0 + t * sb1 + h, bf16)));
+            g[t] = expf(neg_A * softplus(load(a, r * sa0 + t * sa1 + h, bf16) + dt_bias[h]));
+        }
+        const Rec rec = {T, Kd, Vd, ssm + w * Kd * Vd, in_place ? updates + w * Kd * Vd : NULL, ptrs, ptrs + T,
+                         ptrs + 2 * T, g, beta, in_place ? NULL : updates + w * T * (Kd + Vd + 1), o, scratch};
+        recurrence(&rec);
+        for (int64_t t = 0; t < T; t++) { /* gated RMSNorm: w * rmsnorm(o) * silu(z), with the eager step's roundings */
+            float* ot = o + t * Vd;
+            const int64_t zo = r * sz0 + t * sz1 + h * Vd, oo = (r * T + t) * Hv * Vd + h * Vd, V8 = Vd / 8 * 8;
+            if (bf16) {
+                for (int64_t j = 0; j < V8; j += 8) _mm256_storeu_ps(ot + j, round_bf16x8(_mm256_loadu_ps(ot + j)));
+                for (int64_t j = V8; j < Vd; j++) ot[j] = round_bf16(ot[j]);
+            }
+            float ss = 0.0f; /* (in order: the eager step's sum) */
+            for (int64_t j = 0; j < Vd; j++) ss += ot[j] * ot[j];
+            const float rr = 1.0f / sqrtf(ss / (float)Vd + eps);
+            if (bf16) {
+                for (int64_t j = 0; j < V8; j += 8) _mm256_storeu_ps(gate + j, bf16x8_to_f((const uint16_t*)z + zo + j));
+                for (int64_t j = V8; j < Vd; j++) gate[j] = load(z, zo + j, 1);
+            } else
+                memcpy(gate, (const float*)z + zo, sizeof(float) * (size_t)Vd);
+            silu_n(gate, Vd);
+            const __m256 r8 = _mm256_set1_ps(rr);
+            for (int64_t j = 0; j < V8; j += 8) { /* the scalar loop's arithmetic, 8 lanes at a time */
+                __m256 y = _mm256_mul_ps(_mm256_loadu_ps(ot + j), r8);
+                if (bf16) {
+                    y = round_bf16x8(_mm256_mul_ps(round_bf16x8(y), bf16x8_to_f((const uint16_t*)norm_w + j)));
+                    f_to_bf16x8((uint16_t*)out + oo + j, _mm256_mul_ps(y, _mm256_loadu_ps(gate + j)));
+                } else
+                    _mm256_storeu_ps((float*)out + oo + j,
+                                     _mm256_mul_ps(_mm256_mul_ps(y, _mm256_loadu_ps((const float*)norm_w + j)),
+                                                   _mm256_loadu_ps(gate + j)));
+            }
+            for (int64_t j = V8; j < Vd; j++) {
+                float y = ot[j] * rr;
+                if (bf16) y = round_bf16(round_bf16(y) * load(norm_w, j, 1));
+                else y = y * load(norm_w, j, 0);
+                store(out, oo + j, y * gate[j], bf16);
+            }
+        }
+    }
+    free(ptrs);
+}
+
 int deltanet_decode(int64_t B, int64_t T, int64_t Hk, int64_t Hv, int64_t Kd, int64_t Vd, int64_t kernel, int bf16,
                     const void* window, const void* taps, const void* b, int64_t sb0, int64_t sb1, const void* a,
                     int64_t sa0, int64_t sa1, const float* A_log, const float* dt_bias, const void* z, int64_t sz0,
@@ -324,101 +444,55 @@ int deltanet_decode(int64_t B, int64_t T, int64_t Hk, int64_t Hv, int64_t Kd, in
     if (!qkv) return -1;
     int failed = 0;
     const int in_place = updates == ssm;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
-    {
-        /* 1: conv, SiLU and norms, split over (row, token, head): blocks of CONV_BLOCK_MAX tokens, then (AVX-512) a
-         * block of 8, then the rest one by one */
-        const int64_t parts = 2 * Hk + Hv, TB = T / CONV_BLOCK_MAX, T8 = (T - CONV_BLOCK_MAX * TB) / 8;
-        const int64_t tail = T - CONV_BLOCK_MAX * TB - 8 * T8;
-#pragma omp for schedule(static)
-        for (int64_t w = 0; w < B * (TB + T8) * parts; w++) {
-            const int64_t rb = w / parts, p = w % parts, r = rb / (TB + T8), b = rb % (TB + T8);
-            const int64_t t0 = b < TB ? b * CONV_BLOCK_MAX : TB * CONV_BLOCK_MAX;
-            const int64_t c0 = p < 2 * Hk ? p * Kd : 2 * Hk * Kd + (p - 2 * Hk) * Vd;
-            const int64_t n = p < 2 * Hk ? Kd : Vd;
-            float cm[n * CONV_BLOCK_MAX];
-            const void* wr = (const char*)window + (size_t)(r * C * W) * esize;
-            float* dst = qkv + (r * T + t0) * C + c0;
-#if CONV_BLOCK_MAX == 16
-            if (b < TB) conv_block_16(&s, wr, taps, t0, c0, n, p < 2 * Hk, p < Hk ? qscale : 1.0f, dst, C, cm);
-            else
-#endif
-                conv_block_8(&s, wr, taps, t0, c0, n, p < 2 * Hk, p < Hk ? qscale : 1.0f, dst, C, cm);
-        }
-#pragma omp for schedule(static)
-        for (int64_t w = 0; w < (tail ? B * parts : 0); w++) {
-            const int64_t r = w / parts, p = w % parts, t0 = T - tail;
-            const int64_t c0 = p < 2 * Hk ? p * Kd : 2 * Hk * Kd + (p - 2 * Hk) * Vd;
-            const int64_t n = p < 2 * Hk ? Kd : Vd;
-            float* dst = qkv + (r * T + t0) * C + c0;
-            conv_tokens(&s, (const char*)window + (size_t)(r * C * W) * esize, taps, t0, c0, n, dst, C);
-            if (p < 2 * Hk)
-                for (int64_t t = 0; t < tail; t++) l2norm(dst + t * C, n, p < Hk ? qscale : 1.0f);
-        }
-        /* 2: the recurrence and the gated norm, split over (row, value head) */
-        /* per thread: q, k, v of each token (3T pointers, first: aligned as malloc aligns), then the floats */
-        const float** ptrs = malloc(3 * sizeof(float*) * (size_t)T + sizeof(float) * (size_t)(Kd * DN_COLS + T * Vd + Vd + 2 * T));
-        float* scratch = ptrs ? (float*)(ptrs + 3 * T) : NULL;
-        if (!scratch) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t w = 0; w < B * Hv; w++) {
-            if (!scratch) continue;
-            const int64_t r = w / Hv, h = w % Hv, hk = h / rep;
-            float *o = scratch + Kd * DN_COLS, *gate = o + T * Vd, *g = gate + Vd, *beta = g + T;
-            const float neg_A = -expf(A_log[h]);
-            for (int64_t t = 0; t < T; t++) {
-                const float* x = qkv + (r * T + t) * C;
-                ptrs[t] = x + hk * Kd;
-                ptrs[T + t] = x + Hk * Kd + hk * Kd;
-                ptrs[2 * T + t] = x + 2 * Hk * Kd + h * Vd;
-                beta[t] = 1.0f / (1.0f + expf(-load(b, r * sb0 + t * sb1 + h, bf16)));
-                g[t] = expf(neg_A * softplus(load(a, r * sa0 + t * sa1 + h, bf16) + dt_bias[h]));
-            }
-            const Rec rec = {T, Kd, Vd, ssm + w * Kd * Vd, in_place ? updates + w * Kd * Vd : NULL, ptrs, ptrs + T,
-                             ptrs + 2 * T, g, beta, in_place ? NULL : updates + w * T * (Kd + Vd + 1), o, scratch};
-            recurrence(&rec);
-            for (int64_t t = 0; t < T; t++) { /* gated RMSNorm: w * rmsnorm(o) * silu(z), with the eager step's roundings */
-                float* ot = o + t * Vd;
-                const int64_t zo = r * sz0 + t * sz1 + h * Vd, oo = (r * T + t) * Hv * Vd + h * Vd, V8 = Vd / 8 * 8;
-                if (bf16) {
-                    for (int64_t j = 0; j < V8; j += 8) _mm256_storeu_ps(ot + j, round_bf16x8(_mm256_loadu_ps(ot + j)));
-                    for (int64_t j = V8; j < Vd; j++) ot[j] = round_bf16(ot[j]);
-                }
-                float ss = 0.0f; /* (in order: the eager step's sum) */
-                for (int64_t j = 0; j < Vd; j++) ss += ot[j] * ot[j];
-                const float rr = 1.0f / sqrtf(ss / (float)Vd + eps);
-                if (bf16) {
-                    for (int64_t j = 0; j < V8; j += 8) _mm256_storeu_ps(gate + j, bf16x8_to_f((const uint16_t*)z + zo + j));
-                    for (int64_t j = V8; j < Vd; j++) gate[j] = load(z, zo + j, 1);
-                } else
-                    memcpy(gate, (const float*)z + zo, sizeof(float) * (size_t)Vd);
-                silu_n(gate, Vd);
-                const __m256 r8 = _mm256_set1_ps(rr);
-                for (int64_t j = 0; j < V8; j += 8) { /* the scalar loop's arithmetic, 8 lanes at a time */
-                    __m256 y = _mm256_mul_ps(_mm256_loadu_ps(ot + j), r8);
-                    if (bf16) {
-                        y = round_bf16x8(_mm256_mul_ps(round_bf16x8(y), bf16x8_to_f((const uint16_t*)norm_w + j)));
-                        f_to_bf16x8((uint16_t*)out + oo + j, _mm256_mul_ps(y, _mm256_loadu_ps(gate + j)));
-                    } else
-                        _mm256_storeu_ps((float*)out + oo + j,
-                                         _mm256_mul_ps(_mm256_mul_ps(y, _mm256_loadu_ps((const float*)norm_w + j)),
-                                                       _mm256_loadu_ps(gate + j)));
-                }
-                for (int64_t j = V8; j < Vd; j++) {
-                    float y = ot[j] * rr;
-                    if (bf16) y = round_bf16(round_bf16(y) * load(norm_w, j, 1));
-                    else y = y * load(norm_w, j, 0);
-                    store(out, oo + j, y * gate[j], bf16);
-                }
-            }
-        }
-        free(ptrs);
-    }
+    const Decode d = {s, C, W, rep, sb0, sb1, sa0, sa1, sz0, sz1, esize, qscale, eps, in_place, window, taps, b, a, z,
+                      norm_w, A_log, dt_bias, ssm, qkv, updates, out, &failed};
+    if (nthreads > 1) {
+#pragma omp parallel num_threads(nthreads)
+        decode_work(&d);
+    } else
+        decode_work(&d);
     free(qkv);
     return failed ? -1 : 0;
+}
+
+/* deltanet_keep (below) of row w / Hv, value head w % Hv */
+static void keep_head(int64_t w, int64_t Hv, int64_t T, int64_t Kd, int64_t Vd, const int64_t* n, const float* updates,
+                      float* ssm, int64_t C, int64_t kernel, int64_t esize, const void* window, void* conv) {
+    const int64_t W = kernel - 1 + T, keep_w = (kernel - 1) * esize, R = Kd + Vd + 1;
+    const int64_t r = w / Hv, h = w % Hv, keep = n[r];
+    if (keep <= 0 || keep > T) return;
+    const float* U = updates + w * T * R;
+    for (int64_t i = 0; i < Kd; i++) {
+        float* row = ssm + (w * Kd + i) * Vd;
+        int64_t j = 0;
+        for (; j + 64 <= Vd; j += 64) { /* 64 columns in registers through every update */
+            __m256 x[8];
+            for (int u = 0; u < 8; u++) x[u] = _mm256_loadu_ps(row + j + 8 * u);
+            for (int64_t t = 0; t < keep; t++) {
+                const float* up = U + t * R;
+                const __m256 g = _mm256_set1_ps(up[Kd + Vd]), k = _mm256_set1_ps(up[i]);
+                for (int u = 0; u < 8; u++)
+                    x[u] = _mm256_fmadd_ps(k, _mm256_loadu_ps(up + Kd + j + 8 * u), _mm256_mul_ps(x[u], g));
+            }
+            for (int u = 0; u < 8; u++) _mm256_storeu_ps(row + j + 8 * u, x[u]);
+        }
+        for (; j + 8 <= Vd; j += 8) {
+            __m256 x = _mm256_loadu_ps(row + j);
+            for (int64_t t = 0; t < keep; t++) {
+                const float* up = U + t * R;
+                x = _mm256_fmadd_ps(_mm256_set1_ps(up[i]), _mm256_loadu_ps(up + Kd + j),
+                                    _mm256_mul_ps(x, _mm256_set1_ps(up[Kd + Vd])));
+            }
+            _mm256_storeu_ps(row + j, x);
+        }
+        for (; j < Vd; j++) {
+            float x = row[j];
+            for (int64_t t = 0; t < keep; t++) x = fmaf(U[t * R + i], U[t * R + Kd + j], x * U[t * R + Kd + Vd]);
+            row[j] = x;
+        }
+    }
+    for (int64_t c = h * C / Hv; c < (h + 1) * C / Hv; c++) /* this row's conv channels, split over its heads */
+        memcpy((char*)conv + (r * C + c) * keep_w, (const char*)window + ((r * C + c) * W + keep) * esize, (size_t)keep_w);
 }
 
 /* keep_at: row r of ssm [B, Hv, Kd, Vd] := its state after the first n[r] tokens of updates [B, Hv, T, Kd + Vd + 1]
@@ -428,44 +502,7 @@ int deltanet_decode(int64_t B, int64_t T, int64_t Hk, int64_t Hv, int64_t Kd, in
  * (window [B, C, kernel-1+T], esize bytes an element) where n[r] > 0; a row with n[r] = 0 keeps its own. */
 void deltanet_keep(int64_t B, int64_t Hv, int64_t T, int64_t Kd, int64_t Vd, const int64_t* n, const float* updates,
                    float* ssm, int64_t C, int64_t kernel, int64_t esize, const void* window, void* conv, int nthreads) {
-    const int64_t W = kernel - 1 + T, keep_w = (kernel - 1) * esize, R = Kd + Vd + 1;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
-    for (int64_t w = 0; w < B * Hv; w++) {
-        const int64_t r = w / Hv, h = w % Hv, keep = n[r];
-        if (keep <= 0 || keep > T) continue;
-        const float* U = updates + w * T * R;
-        for (int64_t i = 0; i < Kd; i++) {
-            float* row = ssm + (w * Kd + i) * Vd;
-            int64_t j = 0;
-            for (; j + 64 <= Vd; j += 64) { /* 64 columns in registers through every update */
-                __m256 x[8];
-                for (int u = 0; u < 8; u++) x[u] = _mm256_loadu_ps(row + j + 8 * u);
-                for (int64_t t = 0; t < keep; t++) {
-                    const float* up = U + t * R;
-                    const __m256 g = _mm256_set1_ps(up[Kd + Vd]), k = _mm256_set1_ps(up[i]);
-                    for (int u = 0; u < 8; u++)
-                        x[u] = _mm256_fmadd_ps(k, _mm256_loadu_ps(up + Kd + j + 8 * u), _mm256_mul_ps(x[u], g));
-                }
-                for (int u = 0; u < 8; u++) _mm256_storeu_ps(row + j + 8 * u, x[u]);
-            }
-            for (; j + 8 <= Vd; j += 8) {
-                __m256 x = _mm256_loadu_ps(row + j);
-                for (int64_t t = 0; t < keep; t++) {
-                    const float* up = U + t * R;
-                    x = _mm256_fmadd_ps(_mm256_set1_ps(up[i]), _mm256_loadu_ps(up + Kd + j),
-                                        _mm256_mul_ps(x, _mm256_set1_ps(up[Kd + Vd])));
-                }
-                _mm256_storeu_ps(row + j, x);
-            }
-            for (; j < Vd; j++) {
-                float x = row[j];
-                for (int64_t t = 0; t < keep; t++) x = fmaf(U[t * R + i], U[t * R + Kd + j], x * U[t * R + Kd + Vd]);
-                row[j] = x;
-            }
-        }
-        for (int64_t c = h * C / Hv; c < (h + 1) * C / Hv; c++) /* this row's conv channels, split over its heads */
-            memcpy((char*)conv + (r * C + c) * keep_w, (const char*)window + ((r * C + c) * W + keep) * esize, (size_t)keep_w);
-    }
+    PARALLEL_FOR(1, w, B * Hv, { keep_head(w, Hv, T, Kd, Vd, n, updates, ssm, C, kernel, esize, window, conv); });
 }
 
 typedef struct { /* one layer's deltanet_keep: the cache's state and conv inputs, the forward's steps */

@@ -9,6 +9,23 @@
 #include <stdint.h>
 #include <string.h>
 
+/* for (int64_t VAR = 0; VAR < N; VAR++) BODY, split over `nthreads` (a variable of that name in scope) OpenMP threads
+ * (schedule(static)) where nthreads > 1 and `cond`, else a plain loop in the calling thread. Entering an OpenMP
+ * parallel region costs ~170 ns even with one thread or a false `if` clause (libgomp sets a team up either way), and
+ * one thread's int4 decode step of the shipped model entered ~120 of them, its speculative round ~260 (3% of either;
+ * docs/decisions.md, 2026-12-06 seventh session). A kernel whose region holds more than one loop calls the region's
+ * body as a function instead: inside `#pragma omp parallel` where threads pay, directly otherwise (its `omp for`
+ * loops, orphaned, then run whole in the calling thread). */
+#define PARALLEL_FOR(cond, VAR, N, ...)                                                                             \
+    do {                                                                                                            \
+        const int64_t VAR##_n = (N);                                                                                \
+        if (nthreads > 1 && (cond)) {                                                                               \
+            _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                                     \
+            for (int64_t VAR = 0; VAR < VAR##_n; VAR++) __VA_ARGS__                                                 \
+        } else                                                                                                      \
+            for (int64_t VAR = 0; VAR < VAR##_n; VAR++) __VA_ARGS__                                                 \
+    } while (0)
+
 static inline float bf16_to_f(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;

@@ -165,8 +165,7 @@ static int quantize_rows(const uint16_t* x, int64_t M, int64_t K, int64_t A, int
     q->dx = (float*)(buf + codes);
     q->xs = (int32_t*)(q->dx + M * na);
     if (more) *more = (float*)(q->xs + M * na);
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 1)
-    for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, A, q->xq + m * K, q->dx + m * na, q->xs + m * na);
+    PARALLEL_FOR(M > 1, m, M, { quantize_row(x + m * K, K, A, q->xq + m * K, q->dx + m * na, q->xs + m * na); });
     return 0;
 }
 
@@ -767,20 +766,27 @@ static void q4_amx(const uint8_t* w, const float* s, const float* lo, int64_t g0
 
 /* every row through the tiles: threads split the sets of SET groups (of NG), each set taking every row 16 at a time
  * (CALL, with g0, ng, m0 and rows), tiles configured for products of kb inputs and ob bytes of outputs */
+#define AMX_SETS_WORK(NG, SET, kb, ob, CALL)                                                                        \
+    {                                                                                                               \
+        int configured = 0;                                                                                         \
+        _Pragma("omp for schedule(static)") for (int64_t set = 0; set < ((NG) + (SET) - 1) / (SET); set++) {         \
+            const int64_t g0 = set * (SET), ng = (NG) - g0 < (SET) ? (NG) - g0 : (SET);                             \
+            for (int64_t m0 = 0; m0 < M; m0 += 16) {                                                                \
+                const int rows = (int)(M - m0 < 16 ? M - m0 : 16);                                                  \
+                if (rows != configured) amx_configure_int(configured = rows, kb, ob);                               \
+                CALL;                                                                                               \
+            }                                                                                                       \
+        }                                                                                                           \
+        if (configured) _tile_release();                                                                            \
+    }
+/* (the work in a region where threads pay, else in the calling thread: its `omp for`, orphaned, runs whole; native.h
+ * PARALLEL_FOR) */
 #define AMX_SETS(NG, SET, kb, ob, CALL)                                                                             \
     do {                                                                                                            \
-        _Pragma("omp parallel num_threads(nthreads)") {                                                             \
-            int configured = 0;                                                                                     \
-            _Pragma("omp for schedule(static)") for (int64_t set = 0; set < ((NG) + (SET) - 1) / (SET); set++) {     \
-                const int64_t g0 = set * (SET), ng = (NG) - g0 < (SET) ? (NG) - g0 : (SET);                         \
-                for (int64_t m0 = 0; m0 < M; m0 += 16) {                                                            \
-                    const int rows = (int)(M - m0 < 16 ? M - m0 : 16);                                              \
-                    if (rows != configured) amx_configure_int(configured = rows, kb, ob);                           \
-                    CALL;                                                                                           \
-                }                                                                                                   \
-            }                                                                                                       \
-            if (configured) _tile_release();                                                                        \
-        }                                                                                                           \
+        if (nthreads > 1) {                                                                                         \
+            _Pragma("omp parallel num_threads(nthreads)") AMX_SETS_WORK(NG, SET, kb, ob, CALL)                      \
+        } else                                                                                                      \
+            AMX_SETS_WORK(NG, SET, kb, ob, CALL)                                                                    \
     } while (0)
 #endif
 
@@ -801,19 +807,19 @@ int q8_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const f
     }
 #endif
 #ifdef Q8_PAIRS
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t u = 0; u < (G + 1) / 2; u++) /* pairs of groups, a last one alone */
+    PARALLEL_FOR(1, u, (G + 1) / 2, { /* pairs of groups, a last one alone */
         for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
             const int64_t R = M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS;
             if (R > 1 && 2 * u + 1 < G) q8_tile(w, 2 * u, 1, K, &q, m0, R, sw, bias, N, y);
             else /* one row: the 256-bit tiles (the pair measured 5-10% slower at code-small widths) */
                 for (int64_t g = 2 * u; g < 2 * u + 2 && g < G; g++) q8_tile(w, g, 0, K, &q, m0, R, sw, bias, N, y);
         }
+    });
 #else
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t g = 0; g < G; g++)
+    PARALLEL_FOR(1, g, G, {
         for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS)
             q8_tile(w, g, 0, K, &q, m0, M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS, sw, bias, N, y);
+    });
 #endif
     scratch_done();
     return 0;
@@ -843,17 +849,17 @@ int q4_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, const f
     }
 #endif
 #ifdef Q4_PAIRS
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t u = 0; u < (NG + 1) / 2; u++) /* pairs of groups, a last one alone */
+    PARALLEL_FOR(1, u, (NG + 1) / 2, { /* pairs of groups, a last one alone */
         for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
             const int64_t R = M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS;
             q4_tile(w, s, lo, G, 2 * u, 2 * u + 1 < NG, K, &q, xg, m0, R, bias, N, y);
         }
+    });
 #else
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t g = 0; g < NG; g++)
+    PARALLEL_FOR(1, g, NG, {
         for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS)
             q4_tile(w, s, lo, G, g, 0, K, &q, xg, m0, M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS, bias, N, y);
+    });
 #endif
     scratch_done();
     return 0;
@@ -1082,9 +1088,33 @@ static void amx_set_rows(const uint16_t* x, int64_t XS, int64_t M, const uint16_
     }
 }
 
+/* the codes a wide product decodes (int8: w, s = the per-output scales; int4: w, s, lo, G) */
+typedef struct {
+    const uint8_t* w;
+    const float *s, *lo;
+    int64_t K, G, N;
+} Codes;
+
+/* Every row (x: M rows at stride XS) times the NB output blocks, in sets of 4 blocks split over a region's threads by
+ * the `omp for` (or all in the calling thread: no region entered, native.h PARALLEL_FOR). The weights: w in the tiles'
+ * layout, or (decode, q) writing a set's tiles into the thread's part of u (`wide_rows`). */
+static void amx_sets(const uint16_t* x, int64_t XS, int64_t M, const uint16_t* w, int64_t KC, int64_t NB,
+                     void (*decode)(const Codes*, int64_t, int64_t, uint16_t*), const Codes* q, const float* bias,
+                     int64_t N, uint16_t* y) {
+    int configured = 0; /* rows the tiles are configured for (each thread configures its own) */
+    uint16_t* u = decode ? (uint16_t*)w + (size_t)(4 * KC * 512) * (size_t)omp_get_thread_num() : NULL;
+#pragma omp for schedule(static)
+    for (int64_t set = 0; set < (NB + 3) / 4; set++) {
+        const int64_t b0 = set * 4, nb = NB - b0 < 4 ? NB - b0 : 4;
+        if (decode) decode(q, b0, nb, u);
+        amx_set_rows(x, XS, M, decode ? u : w + b0 * KC * 512, KC, b0, nb, bias, N, y, &configured);
+    }
+    if (configured) _tile_release();
+}
+
 int bf16_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, int64_t N, uint16_t* y,
                 int nthreads) {
-    const int64_t KC = (K + 31) / 32, XS = KC * 32, NB = (N + 15) / 16, sets = (NB + 3) / 4;
+    const int64_t KC = (K + 31) / 32, XS = KC * 32, NB = (N + 15) / 16;
     uint16_t* xp = NULL; /* rows padded to whole chunks with zeros (only when K is not a multiple of 32) */
     if (K % 32) {
         if (!(xp = alloc64(sizeof(uint16_t) * (size_t)(M * XS)))) return -1;
@@ -1092,16 +1122,11 @@ int bf16_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, cons
         for (int64_t m = 0; m < M; m++) memcpy(xp + m * XS, x + m * K, sizeof(uint16_t) * (size_t)K);
     }
     const uint16_t* xa = xp ? xp : x;
+    if (nthreads > 1) {
 #pragma omp parallel num_threads(nthreads)
-    {
-        int configured = 0; /* rows the tiles are configured for (each thread configures its own) */
-#pragma omp for schedule(static)
-        for (int64_t set = 0; set < sets; set++) {
-            const int64_t b0 = set * 4, nb = NB - b0 < 4 ? NB - b0 : 4;
-            amx_set_rows(xa, XS, M, w + b0 * KC * 512, KC, b0, nb, bias, N, y, &configured);
-        }
-        if (configured) _tile_release();
-    }
+        amx_sets(xa, XS, M, w, KC, NB, NULL, NULL, bias, N, y);
+    } else
+        amx_sets(xa, XS, M, w, KC, NB, NULL, NULL, bias, N, y);
     free(xp);
     return 0;
 }
@@ -1190,13 +1215,6 @@ static void dq4_tiles(const uint8_t* w, const float* s, const float* lo, int64_t
     }
 }
 
-/* the codes a wide product decodes (int8: w, s = the per-output scales; int4: w, s, lo, G) */
-typedef struct {
-    const uint8_t* w;
-    const float *s, *lo;
-    int64_t K, G, N;
-} Codes;
-
 static void dq8_set(const Codes* q, int64_t b0, int64_t nb, uint16_t* u) { dq8_tiles(q->w, q->s, q->K, q->N, b0, nb, u); }
 static void dq4_set(const Codes* q, int64_t b0, int64_t nb, uint16_t* u) {
     dq4_tiles(q->w, q->s, q->lo, q->K, q->G, q->N, b0, nb, u);
@@ -1206,21 +1224,14 @@ static void dq4_set(const Codes* q, int64_t b0, int64_t nb, uint16_t* u) {
  * 0 or -1 (memory) */
 static int wide_rows(const uint16_t* x, int64_t M, const Codes* q, void (*decode)(const Codes*, int64_t, int64_t, uint16_t*),
                      const float* bias, uint16_t* y, int nthreads) {
-    const int64_t K = q->K, N = q->N, KC = K / 32, NB = (N + 15) / 16, sets = (NB + 3) / 4;
+    const int64_t K = q->K, N = q->N, KC = K / 32, NB = (N + 15) / 16;
     uint16_t* ub = alloc64(sizeof(uint16_t) * (size_t)(4 * KC * 512 * nthreads)); /* a set's tiles, per thread */
     if (!ub) return -1;
+    if (nthreads > 1) {
 #pragma omp parallel num_threads(nthreads)
-    {
-        int configured = 0;
-        uint16_t* u = ub + (size_t)(4 * KC * 512) * (size_t)omp_get_thread_num();
-#pragma omp for schedule(static)
-        for (int64_t set = 0; set < sets; set++) {
-            const int64_t b0 = set * 4, nb = NB - b0 < 4 ? NB - b0 : 4;
-            decode(q, b0, nb, u);
-            amx_set_rows(x, K, M, u, KC, b0, nb, bias, N, y, &configured);
-        }
-        if (configured) _tile_release();
-    }
+        amx_sets(x, K, M, ub, KC, NB, decode, q, bias, N, y);
+    } else
+        amx_sets(x, K, M, ub, KC, NB, decode, q, bias, N, y);
     free(ub);
     return 0;
 }
@@ -1257,8 +1268,7 @@ int bf16_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, cons
     for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f(x[i]); /* widened (exact) */
 #endif
     const int64_t G = (N + 7) / 8, GS = M == 1 ? 4 : 3, sets = (G + GS - 1) / GS;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t set = 0; set < sets; set++) {
+    PARALLEL_FOR(1, set, sets, {
         const int64_t g0 = set * GS, gs = G - g0 < GS ? G - g0 : GS;
         float o[TILE_ROWS * 4 * 8];
         for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
@@ -1278,7 +1288,7 @@ int bf16_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, cons
             }
             sum_store(o, R, gs * 8, gs * 8, g0 * 8, m0, bias, N, y);
         }
-    }
+    });
     free(xf);
     return 0;
 }
