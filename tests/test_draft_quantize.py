@@ -63,7 +63,7 @@ def test_only_the_drafts_are_quantized(trained, bits, moe):
         assert torch.equal(model.mtp_head(hidden, 1), mtp_logits)  # the head itself is the backbone's, unchanged
         drafted = model.draft_head(hidden, 1)
     mtp_kernels = kernels(model.mtp)
-    kept = [n for n in mtp_kernels if any(f"mtp.{n}".endswith(s) for s in model.keep_precision if s != "mtp.fc")]
+    kept = [n for n in mtp_kernels if any(f"mtp.{n}".endswith(s) for s in model.keep_precision)]
     assert bool(kept) == moe and "fc" in mtp_kernels  # an MoE layer's routers keep their precision, fc does not
     assert all(mtp_kernels.pop(n) not in ("int8", "int4") for n in kept)
     assert mtp_kernels and all(k == expected(model.mtp.get_submodule(n), bits) for n, k in mtp_kernels.items())

@@ -7,7 +7,7 @@ width, or `--group-size`), int8 with symmetric per-channel scales (`quantize_int
 a shape; `--bits 8` writes every layer in int8; `--symmetric` writes int4 with symmetric groups (no zero points),
 which transformers 5.24 with compressed-tensors 0.20.1 loads (it cannot load asymmetric pack-quantized checkpoints;
 vLLM reads both). Kept in bf16 and listed in the config's `ignore`: the output heads (as llm-compressor keeps
-`lm_head`), each family's `keep_precision` layers (routers, the MTP's input projection) and - unless
+`lm_head`), each family's `precise_layers` (the MTP's input projection, routers) and - unless
 `--quantize-mtp` - the MTP layers, which quantizers usually leave unquantized (their acceptance is what speculative
 decoding is worth). Routed experts are written per expert (`experts.{e}.gate_proj`...), the layout vLLM's
 compressed-tensors MoE reads. Config groups: the most common scheme targets "Linear", the others name their modules
@@ -50,7 +50,7 @@ def plan_layer(model, name: str, t: torch.Tensor, bits: int, group: int | None, 
         if not linear:  # a matrix of another module (a router with a bias, say): readers may hold it in a Linear
             return None if "embed" in module else ("keep",)
     mtp_layer = model.is_mtp_tensor(model.checkpoint_name(name, model.config), model.config)
-    if module.endswith(HEADS) or any(module.endswith(s) for s in model.keep_precision) or (mtp_layer and not quantize_mtp):
+    if module.endswith(HEADS) or any(module.endswith(s) for s in model.precise_layers()) or (mtp_layer and not quantize_mtp):
         return ("keep",)
     N, K = t.shape
     g = group or int4_group_for(K)

@@ -12,7 +12,8 @@ It may override, each declared here with the default most families use:
 - `checkpoint_config(config, names)`: what only the tensor names tell (whether DeepSeek-style MTP layers hold their
   own embedding); `experts_key`: the config key counting routed experts, for families whose checkpoints may store
   experts one tensor per expert (read fused, written back as read: `checkpoint_sources` / `checkpoint_state`);
-- `fp32_parameters` (name suffixes kept in fp32 whatever the dtype), `keep_precision` (linears `quantize` skips);
+- `fp32_parameters` (name suffixes kept in fp32 whatever the dtype), `mtp_input_projection` and `keep_precision` (the
+  linears quantization leaves in bf16: `precise_layers`);
 - `final_hidden(x)` / `head(h)` (MiMo's MTP reads the pre-norm state), `hidden_width` (Meta's heads read another state
   than the head: `llama.py`), `router_aux_loss` (MoE families), `positions` / `decode_positions` / `prepare_decode`
   (one rotary table per layer kind: `mimo_v2.py`).
@@ -115,17 +116,24 @@ class CausalLM(nn.Module, ABC):
     config_class: ClassVar[type]
     # Name suffixes of parameters kept in fp32 whatever the model's dtype (DeepSeek's router, as transformers keeps it).
     fp32_parameters: ClassVar[tuple[str, ...]] = ()
-    # The MTP's input projection: kept in bf16 when the rest is quantized (serving engines learned that int8 there
-    # costs acceptance; vLLM keeps `mtp.fc` unquantised). Families name theirs.
-    keep_precision: ClassVar[tuple[str, ...]] = ("mtp.fc",)
-    # Which of those is the MTP's input projection: quantized drafts (`quantize_drafts`) quantize it too - only the
-    # drafts read it, and on the shipped model int4 there left the acceptance as it was while a bf16 one was ~5% of an
-    # int4 speculative run (docs/decisions.md, 2026-12-06 sixth session). None: no such projection.
+    # The MTP's input projection (its name's suffix; None: the family has none): kept in bf16 when the rest is
+    # quantized (serving engines learned that int8 there costs acceptance; vLLM keeps `mtp.fc` unquantised), but
+    # quantized drafts (`quantize_drafts`) quantize it too - only the drafts read it, and on the shipped model int4
+    # there left the acceptance as it was while a bf16 one was ~5% of an int4 speculative run (docs/decisions.md,
+    # 2026-12-06 sixth session). Families name theirs.
     mtp_input_projection: ClassVar[str | None] = "mtp.fc"
+    # The other linears kept in bf16 when the rest is quantized, drafts included (routers: quantizing them changes
+    # which experts run).
+    keep_precision: ClassVar[tuple[str, ...]] = ()
     # Of those, the ones that run qmatmul's bf16 product ("bf16-native") even where bf16 layers run oneDNN's
     # (MTP_BF16=torch): what a family's one-call draft reads (Qwen3.5: model/step.py), so the draft and the layers give
     # the same bits. The rest (routers) run what bf16 layers run (`linear.bf16_kernel`).
     native_bf16: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def precise_layers(cls) -> tuple[str, ...]:
+        """Name suffixes of the linears quantization leaves in bf16: the MTP's input projection and `keep_precision`."""
+        return ((cls.mtp_input_projection,) if cls.mtp_input_projection else ()) + cls.keep_precision
     # The config key counting routed experts when checkpoints may hold them per expert (None: no MoE layers).
     experts_key: ClassVar[str | None] = None
 
@@ -213,7 +221,7 @@ class CausalLM(nn.Module, ABC):
         qmatmul's bf16 product (or, where it cannot run, oneDNN's packed layout: `linear.bf16_kernel`), fp32
         weights a row-by-row product; `quantize` "int8" (weight-only, per-channel scales)
         or "int4" (weight-only, groups of 128, `linear.Int4Weight`) quantizes every linear layer and every routed
-        expert but `keep_precision` (bf16; "bf16-native" for `native_bf16`); a layer the int4 kernel cannot run
+        expert but `precise_layers` (bf16; "bf16-native" for `native_bf16`); a layer the int4 kernel cannot run
         (outputs not a multiple of 16, inputs not of 32) gets int8. Parameters and the state dict stay as they are; a
         no-op off CPU. The decoder calls it once on a model that was not prepared (`prepared`).
 
@@ -249,7 +257,7 @@ class CausalLM(nn.Module, ABC):
             if release and id(layer) not in heads:
                 layer.release()
 
-        keep = tuple(self.keep_precision)
+        keep = self.precise_layers()
         if quantize == "int4":
             unfit = [n for n, m in self.named_modules() if isinstance(m, nn.Linear) and not int4_fits(m)
                      and not any(n.endswith(s) for s in keep)]
@@ -283,7 +291,7 @@ class CausalLM(nn.Module, ABC):
 
     def quantize_drafts(self, bits: str) -> None:
         """Draft in `bits` ("int8" / "int4", weight-only, as `prepare_for_inference` quantizes): the MTP module's
-        linear layers and experts (but `keep_precision` other than its input projection, and layers already quantized)
+        linear layers and experts (but `keep_precision`, and layers already quantized; its input projection too)
         are quantized in place, and each depth drafts with a quantized copy of its head (`draft_head_module`; the copy
         shares the weight). The backbone and its head are untouched, so the output is too: every draft is verified by
         the backbone's own head; only the acceptance can move. What it buys: a draft step reads about half (int8) or
@@ -304,9 +312,9 @@ class CausalLM(nn.Module, ABC):
             raise ValueError(f"the drafts are already quantized ({self.draft_quantize})")
         if not self.prepared:
             self.prepare_for_inference()
-        prefix = "mtp"  # (the attribute's name: the full names `keep_precision` is written in start with it)
+        prefix = "mtp"  # (the attribute's name: the full names `precise_layers` are written in start with it)
         heads = {id(h) for h in self._output_heads()}
-        keep = tuple(s for s in self.keep_precision if s != self.mtp_input_projection)
+        keep = self.keep_precision
         linears = [(n, m) for n, m in self.mtp.named_modules(prefix=prefix) if isinstance(m, nn.Linear)]
         # not the heads (copied below), layers kept precise; a quantized layer only to fewer bits (requantized)
         todo: dict[str, list[str]] = {}  # kernel -> the names of the layers that get it
@@ -350,9 +358,9 @@ class CausalLM(nn.Module, ABC):
 
     def int4_checkpoint_layers(self, int4_groups: dict[str, int]) -> list[str]:
         """Of the linear layers (module name -> the group size of their int4 checkpoint codes), those that
-        `prepare_for_inference("int4")` can run on the codes themselves: int4 layers (not `keep_precision`, not an
+        `prepare_for_inference("int4")` can run on the codes themselves: int4 layers (not `precise_layers`, not an
         output head: those keep their float weights) whose shape the kernels run at the checkpoint's group size."""
-        keep = tuple(self.keep_precision)
+        keep = self.precise_layers()
         heads = {id(h) for h in self._output_heads()}
         out = []
         for name, group in int4_groups.items():

@@ -43,8 +43,7 @@ class NextNMoeForCausalLM(CausalLM):
     config_class = NextNMoeConfig
     fp32_parameters = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
     experts_key = "n_routed_experts"
-    keep_precision = ("eh_proj",)  # the MTP input projection stays unquantised (`base.prepare_for_inference`)
-    mtp_input_projection = "eh_proj"
+    mtp_input_projection = "eh_proj"  # (stays unquantised: `CausalLM.precise_layers`)
 
     @staticmethod
     def attention(config: NextNMoeConfig, layer: int) -> nn.Module:

@@ -224,7 +224,6 @@ class HFCausalLM(CausalLM):
     """A transformers causal LM (attention-only, `SUPPORTED`) behind the family seam; see the module docstring."""
 
     config_class = HFCausalConfig
-    keep_precision = ("eh_proj",)
     mtp_input_projection = "eh_proj"
 
     @staticmethod

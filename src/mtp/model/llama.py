@@ -76,8 +76,7 @@ class LlamaForCausalLM(CausalLM):
     """Llama backbone + head + Meta's extra heads (`mtp`, None for a plain Llama or a checkpoint without `mtp.*`)."""
 
     config_class = LlamaConfig
-    keep_precision = ()  # no MTP input projection
-    mtp_input_projection = None
+    mtp_input_projection = None  # (parallel heads: no input projection)
 
     @staticmethod
     def mtp_tensor_pattern(config: LlamaConfig) -> str:

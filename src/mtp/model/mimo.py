@@ -62,8 +62,7 @@ class MiMoForCausalLM(CausalLM):
     """Qwen2 backbone + output head + MiMo's MTP layers (`mtp`, None when the checkpoint has no usable MTP)."""
 
     config_class = MiMoConfig
-    keep_precision = ("input_proj",)  # the MTP input projection stays unquantised (`base.prepare_for_inference`)
-    mtp_input_projection = "input_proj"
+    mtp_input_projection = "input_proj"  # (stays unquantised: `CausalLM.precise_layers`)
 
     @staticmethod
     def internal_name(name: str, config: MiMoConfig | None = None) -> str | None:

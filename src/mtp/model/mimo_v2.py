@@ -122,8 +122,7 @@ class MiMoV2FlashForCausalLM(CausalLM):
     config_class = MiMoV2FlashConfig
     fp32_parameters = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
     experts_key = "n_routed_experts"
-    keep_precision = ("eh_proj",)  # the MTP input projection stays unquantised (`base.prepare_for_inference`)
-    mtp_input_projection = "eh_proj"
+    mtp_input_projection = "eh_proj"  # (stays unquantised: `CausalLM.precise_layers`)
 
     # ------------------------------------------------------------------ checkpoint names
     @staticmethod

@@ -229,7 +229,7 @@ class Qwen35MoeForCausalLM(Qwen35ForCausalLM):
     config_class = Qwen35MoeConfig
     experts_key = "num_experts"
     # the routers stay bf16 under int8 too: quantizing them changes which experts run
-    keep_precision = ("mtp.fc", "mlp.gate", "shared_expert_gate")
+    keep_precision = ("mlp.gate", "shared_expert_gate")
 
     def router_aux_loss(self, router_logits: list) -> torch.Tensor | None:
         """router_aux_loss_coef x the load-balancing loss (as transformers computes it) over the collected layers."""
