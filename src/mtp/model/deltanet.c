@@ -303,13 +303,6 @@ static void recurrence(const Rec* r) {
     for (; c < Vd; c++) rec_col(r, c);
 }
 
-/* window [B, C, kernel-1+T], taps [C, kernel]; b and a [B, T, Hv] at row strides (sb0, sb1) and (sa0, sa1); A_log and
- * dt_bias fp32 [Hv]; z [B, T, Hv*Vd] at strides (sz0, sz1); norm_w [Vd]; ssm fp32 [B, Hv, Kd, Vd] (read only) ->
- * updates fp32 [B, Hv, T, Kd + Vd + 1] (each token's update of the state: its key, delta and decay, `recurrence`;
- * `deltanet_keep` applies the first n), out [B, T, Hv*Vd] (the gated norm's output). updates may be ssm: the state is
- * then updated in place to the state after the last token, with the same arithmetic, and no update is kept (a plain
- * step, T = 1, or a prompt's chunk: the prefill then computes what T plain steps would).
- * C = 2*Hk*Kd + Hv*Vd (all q heads, all k heads, all v heads); Hv a multiple of Hk. 0, or -1 when out of memory. */
 /* deltanet_decode's arguments and what it derives from them, for `decode_work` */
 typedef struct {
     Shape s;
@@ -430,6 +423,13 @@ static void decode_work(const Decode* d) {
     free(ptrs);
 }
 
+/* window [B, C, kernel-1+T], taps [C, kernel]; b and a [B, T, Hv] at row strides (sb0, sb1) and (sa0, sa1); A_log and
+ * dt_bias fp32 [Hv]; z [B, T, Hv*Vd] at strides (sz0, sz1); norm_w [Vd]; ssm fp32 [B, Hv, Kd, Vd] (read only) ->
+ * updates fp32 [B, Hv, T, Kd + Vd + 1] (each token's update of the state: its key, delta and decay, `recurrence`;
+ * `deltanet_keep` applies the first n), out [B, T, Hv*Vd] (the gated norm's output). updates may be ssm: the state is
+ * then updated in place to the state after the last token, with the same arithmetic, and no update is kept (a plain
+ * step, T = 1, or a prompt's chunk: the prefill then computes what T plain steps would).
+ * C = 2*Hk*Kd + Hv*Vd (all q heads, all k heads, all v heads); Hv a multiple of Hk. 0, or -1 when out of memory. */
 int deltanet_decode(int64_t B, int64_t T, int64_t Hk, int64_t Hv, int64_t Kd, int64_t Vd, int64_t kernel, int bf16,
                     const void* window, const void* taps, const void* b, int64_t sb0, int64_t sb1, const void* a,
                     int64_t sa0, int64_t sa1, const float* A_log, const float* dt_bias, const void* z, int64_t sz0,

@@ -35,18 +35,11 @@ static void rmsnorm_rows(int64_t r0, int64_t rows, int64_t D, const void* x, int
                          float eps, int bf16, void* out) {
     const int64_t n = rows - r0 < 4 ? rows - r0 : 4;
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    if (n == 4)
-        for (int64_t i = 0; i < D; i += 8)
-            for (int u = 0; u < 4; u++) {
-                const __m256 v = load8(x, (r0 + u) * sx + i, bf16);
-                acc[u] = _mm256_add_ps(acc[u], _mm256_mul_ps(v, v));
-            }
-    else
-        for (int64_t u = 0; u < n; u++)
-            for (int64_t i = 0; i < D; i += 8) {
-                const __m256 v = load8(x, (r0 + u) * sx + i, bf16);
-                acc[u] = _mm256_add_ps(acc[u], _mm256_mul_ps(v, v));
-            }
+    for (int64_t i = 0; i < D; i += 8)
+        for (int64_t u = 0; u < n; u++) {
+            const __m256 v = load8(x, (r0 + u) * sx + i, bf16);
+            acc[u] = _mm256_add_ps(acc[u], _mm256_mul_ps(v, v));
+        }
     for (int64_t u = 0; u < n; u++) {
         const int64_t r = r0 + u;
         const float rr = 1.0f / sqrtf(lanes_sum(acc[u]) / (float)D + eps);

@@ -1097,12 +1097,12 @@ typedef struct {
 
 /* Every row (x: M rows at stride XS) times the NB output blocks, in sets of 4 blocks split over a region's threads by
  * the `omp for` (or all in the calling thread: no region entered, native.h PARALLEL_FOR). The weights: w in the tiles'
- * layout, or (decode, q) writing a set's tiles into the thread's part of u (`wide_rows`). */
-static void amx_sets(const uint16_t* x, int64_t XS, int64_t M, const uint16_t* w, int64_t KC, int64_t NB,
+ * layout, or (decode, q) writing a set's tiles into the thread's part of ub (`wide_rows`; w NULL). */
+static void amx_sets(const uint16_t* x, int64_t XS, int64_t M, const uint16_t* w, uint16_t* ub, int64_t KC, int64_t NB,
                      void (*decode)(const Codes*, int64_t, int64_t, uint16_t*), const Codes* q, const float* bias,
                      int64_t N, uint16_t* y) {
     int configured = 0; /* rows the tiles are configured for (each thread configures its own) */
-    uint16_t* u = decode ? (uint16_t*)w + (size_t)(4 * KC * 512) * (size_t)omp_get_thread_num() : NULL;
+    uint16_t* u = decode ? ub + (size_t)(4 * KC * 512) * (size_t)omp_get_thread_num() : NULL;
 #pragma omp for schedule(static)
     for (int64_t set = 0; set < (NB + 3) / 4; set++) {
         const int64_t b0 = set * 4, nb = NB - b0 < 4 ? NB - b0 : 4;
@@ -1124,9 +1124,9 @@ int bf16_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, cons
     const uint16_t* xa = xp ? xp : x;
     if (nthreads > 1) {
 #pragma omp parallel num_threads(nthreads)
-        amx_sets(xa, XS, M, w, KC, NB, NULL, NULL, bias, N, y);
+        amx_sets(xa, XS, M, w, NULL, KC, NB, NULL, NULL, bias, N, y);
     } else
-        amx_sets(xa, XS, M, w, KC, NB, NULL, NULL, bias, N, y);
+        amx_sets(xa, XS, M, w, NULL, KC, NB, NULL, NULL, bias, N, y);
     free(xp);
     return 0;
 }
@@ -1229,9 +1229,9 @@ static int wide_rows(const uint16_t* x, int64_t M, const Codes* q, void (*decode
     if (!ub) return -1;
     if (nthreads > 1) {
 #pragma omp parallel num_threads(nthreads)
-        amx_sets(x, K, M, ub, KC, NB, decode, q, bias, N, y);
+        amx_sets(x, K, M, NULL, ub, KC, NB, decode, q, bias, N, y);
     } else
-        amx_sets(x, K, M, ub, KC, NB, decode, q, bias, N, y);
+        amx_sets(x, K, M, NULL, ub, KC, NB, decode, q, bias, N, y);
     free(ub);
     return 0;
 }
