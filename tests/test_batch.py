@@ -12,7 +12,7 @@ import mtp
 import test_sampling_stats as stats
 from conftest import pattern_batch, tiny_model, trained_tiny_model
 from mtp.decode.decoder import COLD_ROUNDS, POOL_SLOTS, Decoder
-from mtp.decode.policy import AcceptanceCounts, DraftPolicy, RoundTimes
+from mtp.decode.policy import Acceptance, DraftPolicy, RoundTimes
 from mtp.decode.sampling import SamplingParams
 from mtp.decode.session import Session
 
@@ -243,7 +243,7 @@ def test_rounds_after_a_prompt_chunk_teach_the_policy_nothing(models):
     model = models["bf16"]
     g = torch.Generator().manual_seed(9)
     dec = Decoder(model, max_batch=2, max_len=model.context_length - 16, draft_tokens="auto")
-    dec.policy.rounds, dec.policy.counts = RoundTimes(), AcceptanceCounts()  # (not what earlier tests measured)
+    dec.policy.rounds, dec.policy.counts = RoundTimes(), Acceptance()  # (not what earlier tests measured)
     ks, colds = [], []
     real_next_k = dec.policy.next_k
 
@@ -258,7 +258,7 @@ def test_rounds_after_a_prompt_chunk_teach_the_policy_nothing(models):
     for _ in range(1 + COLD_ROUNDS):  # step 1 reads the first prompt, step 2 the second: 1 + COLD_ROUNDS cold rounds
         dec.step()
     assert colds == [True] * (1 + COLD_ROUNDS) and 0 not in ks
-    assert not dec.policy.times and sum(dec.policy.counts.offered) > 0  # no time learned; acceptance counted
+    assert not dec.policy.times and sum(sum(c.offered) for c in dec.policy.counts.by_state) > 0  # no time learned; acceptance counted
     for _ in range(3):
         dec.step()
     assert colds[1 + COLD_ROUNDS:] == [False] * 3 and ks[1 + COLD_ROUNDS] == 0  # k = 0 measured at B = 2 once warm
@@ -363,7 +363,8 @@ def test_round_times_are_kept_by_the_rows_a_round_computes():
     pol = DraftPolicy.from_arg("auto", 8)
     for k in range(7):
         pol.update(8, k, [], (2.0 + 0.5 * k) * 1e-3, bucket=8)  # (a round of 8 rows: 2 ms, 0.5 ms a draft)
-    pol.counts.offered, pol.counts.accepted = [100.0] * 6, [50.0] * 6  # acceptance ~0.5 at every position
+    for c in pol.counts.by_state:  # acceptance ~0.5 at every position, whatever the last round
+        c.offered, c.accepted = [100.0] * 6, [50.0] * 6
     assert pol.next_k(5, bucket=8) == 1  # 5 x 1.5 tokens / 2.5 ms beats 5 / 2.0 and 5 x 1.75 / 3.0
     pol.update(5, 1, [(1, 1)] * 5, 2.5e-3, bucket=8)
     assert set(pol.times) == {(8, k) for k in range(7)}

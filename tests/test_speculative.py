@@ -1,5 +1,8 @@
 """Lossless MTP speculative decoding: token equality, acceptance patterns, cache state, forward counts."""
 
+import random
+import statistics
+
 import pytest
 import torch
 
@@ -203,21 +206,45 @@ def test_auto_policy_stays_in_bounds_and_follows_acceptance():
         DraftPolicy.from_arg(9, 8)
 
 
+def test_auto_policy_drafts_by_how_the_last_round_ended():
+    """Where drafts are accepted far more often after a fully accepted round than after a rejection (as on the shipped
+    model), `auto` drafts deep after a full round and little after a rejection; acceptance pooled over both would give
+    both the same k."""
+    from mtp.decode.policy import AFTER_FULL, AFTER_REJECTION
+
+    pol = DraftPolicy.from_arg("auto", 8)
+    rng = random.Random(0)
+    ks: dict[int, list[int]] = {AFTER_FULL: [], AFTER_REJECTION: []}
+    for r in range(600):
+        state = pol.states[0] if pol.states else AFTER_REJECTION
+        k = pol.next_k(1)
+        n = 0
+        while n < k and rng.random() < (0.95 if state == AFTER_FULL else 0.5):
+            n += 1
+        pol.update(1, k, [(k, n)], 0.01 + 0.001 * k)
+        if r >= 300:
+            ks[state].append(k)
+    assert pol.states == [AFTER_FULL if n == k else AFTER_REJECTION]
+    deep, shallow = (statistics.median(ks[s]) for s in (AFTER_FULL, AFTER_REJECTION))
+    assert len(ks[AFTER_FULL]) > 20 and len(ks[AFTER_REJECTION]) > 20
+    assert deep >= 6 and shallow <= 3
+
+
 def test_a_new_generation_starts_from_the_acceptance_the_last_one_saw(models):
     """Round costs where drafting pays only at high acceptance (a plain round 3.1 ms, k = 3 7.7 ms: the shipped bf16
     model's on an AVX2 EPYC): a fresh policy whose first draft is rejected falls to k = 0 under the prior, while one
     starting from a previous generation's counts (90% accepted) keeps drafting; decoders of one model share them."""
     from mtp.decode.decoder import Decoder
-    from mtp.decode.policy import AcceptanceCounts, RoundTimes
+    from mtp.decode.policy import Acceptance, RoundTimes
 
     rounds = RoundTimes()
     for k, ms in enumerate((3.1, 5.2, 5.9, 7.7)):
         rounds.record((1, k), ms / 1e3)
-    seen = AcceptanceCounts()
+    seen = Acceptance()
     for r in range(60):
-        seen.record([(3, 3 if r % 10 else 0)])
+        seen.record([(3, 3 if r % 10 else 0)], [r % 2])
     ks = []
-    for counts in (AcceptanceCounts(), seen):
+    for counts in (Acceptance(), seen):
         pol = DraftPolicy.from_arg("auto", 8, rounds, counts)
         pol.update(1, 3, [(3, 0)], 7.7e-3)  # the first draft rejected
         ks.append(pol.next_k(1))

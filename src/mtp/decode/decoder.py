@@ -32,7 +32,7 @@ from . import round_kernel
 from .compiled import Runner
 from .draft_vocab import DraftVocab
 from .masks import MaskDrafter
-from .policy import AcceptanceCounts, DraftPolicy, RoundTimes
+from .policy import Acceptance, DraftPolicy, RoundTimes
 from .prefill import PREFILL_CHUNK, prefill_chunk
 from .prompt_cache import PromptCache, Snapshot
 from .round import MAX_DRAFT, PENDING, RoundState
@@ -127,7 +127,7 @@ class Decoder:
         setup = (compile, torch.get_num_threads(), draft_vocab is not None, use_masks, max_batch)
         rounds = model.__dict__.setdefault("_round_times", {}).setdefault(setup, RoundTimes())
         counts = model.__dict__.setdefault("_acceptance", {}).setdefault((draft_vocab is not None, use_masks),
-                                                                          AcceptanceCounts())
+                                                                          Acceptance())
         if draft_tokens == "auto" and use_mtp and max_batch == 1 and rounds.rest():
             use_mtp = False  # drafting has not paid here: this generation runs plain (`RoundTimes.rest`)
         self.policy = DraftPolicy.from_arg(draft_tokens if use_mtp or use_masks else None, limit, rounds, counts)

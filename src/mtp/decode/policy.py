@@ -1,10 +1,11 @@
 """How many tokens to draft per round: fixed k, or `auto` - one policy for one sequence and for a batch.
 
 `auto` picks, before every round of B sequences, the k in [0, k_max] that maximises the tokens per second of the
-batch,  B * E(k) / t_round(B, k),  E(k) = 1 + sum_{j=1..k} prod_{i<=j} a_i,  from what this decoder has measured:
-a_i = acceptance at draft position i (counts pooled over the rows, with exponential forgetting, so it follows the
-text: code accepts more than prose; carried from one generation of a model to the next), t_round the measured time
-of a round at that batch size and k (carried alike). A generation is
+batch,  sum over rows of E_s(k) / t_round(B, k),  E_s(k) = 1 + sum_{j=1..k} prod_{i<=j} a_{s,i},  from what this
+decoder has measured: a_{s,i} = acceptance at draft position i of a round starting in state s - the row's last round
+with drafts ended in a rejection, or with every draft accepted (`Acceptance`; counts pooled over the rows, with
+exponential forgetting, so it follows the text: code accepts more than prose; carried from one generation of a model
+to the next), t_round the measured time of a round at that batch size and k (carried alike). A generation is
 a batch of one. Unseen deeper positions get an optimistic estimate (the last seen acceptance), and every 8th round
 probes one draft more (and, offset, one fewer; less often while the probes keep confirming the best), so the policy
 keeps learning. k = 0 (no drafts) wins where verifying
@@ -52,11 +53,39 @@ class AcceptanceCounts:
 
     def expected_tokens(self, k: int) -> float:
         """Expected tokens per verify with k drafts, the backbone's own token included."""
-        expected, run = 1.0, 1.0
-        for j in range(1, k + 1):
+        return self.expected_tokens_table(k)[k]
+
+    def expected_tokens_table(self, k_max: int) -> list[float]:
+        """expected_tokens(k) for k = 0..k_max, in one pass."""
+        table, run = [1.0], 1.0
+        for j in range(1, k_max + 1):
             run *= self.acceptance(j)
-            expected += run
-        return expected
+            table.append(table[-1] + run)
+        return table
+
+
+# How a sequence's last round with drafts ended, the state its next round starts in: a draft rejected (or no round
+# yet), or every draft it made accepted. Drafts are accepted far more often after a fully accepted round than after a
+# rejection (int8 code-small, 7 bench prompts, first draft: 0.91-0.94 against 0.74-0.78 at k = 3, 4 and 5; each
+# state's acceptances alike at every k), and the share of rounds after a full one falls as k grows (0.61, 0.55, 0.43),
+# so acceptance pooled over both states fell with k (first draft 0.848, 0.839, 0.815): a pooled estimate measured
+# around k = 4 over-rated k = 5, and `auto` ran at 0.93-0.96 of the best fixed k (docs/decisions.md, eighth session).
+AFTER_REJECTION, AFTER_FULL = 0, 1
+
+
+@dataclass
+class Acceptance:
+    """AcceptanceCounts kept apart by the state a round starts in (AFTER_REJECTION, AFTER_FULL)."""
+
+    by_state: tuple[AcceptanceCounts, AcceptanceCounts] = field(
+        default_factory=lambda: (AcceptanceCounts(), AcceptanceCounts()))
+
+    def record(self, rows: list[tuple[int, int]], states: list[int]) -> None:
+        """One round: (drafts offered, drafts accepted) per sequence, and the state each started in."""
+        for state, counts in enumerate(self.by_state):
+            mine = [row for row, s in zip(rows, states) if s == state]
+            if mine:
+                counts.record(mine)
 
 
 # Round times kept per (B, k), and how they make the round's cost. Another process on the machine or a page fault
@@ -127,10 +156,11 @@ class RoundTimes:
 class DraftPolicy:
     """The draft length for a batch of B sequences decoded together (continuous batching): one k per round (each
     sequence drafts min(k, what it has left)), chosen to maximise tokens per second of the whole batch,
-        B * E(k) / t_round(B, k)
-    with E(k) from the acceptance pooled over the batch (exponential forgetting) and t_round the measured time of a
-    round at that batch size and k (a mean over the last rounds without outliers, `estimate`; unseen k interpolated
-    from the ones seen at this B, or scaled from the nearest B). Verifying B(k+1) tokens costs more per token as the
+        sum over the B rows of E_s(k) / t_round(B, k)
+    with E_s(k) from the acceptance pooled over the batch apart by the state s each row starts in (`Acceptance`,
+    exponential forgetting) and t_round the measured time of a round at that batch size and k (a mean over the last
+    rounds without outliers, `estimate`; unseen k interpolated from the ones seen at this B, or scaled from the
+    nearest B). Verifying B(k+1) tokens costs more per token as the
     batch grows, so k falls with B, down to 0 (MTP off) where extra verified tokens stop paying. The second round
     measures k = 0 (the baseline), and so does the first round at a batch size not measured at k = 0 (or the first
     after them that does not follow a prompt chunk: `cold`, whose times are not learned from); every 8th round
@@ -140,12 +170,13 @@ class DraftPolicy:
 
     k_fixed: int | None  # None: auto; 0: MTP off
     k_max: int = 6
-    counts: AcceptanceCounts = field(default_factory=AcceptanceCounts)  # pooled over the batch
+    counts: Acceptance = field(default_factory=Acceptance)  # pooled over the batch, apart by state
     rounds: RoundTimes = field(default_factory=RoundTimes)  # measured round times (shared: `from_arg`)
     k_last: int = 2
     probe_every: int = 8
     n: int = 0
     probed: int | None = None  # the last round was a probe around this best k
+    states: list[int] = field(default_factory=list)  # the state each row's next round starts in (row order)
 
     @property
     def times(self) -> dict[tuple[int, int], float]:
@@ -154,7 +185,7 @@ class DraftPolicy:
 
     @classmethod
     def from_arg(cls, draft_tokens: int | str | None, limit: int, rounds: RoundTimes | None = None,
-                 counts: AcceptanceCounts | None = None) -> DraftPolicy:
+                 counts: Acceptance | None = None) -> DraftPolicy:
         """`rounds`: round times measured before (by earlier decoders of the same model and setup), shared and kept
         up to date: a round's cost is the model's and the machine's, not the text's, so a new generation starts
         from what the last one measured instead of exploring again. `counts`: the acceptance counts earlier decoders
@@ -165,7 +196,7 @@ class DraftPolicy:
             return cls(0, k_max=0)
         if draft_tokens == "auto":
             return cls(None, k_max=min(6, limit), rounds=RoundTimes() if rounds is None else rounds,
-                        counts=AcceptanceCounts() if counts is None else counts)
+                        counts=Acceptance() if counts is None else counts)
         if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or not 1 <= draft_tokens <= limit:
             raise ValueError(f"draft_tokens must be None, 0, an integer in 1..{limit} or 'auto', got {draft_tokens!r}")
         return cls(draft_tokens, k_max=draft_tokens)
@@ -216,11 +247,14 @@ class DraftPolicy:
         self.n += 1
         best_k, best = self.k_last, -1.0
         fit = self.fit()
+        full = sum(self.states[:batch])  # rows starting after a fully accepted round; the others (new ones too) not
+        expected = [(batch - full) * a + full * b for a, b in zip(
+            *(c.expected_tokens_table(self.k_max) for c in self.counts.by_state))]
         for k in range(0, self.k_max + 1):
             t = self.round_time(rows, k, fit)
             if t is None:
                 break
-            rate = batch * self.counts.expected_tokens(k) / t
+            rate = expected[k] / t
             if (rows, k) not in self.times:  # only predicted: worth one round to measure if it comes near the best
                 rate *= UNSEEN_BONUS
             if rate > best:
@@ -258,7 +292,11 @@ class DraftPolicy:
                bucket: int | None = None) -> None:
         """After a round of `batch` sequences with draft length k: rows = (drafts made, accepted) per sequence;
         seconds None: the round's time says nothing about later rounds (it compiled a graph); `bucket`: as `next_k`'s."""
-        self.counts.record(rows)
+        states = self.states + [AFTER_REJECTION] * (len(rows) - len(self.states))
+        self.counts.record(rows, states)
+        # (a row that drafted nothing keeps its state: a plain step says nothing about how drafting goes)
+        self.states = [s if offered == 0 else AFTER_FULL if n == offered else AFTER_REJECTION
+                       for s, (offered, n) in zip(states, rows)]
         if seconds is None:
             return
         self.rounds.record((batch if bucket is None else bucket, k), seconds)
