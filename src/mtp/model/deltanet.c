@@ -66,13 +66,62 @@ static void conv_sums(const Shape* s, const void* window, const void* taps, int6
     }
 }
 
+/* an 8 x 8 block of floats, rows at stride ss, -> its transpose, rows at stride ds (data movement only) */
+static inline void transpose8(const float* src, int64_t ss, float* dst, int64_t ds) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * ss);
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        r[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(dst + i * ds, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (i + 4) * ds, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+    }
+}
+
+#if defined(__AVX512F__)
+/* a 16 x 16 block of floats, rows at stride ss, -> its transpose, rows at stride ds */
+static inline void transpose16(const float* src, int64_t ss, float* dst, int64_t ds) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(src + i * ss);
+    for (int i = 0; i < 8; i++) { /* pairs of rows interleaved within each 128-bit quarter */
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* quads of rows: each quarter holds one column of 4 rows */
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int i = 0; i < 2; i++) /* then the quarters across 8 and 16 rows */
+        for (int j = 0; j < 4; j++) {
+            t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + j + 4], 0x88);
+            t[8 * i + j + 4] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + j + 4], 0xDD);
+        }
+    for (int j = 0; j < 8; j++) {
+        _mm512_storeu_ps(dst + j * ds, _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88));
+        _mm512_storeu_ps(dst + (j + 8) * ds, _mm512_shuffle_f32x4(t[j], t[j + 8], 0xDD));
+    }
+}
+#endif
+
 /* Conv, SiLU and (norm: q and k) the L2 norm of L consecutive tokens t0..t0+L-1 of one row, channels [c0, c0 + n) (one
  * head), a vector holding one channel of the L tokens: conv_block_8 (__m256), and in AVX-512 builds conv_block_16
  * (__m512, a chunk's blocks of 16 tokens: its lanes do the same arithmetic). Each lane does conv_sums', silu_n's and l2norm's
  * arithmetic for its token in their order (the conv's taps in order from 0, the norm's sum over channels in order,
  * IEEE sqrt and division), so the values are bit for bit the token-at-a-time path's, which short forwards (a plain
  * step, a verify) and a chunk's last T % 8 tokens take. A prompt's chunk spent much of a layer's time in that path's
- * scalar per-channel sums. dst: the first token's channel c0 in qkv (rows of C floats); cm: scratch [n][L]. */
+ * scalar per-channel sums. dst: the first token's channel c0 in qkv (rows of C floats); cm: scratch [n][L], written
+ * out to dst a block of L x L at a time (`transpose8`, `transpose16`: the scalar copy was an eighth of a prompt's
+ * DeltaNet time). */
 #define CONV_BLOCK(L, V, P, LOAD_BF16, ROUND, EXP)                                                                  \
     static void conv_block_##L(const Shape* s, const void* window, const void* taps, int64_t t0, int64_t c0,        \
                                int64_t n, int norm, float scale, float* dst, int64_t C, float* cm) {               \
@@ -102,7 +151,9 @@ static void conv_sums(const Shape* s, const void* window, const void* taps, int6
                 P##_storeu_ps(cm + i * L, x);                                                                       \
             }                                                                                                       \
         }                                                                                                           \
-        for (int64_t i = 0; i < n; i++)                                                                             \
+        int64_t i = 0; /* cm [n][L] -> the L tokens' rows of dst, L channels a transpose */                          \
+        for (; i + L <= n; i += L) transpose##L(cm + i * L, L, dst + i, C);                                         \
+        for (; i < n; i++)                                                                                          \
             for (int64_t l = 0; l < L; l++) dst[l * C + i] = cm[i * L + l];                                         \
     }
 CONV_BLOCK(8, __m256, _mm256, bf16x8_to_f, round_bf16x8, exp8)
