@@ -226,7 +226,8 @@ static void l2norm(float* x, int64_t n, float scale) {
  * Column j of every quantity depends on column j of S only, so the head runs up to DN_COLS columns at a time through
  * all T tokens: the columns' state stays in a scratch of Kd x DN_COLS floats (8 KB, 32 in AVX-512 builds, at Kd = 128:
  * L1) between tokens, the state before is read once, and the pass that writes S' also sums the next token's kv (the
- * same products in the same order). Every output has the arithmetic above whatever T and the column split: a verified
+ * same products in the same order); the scratch keeps S' already decayed for the next token (S' * g_{t+1}, the one
+ * product both its kv and its S' read), a multiply an element fewer per token after the first. Every output has the arithmetic above whatever T and the column split: a verified
  * token is its plain step, bit for bit (the fmas are explicit; -ffp-contract=off keeps the compiler from fusing others).
  *
  * What it leaves (`Rec`): the state after the last token (into `last`, which may be S itself: a step every row keeps),
@@ -285,17 +286,20 @@ typedef struct {
                 for (int64_t i = 0; i < Kd; i++) {                                                                  \
                     const V ki = P##_set1_ps(kt[i]), qi = P##_set1_ps(qt[i]), ni = P##_set1_ps(kn[i]);              \
                     for (int u = 0; u < NV; u++) {                                                                  \
-                        const V x = P##_fmadd_ps(ki, d[u], P##_mul_ps(P##_loadu_ps(Sp + i * sp + L * u), gt));      \
-                        P##_storeu_ps(Sn + i * sn + L * u, x);                                                      \
+                        const V s = P##_loadu_ps(Sp + i * sp + L * u);                                              \
+                        const V x = P##_fmadd_ps(ki, d[u], t == 0 ? P##_mul_ps(s, gt) : s);                         \
+                        const V xg = P##_mul_ps(x, gn); /* S' decayed for token t + 1: the scratch keeps it */      \
+                        P##_storeu_ps(Sn + i * sn + L * u, xg);                                                     \
                         o[u] = P##_fmadd_ps(qi, x, o[u]);                                                           \
-                        nk[u] = P##_fmadd_ps(ni, P##_mul_ps(x, gn), nk[u]);                                         \
+                        nk[u] = P##_fmadd_ps(ni, xg, nk[u]);                                                        \
                     }                                                                                               \
                 }                                                                                                   \
             } else                                                                                                  \
                 for (int64_t i = 0; i < Kd; i++) {                                                                  \
                     const V ki = P##_set1_ps(kt[i]), qi = P##_set1_ps(qt[i]);                                       \
                     for (int u = 0; u < NV; u++) {                                                                  \
-                        const V x = P##_fmadd_ps(ki, d[u], P##_mul_ps(P##_loadu_ps(Sp + i * sp + L * u), gt));      \
+                        const V s = P##_loadu_ps(Sp + i * sp + L * u);                                              \
+                        const V x = P##_fmadd_ps(ki, d[u], t == 0 ? P##_mul_ps(s, gt) : s);                         \
                         if (Sn) P##_storeu_ps(Sn + i * sn + L * u, x);                                              \
                         o[u] = P##_fmadd_ps(qi, x, o[u]);                                                           \
                     }                                                                                               \
@@ -326,10 +330,11 @@ static void rec_col(const Rec* r, int64_t j) {
         if (r->upd) r->upd[t * R + Kd + j] = d;
         float o = 0.0f, nk = 0.0f;
         for (int64_t i = 0; i < Kd; i++) {
-            const float x = fmaf(r->k[t][i], d, Sp[i * sp] * r->g[t]);
-            if (Sn) Sn[i * sn] = x;
+            const float x = fmaf(r->k[t][i], d, t == 0 ? Sp[i * sp] * r->g[t] : Sp[i * sp]);
+            const float xg = t + 1 < T ? x * r->g[t + 1] : x; /* (as rec_cols: the scratch keeps S' decayed) */
+            if (Sn) Sn[i * sn] = t + 1 < T ? xg : x;
             o = fmaf(r->q[t][i], x, o);
-            if (t + 1 < T) nk = fmaf(r->k[t + 1][i], x * r->g[t + 1], nk);
+            if (t + 1 < T) nk = fmaf(r->k[t + 1][i], xg, nk);
         }
         r->o[t * Vd + j] = o;
         kv = nk;
