@@ -477,3 +477,21 @@ def test_decoders_share_a_free_state_and_decode_alike(monkeypatch):
             dec.step()
         dec.step()  # (frees the row)
         assert seq.session.result().tokens == w
+
+
+def test_policy_states_follow_their_rows():
+    """Each decoding row's state (its last round fully accepted, or cut by a rejection) moves with its sequence when
+    the decoder fills a finished row's place, and a newcomer starts as after a rejection; a row that drafted nothing
+    keeps its state."""
+    from mtp.decode.policy import AFTER_FULL, AFTER_REJECTION
+
+    pol = DraftPolicy.from_arg("auto", 8)
+    pol.update(3, 3, [(3, 3), (3, 1), (3, 3)], 1e-3)
+    assert pol.states == [AFTER_FULL, AFTER_REJECTION, AFTER_FULL]
+    # the round's rows all started as after a rejection (none had drafted before): counted there
+    assert not pol.counts.by_state[AFTER_FULL].offered and pol.counts.by_state[AFTER_REJECTION].offered == [3, 3, 2]
+    pol.update(3, 0, [(0, 0)] * 3, 1e-3)
+    assert pol.states == [AFTER_FULL, AFTER_REJECTION, AFTER_FULL]
+    pol.move_row(2, 1)  # row 1 finished: the last decoding row takes its place
+    pol.reset_row(2)  # and a newcomer the freed row
+    assert pol.states == [AFTER_FULL, AFTER_FULL, AFTER_REJECTION]

@@ -224,6 +224,7 @@ class Decoder:
         self.mtp_pos[dst], self.pend_n[dst] = self.mtp_pos[src], self.pend_n[src]
         if self.masks is not None:
             self.masks.move(src, dst)
+        self.policy.move_row(src, dst)
         self.rows[dst] = self.rows[src]
 
     def _reset_row(self, row: int) -> None:
@@ -237,6 +238,7 @@ class Decoder:
             st.seen[row] = False
         if self.masks is not None:
             self.masks.reset_row(row)
+        self.policy.reset_row(row)
         self.mtp_pos[row] = self.pend_n[row] = 0
 
     # ------------------------------------------------------------------ one scheduler step

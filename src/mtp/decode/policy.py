@@ -176,7 +176,7 @@ class DraftPolicy:
     probe_every: int = 8
     n: int = 0
     probed: int | None = None  # the last round was a probe around this best k
-    states: list[int] = field(default_factory=list)  # the state each row's next round starts in (row order)
+    states: list[int] = field(default_factory=list)  # the state each decoding row's next round starts in, by row
 
     @property
     def times(self) -> dict[tuple[int, int], float]:
@@ -287,6 +287,16 @@ class DraftPolicy:
             self.probed = best_k
             return best_k - 1
         return best_k
+
+    def move_row(self, src: int, dst: int) -> None:
+        """The sequence at row `src` goes on at row `dst` (the decoder keeps its rows contiguous): its state with it."""
+        if dst < len(self.states):
+            self.states[dst] = self.states[src] if src < len(self.states) else AFTER_REJECTION
+
+    def reset_row(self, row: int) -> None:
+        """A new sequence takes `row`: it starts as after a rejection (no round of its own yet)."""
+        if row < len(self.states):
+            self.states[row] = AFTER_REJECTION
 
     def update(self, batch: int, k: int, rows: list[tuple[int, int]], seconds: float | None,
                bucket: int | None = None) -> None:

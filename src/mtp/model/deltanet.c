@@ -227,8 +227,9 @@ static void l2norm(float* x, int64_t n, float scale) {
  * all T tokens: the columns' state stays in a scratch of Kd x DN_COLS floats (8 KB, 32 in AVX-512 builds, at Kd = 128:
  * L1) between tokens, the state before is read once, and the pass that writes S' also sums the next token's kv (the
  * same products in the same order); the scratch keeps S' already decayed for the next token (S' * g_{t+1}, the one
- * product both its kv and its S' read), a multiply an element fewer per token after the first. Every output has the arithmetic above whatever T and the column split: a verified
- * token is its plain step, bit for bit (the fmas are explicit; -ffp-contract=off keeps the compiler from fusing others).
+ * product both its kv and its S' read), a multiply an element fewer per token after the first. Every output has the
+ * arithmetic above whatever T and the column split: a verified token is its plain step, bit for bit (the fmas are
+ * explicit; -ffp-contract=off keeps the compiler from fusing others).
  *
  * What it leaves (`Rec`): the state after the last token (into `last`, which may be S itself: a step every row keeps),
  * or nothing; each token's update (k_t, d, g_t) into `upd` [T][Kd + Vd + 1] (a verify: `deltanet_keep` replays the
