@@ -139,8 +139,12 @@ class Decoder:
         self.state = self._take_state(bucket(max_batch), slots, use_mtp, pooled)
         self.masks = MaskDrafter(model, self.state.pos.shape[0]) if use_masks else None
         self.vocab = draft_vocab
+        self.vocab_head = None  # the reduced vocabulary's head layer, where the one-call round reads one
         if draft_vocab is not None and use_mtp:
             draft_vocab.prepare(model, self.policy.k_max if model.mtp.max_depth is None else model.mtp.num_layers)
+            # (looked up once: its checks of the model's device, dtype and head weights took ~12 us a round, and the
+            # model does not change under a decoder)
+            self.vocab_head = draft_vocab.head(model, 1)
         self.runner = Runner.for_model(model, compile)
         if compile and use_mtp and _has_bf16_kernels(model):  # (the default warning filter shows it once)
             warnings.warn("compiled speculative decoding with bf16 linear layers is not bit-exact yet: on 1 of 7 bench "
@@ -477,7 +481,7 @@ class Decoder:
         noise = (None,) * 3 if rs is None else self._noise(seqs, rs, B, K)  # (one draw a round, whichever path runs)
         # the whole round as one C call, where it can (greedy, and every shaping: step.c's picks and top_p.c)
         if eager and self.masks is None:
-            head = None if K == 0 or self.vocab is None else self.vocab.head(model, 1)
+            head = None if K == 0 else self.vocab_head
             if K == 0 or self.vocab is None or head is not None:
                 sampling = None if rs is None else (rs, *noise)
                 fused = round_kernel.greedy_round(model, st, K, ks, D, self.state.cache.rows[:B],
