@@ -18,10 +18,10 @@ compiled graph) takes the per-layer path. MTP_STEP=0 (or MTP_NATIVE=0) turns it 
 The draft chain of the MTP (decode/round.py `draft`, greedy or by the drafts' rule: repetition penalty, temperature,
 top-k) is one call too (`draft`, `build_draft`): each depth's embedding row, pre-fc norms, input
 projection, MTP layer and norm, the head (int8, int4 or bf16-native; or a reduced draft vocabulary's head in the
-drafts' precision, its argmax mapped to the token ids) and the pick (the argmax, or a sampled row's argmax of x + its noise, x = logits
-penalised over the tokens seen and the drafts before, / T, cut to its top-k, writing the x the unseeded rule reads as
-q), K depths back to back: ~25 tensor operations and 2 program calls per depth before, the same drafts, q and MTP
-keys/values bit for bit (tests/test_step.py).
+drafts' precision, its argmax mapped to the token ids) and the pick (the argmax, or a sampled row's argmax of x + its
+noise, x = logits penalised over the tokens seen and the drafts before, / T, cut to its top-k, writing the x the
+unseeded rule reads as q), K depths back to back: ~25 tensor operations and 2 program calls per depth before, the
+same drafts, q and MTP keys/values bit for bit (tests/test_step.py).
 """
 
 from __future__ import annotations
