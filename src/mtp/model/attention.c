@@ -11,7 +11,11 @@
  * through its keys and values together, VBLOCK at a time, so each key and value is widened to fp32 once per call rather
  * than once per query; every query still reduces over its own keys in their order, so its arithmetic is the one-query
  * form's (8 rows x 4 tokens over ~400 keys, 6 heads over 2: 934 -> 545 us a call, one thread, AMX Xeon, the same bits;
- * docs/decisions.md, 2026-12-05 fourth session). */
+ * docs/decisions.md, 2026-12-05 fourth session). In the AVX-512 build the values (64 a row) are widened in registers
+ * as they are read, not copied first; a bf16 model's scores take fused multiply-adds (a product of two bf16 values is
+ * exact in fp32, so the fused form rounds what mul + add rounds: the same bits unless a product falls below 2^-126);
+ * the queries' softmax totals run 16 queries a vector, each lane its query's weights in order (one call over 280 keys:
+ * 15.3 -> 12.4 us with 3 queries a kv head, 37.5 -> 31.2 with 12; docs/decisions.md, 2026-12-06 ninth session). */
 
 #include <math.h>
 #include <stdint.h>
@@ -51,12 +55,18 @@ static inline float dot8(const float* a, const float* b, int64_t D) {
  * ...], 2D floats), kp 4 pairs of keys, each pair's chunks side by side ([k c0, k' c0, k c1, k' c1, ...], 2D floats a
  * pair) -> the 8 scores. Each half of a pair's 16 lanes runs dot8's lanes for its key in dot8's order, then dot8's
  * tree: the same scores, bit for bit, in half the multiplies (and 4 chains in flight). */
-static inline __m256 dot8_pairs4(const float* q2, const float* kp, int64_t D) {
+static inline __m256 dot8_pairs4(const float* q2, const float* kp, int64_t D, int fma) {
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int64_t i = 0; i < 2 * D; i += 16) {
-        const __m512 qi = _mm512_loadu_ps(q2 + i);
-        for (int u = 0; u < 4; u++) acc[u] = _mm512_add_ps(acc[u], _mm512_mul_ps(qi, _mm512_loadu_ps(kp + u * 2 * D + i)));
-    }
+    if (fma) /* bf16 inputs: each product is exact in fp32, so the fused multiply-add rounds what mul + add rounds */
+        for (int64_t i = 0; i < 2 * D; i += 16) {
+            const __m512 qi = _mm512_loadu_ps(q2 + i);
+            for (int u = 0; u < 4; u++) acc[u] = _mm512_fmadd_ps(qi, _mm512_loadu_ps(kp + u * 2 * D + i), acc[u]);
+        }
+    else
+        for (int64_t i = 0; i < 2 * D; i += 16) {
+            const __m512 qi = _mm512_loadu_ps(q2 + i);
+            for (int u = 0; u < 4; u++) acc[u] = _mm512_add_ps(acc[u], _mm512_mul_ps(qi, _mm512_loadu_ps(kp + u * 2 * D + i)));
+        }
     /* lanes8_sum's tree for the 8 keys at once, in vertical adds (the same adds of the same values: the same bits; the
      * 8 horizontal sums and their scalar stores were most of a verify's attention): acc[u] holds keys 2u, 2u + 1 as 128-bit
      * quarters [lo, hi, lo', hi'] */
@@ -73,6 +83,18 @@ static inline __m256 dot8_pairs4(const float* q2, const float* kp, int64_t D) {
 /* keys [n][D] (bf16 or fp32) -> kp in dot8_pairs4's layout, pairs (0, 1), (2, 3), ..., zeros past the last key up to
  * a multiple of 8 keys */
 static void widen_pairs(const void* src, int64_t n, int64_t D, int bf16, float* kp) {
+    if (bf16) { /* a pair's two 8-value chunks as one 16-lane widening (8 at a time took a fifth of a short call) */
+        const uint16_t* k = src;
+        const __m128i zero = _mm_setzero_si128();
+        for (int64_t j = 0; j < (n + 7) / 8 * 8; j += 2)
+            for (int64_t c = 0; c < D; c += 8) {
+                const __m128i a = j < n ? _mm_loadu_si128((const __m128i*)(k + j * D + c)) : zero;
+                const __m128i b = j + 1 < n ? _mm_loadu_si128((const __m128i*)(k + (j + 1) * D + c)) : zero;
+                const __m256i ab = _mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1);
+                _mm512_storeu_ps(kp + j * D + 2 * c, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(ab), 16)));
+            }
+        return;
+    }
     for (int64_t j = 0; j < (n + 7) / 8 * 8; j += 2)
         for (int64_t c = 0; c < D; c += 8)
             for (int u = 0; u < 2; u++) {
@@ -185,14 +207,14 @@ static void accumulate(float* acc, const float* p, const float* v, int64_t n, in
  * each query's sums in its own registers, so each keeps accumulate's order and bits; one query's 4 chains waited on
  * the add's latency at every value (a quarter of a verify's attention), R queries' 4R chains do not, and each value
  * row is loaded once for the R. */
-#define ACCUMULATE_ROWS(R)                                                                                          \
-    static void accumulate_##R(float* const* acc, const float* const* p, const float* v, int64_t n) {               \
+#define ACCUMULATE_ROWS(R, NAME, E, LOAD16)                                                                         \
+    static void NAME(float* const* acc, const float* const* p, const E* v, int64_t n) {                             \
         __m512 a[R][4];                                                                                             \
         for (int r = 0; r < R; r++)                                                                                 \
             for (int u = 0; u < 4; u++) a[r][u] = _mm512_loadu_ps(acc[r] + 16 * u);                                 \
         for (int64_t j = 0; j < n; j++) {                                                                           \
             __m512 vj[4];                                                                                           \
-            for (int u = 0; u < 4; u++) vj[u] = _mm512_loadu_ps(v + j * 64 + 16 * u);                              \
+            for (int u = 0; u < 4; u++) vj[u] = LOAD16(v + j * 64 + 16 * u);                                       \
             for (int r = 0; r < R; r++) {                                                                           \
                 const __m512 pj = _mm512_set1_ps(p[r][j]);                                                          \
                 for (int u = 0; u < 4; u++) a[r][u] = _mm512_add_ps(a[r][u], _mm512_mul_ps(pj, vj[u]));            \
@@ -201,9 +223,28 @@ static void accumulate(float* acc, const float* p, const float* v, int64_t n, in
         for (int r = 0; r < R; r++)                                                                                 \
             for (int u = 0; u < 4; u++) _mm512_storeu_ps(acc[r] + 16 * u, a[r][u]);                                 \
     }
-ACCUMULATE_ROWS(2)
-ACCUMULATE_ROWS(3)
-ACCUMULATE_ROWS(4)
+/* 16 values of a row, widened in the register (exact): the values are read where the cache holds them */
+static inline __m512 load16_bf16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+ACCUMULATE_ROWS(1, accumulate_1_bf16, uint16_t, load16_bf16)
+ACCUMULATE_ROWS(2, accumulate_2_bf16, uint16_t, load16_bf16)
+ACCUMULATE_ROWS(3, accumulate_3_bf16, uint16_t, load16_bf16)
+ACCUMULATE_ROWS(4, accumulate_4_bf16, uint16_t, load16_bf16)
+ACCUMULATE_ROWS(1, accumulate_1_f32, float, _mm512_loadu_ps)
+ACCUMULATE_ROWS(2, accumulate_2_f32, float, _mm512_loadu_ps)
+ACCUMULATE_ROWS(3, accumulate_3_f32, float, _mm512_loadu_ps)
+ACCUMULATE_ROWS(4, accumulate_4_f32, float, _mm512_loadu_ps)
+/* acc[r] += p[r][j] * v[j] for R <= 4 queries over their first n values, v: rows of 64 values (bf16 or fp32) as the
+ * cache holds them */
+static void accumulate_rows(int R, float* const* acc, const float* const* p, const void* v, int bf16, int64_t n) {
+    static void (*const b[4])(float* const*, const float* const*, const uint16_t*, int64_t) = {
+        accumulate_1_bf16, accumulate_2_bf16, accumulate_3_bf16, accumulate_4_bf16};
+    static void (*const f[4])(float* const*, const float* const*, const float*, int64_t) = {
+        accumulate_1_f32, accumulate_2_f32, accumulate_3_f32, accumulate_4_f32};
+    if (bf16) b[R - 1](acc, p, v, n);
+    else f[R - 1](acc, p, v, n);
+}
 #undef ACCUMULATE_ROWS
 #endif
 
@@ -240,7 +281,7 @@ static void decode_head(const Attn* a, int64_t b, int64_t h, float* buf, int64_t
 #if defined(__AVX512F__)
             __m256 mv = _mm256_set1_ps(mq);
             for (int64_t j = 0; j < last; j += 8) { /* (scores past `last`: of the zero padding, or unused) */
-                const __m256 s = _mm256_mul_ps(dot8_pairs4(q2 + i_q * 2 * D, vf + j * D, D), _mm256_set1_ps(scale));
+                const __m256 s = _mm256_mul_ps(dot8_pairs4(q2 + i_q * 2 * D, vf + j * D, D, bf16), _mm256_set1_ps(scale));
                 const __mmask8 in = last - j >= 8 ? (__mmask8)0xff : (__mmask8)((1u << (last - j)) - 1);
                 _mm256_mask_storeu_ps(pq + j, in, s);
                 mv = _mm256_mask_max_ps(mv, in, mv, s); /* (the max of the same scores, whatever the order) */
@@ -265,15 +306,28 @@ static void decode_head(const Attn* a, int64_t b, int64_t h, float* buf, int64_t
     }
     /* each query's total over its weights in order, the queries' sums side by side (one query's chain of adds waited on
      * each add's latency) */
+    int64_t i_s = 0;
+#if defined(__AVX512F__)
+    for (; i_s < Q && (Q - 1) * S < INT32_MAX; i_s += 16) { /* 16 queries a vector: lane r adds query i_s + r's weights */
+        int32_t row[16] = {0}, keys[16] = {0};
+        for (int64_t r = 0; r < 16 && i_s + r < Q; r++) row[r] = (int32_t)((i_s + r) * S), keys[r] = (int32_t)n[i_s + r];
+        const __m512i rows = _mm512_loadu_si512(row), counts = _mm512_loadu_si512(keys);
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t j = 0; j < most; j++) {
+            const __mmask16 in = _mm512_cmpgt_epi32_mask(counts, _mm512_set1_epi32((int)j));
+            total = _mm512_mask_add_ps(total, in, total, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), in, rows, p + j, 4));
+        }
+        _mm512_mask_storeu_ps(sum + i_s, lanes16(Q - i_s), total);
+    }
+#endif
     for (int64_t j = 0; j < most; j++)
-        for (int64_t i_q = 0; i_q < Q; i_q++)
+        for (int64_t i_q = i_s; i_q < Q; i_q++)
             if (j < n[i_q]) sum[i_q] += p[i_q * S + j];
     for (int64_t j0 = 0; j0 < most; j0 += VBLOCK) { /* VBLOCK values widened, then each query's sums over them */
         const int64_t nj = most - j0 < VBLOCK ? most - j0 : VBLOCK;
-        widen(vb + (size_t)(j0 * Dv) * es, nj * Dv, bf16, vf);
         int64_t i_q = 0;
 #if defined(__AVX512F__)
-        for (; Dv == 64 && i_q + 1 < Q; i_q += 4) { /* up to 4 queries at once over the values they all see */
+        for (; Dv == 64 && i_q < Q; i_q += 4) { /* up to 4 queries at once over the values they all see */
             const int64_t R = Q - i_q < 4 ? Q - i_q : 4;
             float* accs[4];
             const float* ps[4];
@@ -285,17 +339,17 @@ static void decode_head(const Attn* a, int64_t b, int64_t h, float* buf, int64_t
                 ps[r] = p + (i_q + r) * S + j0;
             }
             common = common > 0 ? common : 0;
-            if (common > 0) {
-                if (R == 4) accumulate_4(accs, ps, vf, common);
-                else if (R == 3) accumulate_3(accs, ps, vf, common);
-                else accumulate_2(accs, ps, vf, common);
-            }
+            const char* vj = vb + (size_t)(j0 * Dv) * es;
+            if (common > 0) accumulate_rows((int)R, accs, ps, vj, bf16, common);
             for (int64_t r = 0; r < R; r++) { /* a query's values past the common ones, in their order */
                 const int64_t last = n[i_q + r] - j0 < nj ? n[i_q + r] - j0 : nj;
-                if (last > common) accumulate(accs[r], ps[r] + common, vf + common * Dv, last - common, Dv);
+                const float* pr = ps[r] + common;
+                if (last > common) accumulate_rows(1, accs + r, &pr, vj + (size_t)(common * Dv) * es, bf16, last - common);
             }
         }
+        if (i_q < Q)
 #endif
+            widen(vb + (size_t)(j0 * Dv) * es, nj * Dv, bf16, vf);
         for (; i_q < Q; i_q++) {
             const int64_t last = n[i_q] - j0 < nj ? n[i_q] - j0 : nj;
             if (last > 0) accumulate(acc + i_q * Dv, p + i_q * S + j0, vf, last, Dv);
