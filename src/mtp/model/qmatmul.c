@@ -64,6 +64,28 @@ int qmatmul_ready(void) { return 0; }
  * products' relative error from the activations' rounding goes from 0.70% to 1.10%, small beside int4's own
  * (docs/decisions.md, 2026-12-06, fourth session). */
 static void quantize_row(const uint16_t* x, int64_t K, int64_t A, int8_t* xq, float* dx, int32_t* xs) {
+#if defined(__AVX512F__)
+    if (A % 16 == 0) { /* 16 lanes a vector: each code rounded as below, the block's max and integer sum the same (for
+                        * finite inputs: the same bits); 8 lanes took ~9 us of a plain int4 step, 4x that in a verify */
+        for (int64_t b = 0; b < K / A; b++) {
+            const uint16_t* xb = x + b * A;
+            __m512 amax = _mm512_setzero_ps();
+            for (int64_t i = 0; i < A; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(bf16x16_to_f(xb + i, 16)));
+            const float a = _mm512_reduce_max_ps(amax);
+            const __m512 id = _mm512_set1_ps(a > 0.0f ? 127.0f / a : 0.0f);
+            __m512i s32 = _mm512_setzero_si512();
+            for (int64_t c = 0; c < A; c += 16) {
+                const __m512i q = _mm512_cvt_roundps_epi32(_mm512_mul_ps(bf16x16_to_f(xb + c, 16), id),
+                                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                s32 = _mm512_add_epi32(s32, q);
+                _mm_storeu_si128((__m128i*)(xq + b * A + c), _mm512_cvtsepi32_epi8(q));
+            }
+            dx[b] = a / 127.0f;
+            xs[b] = _mm512_reduce_add_epi32(s32);
+        }
+        return;
+    }
+#endif
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t b = 0; b < K / A; b++) {
         const uint16_t* xb = x + b * A;
