@@ -323,7 +323,8 @@ static void decode_head(const Attn* a, int64_t b, int64_t h, float* buf, int64_t
     for (int64_t j = 0; j < most; j++)
         for (int64_t i_q = i_s; i_q < Q; i_q++)
             if (j < n[i_q]) sum[i_q] += p[i_q * S + j];
-    for (int64_t j0 = 0; j0 < most; j0 += VBLOCK) { /* VBLOCK values widened, then each query's sums over them */
+    for (int64_t j0 = 0; j0 < most; j0 += VBLOCK) { /* VBLOCK values, then each query's sums over them (read in place
+                                                    * at Dv = 64 in the AVX-512 build, else widened first) */
         const int64_t nj = most - j0 < VBLOCK ? most - j0 : VBLOCK;
         int64_t i_q = 0;
 #if defined(__AVX512F__)
