@@ -512,6 +512,20 @@ int deltanet_decode(int64_t B, int64_t T, int64_t Hk, int64_t Hv, int64_t Kd, in
     return failed ? -1 : 0;
 }
 
+/* keep_head's columns j.., 64 at a time in registers through every update (V, P: the vector type and intrinsics' prefix,
+ * L lanes) */
+#define KEEP64(V, P, L)                                                                                             \
+    for (; j + 64 <= Vd; j += 64) {                                                                                 \
+        V x[64 / L];                                                                                                \
+        for (int u = 0; u < 64 / L; u++) x[u] = P##_loadu_ps(row + j + L * u);                                     \
+        for (int64_t t = 0; t < keep; t++) {                                                                        \
+            const float* up = U + t * R;                                                                            \
+            const V g = P##_set1_ps(up[Kd + Vd]), k = P##_set1_ps(up[i]);                                           \
+            for (int u = 0; u < 64 / L; u++)                                                                        \
+                x[u] = P##_fmadd_ps(k, P##_loadu_ps(up + Kd + j + L * u), P##_mul_ps(x[u], g));                     \
+        }                                                                                                           \
+        for (int u = 0; u < 64 / L; u++) P##_storeu_ps(row + j + L * u, x[u]);                                      \
+    }
 /* deltanet_keep (below) of row w / Hv, value head w % Hv */
 static void keep_head(int64_t w, int64_t Hv, int64_t T, int64_t Kd, int64_t Vd, const int64_t* n, const float* updates,
                       float* ssm, int64_t C, int64_t kernel, int64_t esize, const void* window, void* conv) {
@@ -524,29 +538,9 @@ static void keep_head(int64_t w, int64_t Hv, int64_t T, int64_t Kd, int64_t Vd, 
         int64_t j = 0;
 #if defined(__AVX512F__) /* 16 lanes a vector: each element's operations as the 8-lane code's (the same bits; 8 lanes
                           * took 40-50 us of a 4-token verify's round on the shipped model, int4) */
-        for (; j + 64 <= Vd; j += 64) {
-            __m512 x[4];
-            for (int u = 0; u < 4; u++) x[u] = _mm512_loadu_ps(row + j + 16 * u);
-            for (int64_t t = 0; t < keep; t++) {
-                const float* up = U + t * R;
-                const __m512 g = _mm512_set1_ps(up[Kd + Vd]), k = _mm512_set1_ps(up[i]);
-                for (int u = 0; u < 4; u++)
-                    x[u] = _mm512_fmadd_ps(k, _mm512_loadu_ps(up + Kd + j + 16 * u), _mm512_mul_ps(x[u], g));
-            }
-            for (int u = 0; u < 4; u++) _mm512_storeu_ps(row + j + 16 * u, x[u]);
-        }
+        KEEP64(__m512, _mm512, 16)
 #endif
-        for (; j + 64 <= Vd; j += 64) { /* 64 columns in registers through every update */
-            __m256 x[8];
-            for (int u = 0; u < 8; u++) x[u] = _mm256_loadu_ps(row + j + 8 * u);
-            for (int64_t t = 0; t < keep; t++) {
-                const float* up = U + t * R;
-                const __m256 g = _mm256_set1_ps(up[Kd + Vd]), k = _mm256_set1_ps(up[i]);
-                for (int u = 0; u < 8; u++)
-                    x[u] = _mm256_fmadd_ps(k, _mm256_loadu_ps(up + Kd + j + 8 * u), _mm256_mul_ps(x[u], g));
-            }
-            for (int u = 0; u < 8; u++) _mm256_storeu_ps(row + j + 8 * u, x[u]);
-        }
+        KEEP64(__m256, _mm256, 8)
         for (; j + 8 <= Vd; j += 8) {
             __m256 x = _mm256_loadu_ps(row + j);
             for (int64_t t = 0; t < keep; t++) {
@@ -565,6 +559,7 @@ static void keep_head(int64_t w, int64_t Hv, int64_t T, int64_t Kd, int64_t Vd, 
     for (int64_t c = h * C / Hv; c < (h + 1) * C / Hv; c++) /* this row's conv channels, split over its heads */
         memcpy((char*)conv + (r * C + c) * keep_w, (const char*)window + ((r * C + c) * W + keep) * esize, (size_t)keep_w);
 }
+#undef KEEP64
 
 /* keep_at: row r of ssm [B, Hv, Kd, Vd] := its state after the first n[r] tokens of updates [B, Hv, T, Kd + Vd + 1]
  * (`deltanet_decode`'s: S[i][j] = fma(k_t[i], d_t[j], S[i][j] * g_t) for t < n[r], the step's own arithmetic, so the
