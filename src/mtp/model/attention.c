@@ -224,13 +224,12 @@ static void accumulate(float* acc, const float* p, const float* v, int64_t n, in
             for (int u = 0; u < 4; u++) _mm512_storeu_ps(acc[r] + 16 * u, a[r][u]);                                 \
     }
 /* 16 values of a row, widened in the register (exact): the values are read where the cache holds them */
-static inline __m512 load16_bf16(const uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-ACCUMULATE_ROWS(1, accumulate_1_bf16, uint16_t, load16_bf16)
-ACCUMULATE_ROWS(2, accumulate_2_bf16, uint16_t, load16_bf16)
-ACCUMULATE_ROWS(3, accumulate_3_bf16, uint16_t, load16_bf16)
-ACCUMULATE_ROWS(4, accumulate_4_bf16, uint16_t, load16_bf16)
+#define BF16X16(p) bf16x16_to_f(p, 16)
+ACCUMULATE_ROWS(1, accumulate_1_bf16, uint16_t, BF16X16)
+ACCUMULATE_ROWS(2, accumulate_2_bf16, uint16_t, BF16X16)
+ACCUMULATE_ROWS(3, accumulate_3_bf16, uint16_t, BF16X16)
+ACCUMULATE_ROWS(4, accumulate_4_bf16, uint16_t, BF16X16)
+#undef BF16X16
 ACCUMULATE_ROWS(1, accumulate_1_f32, float, _mm512_loadu_ps)
 ACCUMULATE_ROWS(2, accumulate_2_f32, float, _mm512_loadu_ps)
 ACCUMULATE_ROWS(3, accumulate_3_f32, float, _mm512_loadu_ps)

@@ -129,13 +129,13 @@ class CausalLM(nn.Module, ABC):
     # (MTP_BF16=torch): what a family's one-call draft reads (Qwen3.5: model/step.py), so the draft and the layers give
     # the same bits. The rest (routers) run what bf16 layers run (`linear.bf16_kernel`).
     native_bf16: ClassVar[tuple[str, ...]] = ()
+    # The config key counting routed experts when checkpoints may hold them per expert (None: no MoE layers).
+    experts_key: ClassVar[str | None] = None
 
     @classmethod
     def precise_layers(cls) -> tuple[str, ...]:
         """Name suffixes of the linears quantization leaves in bf16: the MTP's input projection and `keep_precision`."""
         return ((cls.mtp_input_projection,) if cls.mtp_input_projection else ()) + cls.keep_precision
-    # The config key counting routed experts when checkpoints may hold them per expert (None: no MoE layers).
-    experts_key: ClassVar[str | None] = None
 
     config: object
     model: nn.Module
