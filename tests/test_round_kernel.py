@@ -283,3 +283,50 @@ def test_rounds_of_every_width_share_one_scratch_and_stay_exact(D):
         scratch_tensors += [] if window is None else [window]
         assert scratch_tensors and all(t.untyped_storage().data_ptr() == scratch.untyped_storage().data_ptr()
                                        for t in scratch_tensors)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "bf16"])
+@pytest.mark.parametrize("draft_tokens", [None, 1, 3, "auto"])
+def test_rounds_chained_in_one_call_decode_what_single_rounds_do(kind, draft_tokens, monkeypatch):
+    """`generate` runs a lone greedy sequence's rounds back to back in one C call (`greedy_rounds`, `Decoder(chain=16)`):
+    the same tokens as one round a call (chain = 1), and at a fixed k the same rounds (drafts offered and accepted,
+    token kinds); stopped by the length limit, and by an EOS token in mid-round (the tokens after it dropped, the
+    finish reason "eos"). `auto` learns from every chained round (its probes fall where they fall unchained)."""
+    import importlib
+
+    import mtp
+    from test_step import quantized
+
+    gen = importlib.import_module("mtp.decode.generate")
+    model = quantized(kind)
+    prompt = [5, 9, 2, 31, 7]
+
+    def decode(chain: int, eos: list[int], max_new: int):
+        decoder = gen.Decoder
+        monkeypatch.setattr(gen, "Decoder", lambda *a, **kw: decoder(*a, **{**kw, "chain": chain}))
+        calls = []
+        rounds = round_kernel.greedy_rounds
+        monkeypatch.setattr(round_kernel, "greedy_rounds", lambda *a, **kw: calls.append(1) or rounds(*a, **kw))
+        r = mtp.generate(model, prompt, max_new_tokens=max_new, draft_tokens=draft_tokens, eos_token_ids=eos)
+        monkeypatch.setattr(gen, "Decoder", decoder)
+        return r, len(calls)
+
+    if draft_tokens == "auto":  # a policy that has seen every draft accepted and cheap drafts (this model's are not):
+        # deep in both states, so its rounds chain between probes from the first rounds after the prompt's
+        from mtp.decode.decoder import Decoder
+
+        policy = Decoder(model, 1, 128, "auto").policy  # (its counts and times are every later decoder's)
+        for k in range(policy.k_max + 1):
+            policy.rounds.record((1, k), (1 + 0.02 * k) * 1e-3)
+        for r in range(60):
+            policy.counts.record([(policy.k_max, policy.k_max)], [r % 2])
+    (free, n_free), (one, n_one) = decode(16, [], 57), decode(1, [], 57)
+    assert free.tokens == one.tokens and len(free.tokens) == 57 and free.finish_reason == "length"
+    assert n_free > 0 and n_one == 0  # (chain 1: never called)
+    eos = free.tokens[40]  # an EOS token emitted in mid-generation (in mid-round where drafts are accepted)
+    (a, _), (b, _) = decode(16, [eos], 57), decode(1, [eos], 57)
+    assert a.tokens == b.tokens == free.tokens[: free.tokens.index(eos) + 1] and a.finish_reason == b.finish_reason == "eos"
+    if draft_tokens != "auto":
+        for x, y in ((free, one), (a, b)):
+            assert x.stats.k_history == y.stats.k_history and x.stats.n_history == y.stats.n_history
+            assert x.kinds == y.kinds and x.stats.backbone_forwards == y.stats.backbone_forwards

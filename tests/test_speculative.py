@@ -230,6 +230,57 @@ def test_auto_policy_drafts_by_how_the_last_round_ended():
     assert deep >= 6 and shallow <= 3
 
 
+def test_auto_commits_a_lone_row_to_its_k_up_to_the_next_probe():
+    """`run` (the rounds a lone row may chain at the k `next_k` chose): up to the next probe where both states choose
+    that k, 1 where the states choose apart, on a probe or a measuring round, and for a batch; rounds chained and
+    counted with `advance` keep the probes where they fall without a chain."""
+    from mtp.decode.policy import AFTER_FULL
+
+    def policy(apart: bool) -> DraftPolicy:
+        pol = DraftPolicy.from_arg("auto", 8)
+        for r in range(120):  # state-independent acceptance (or not), cheap drafts: the best k is deep
+            k = pol.next_k(1)
+            full = bool(pol.states) and pol.states[0] == AFTER_FULL
+            n = k if (r % 5 or (apart and full)) else 0
+            if apart and not full:
+                n = min(n, 1)
+            pol.update(1, k, [(k, n)], 0.01 + 0.001 * k)
+        return pol
+
+    pol = policy(apart=False)
+    probes, runs, n0 = [], [], pol.n
+    for _ in range(64):
+        k = pol.next_k(1)
+        if pol.probed is not None or k != pol.k_last:
+            probes.append(pol.n)
+            assert pol.run == 1
+        else:
+            runs.append(pol.run)
+            every = pol.probe_every << pol.rounds.settled
+            nxt = next(m for m in range(pol.n + 1, pol.n + every + 1)
+                       if (m % every == 0 and k < pol.k_max) or (m % every == every // 2 and k > 0))
+            assert pol.run == nxt - pol.n
+        pol.update(1, k, [(k, k)], 0.01 + 0.001 * k)
+    assert probes and max(runs) > 1
+    chained = policy(apart=False)
+    seen = []
+    while chained.n < n0 + 64:  # the same rounds, chained as the decoder chains them
+        k = chained.next_k(1)
+        if chained.probed is not None or k != chained.k_last:
+            seen.append(chained.n)
+        for _ in range(chained.run):
+            chained.update(1, k, [(k, k)], 0.01 + 0.001 * k)
+        chained.advance(chained.run - 1)
+    assert [n for n in seen if n <= n0 + 64] == probes
+    apart = policy(apart=True)
+    for _ in range(16):  # deep after a full round, shallow after a rejection: one round at a time
+        k = apart.next_k(1)
+        assert apart.run == 1
+        apart.update(1, k, [(k, k)], 0.01 + 0.001 * k)
+    pol.next_k(2)
+    assert pol.run == 1  # a batch: one round at a time
+
+
 def test_a_new_generation_starts_from_the_acceptance_the_last_one_saw(models):
     """Round costs where drafting pays only at high acceptance (a plain round 3.1 ms, k = 3 7.7 ms: the shipped bf16
     model's on an AVX2 EPYC): a fresh policy whose first draft is rejected falls to k = 0 under the prior, while one

@@ -82,8 +82,9 @@ def _profiled_rounds(model, ids: list[int], kw: dict) -> tuple[list, int]:
 
 def _rounds_in_c(model, ids: list[int], kw: dict, linear_ms: float) -> tuple[float, float, float]:
     """One more generation, each round timed whole and for the time inside our C kernels (ctypes calls, which the
-    profiler does not see) -> per round (C ms, C calls, host ms = round - C - linear_ms)."""
-    rounds = []  # (wall seconds, C seconds, C calls) per round
+    profiler does not see) -> per round (C ms, C calls, host ms = round - C - linear_ms). (A `_round` call may run
+    several rounds in one C call, `Decoder.chain`: the figures are per round the generation counted.)"""
+    rounds = []  # (wall seconds, C seconds, C calls) per `_round` call
     real = Decoder._round
 
     def timed_round(self, D, cold=False):
@@ -96,10 +97,10 @@ def _rounds_in_c(model, ids: list[int], kw: dict, linear_ms: float) -> tuple[flo
     Decoder._round = timed_round
     try:
         room = model.context_length - len(ids) - 1
-        generate(model, ids, **{**kw, "max_new_tokens": max(kw["max_new_tokens"], min(STEADY_TOKENS, room))})
+        r = generate(model, ids, **{**kw, "max_new_tokens": max(kw["max_new_tokens"], min(STEADY_TOKENS, room))})
     finally:
         Decoder._round = real
-    n = max(1, len(rounds))
+    n = max(1, r.stats.backbone_forwards)
     wall, c_s, calls = (sum(r[i] for r in rounds) for i in range(3))
     return c_s / n * 1e3, calls / n, max(0.0, (wall - c_s) / n * 1e3 - linear_ms)
 

@@ -104,10 +104,13 @@ class Decoder:
     `max_len`: the positions a sequence may reach (prompt + new tokens), capped at the model's context; the state is
     sized to it (never to the model's maximum context). `draft_tokens`: None/0 plain decoding, 1..8 or "auto".
     `compile`: run the round through compiled graphs (`compiled.Runner`). `prompt_cache`: where prompts' states are
-    kept and found again (`prompt_cache.py`; a server's, shared by its decoders)."""
+    kept and found again (`prompt_cache.py`; a server's, shared by its decoders). `chain`: the rounds one `step` may
+    run back to back in one C call for a lone greedy sequence at a fixed k (`round_kernel.greedy_rounds`; 1: a step is
+    one round, as a server's must be to admit and cancel between rounds)."""
 
     def __init__(self, model, max_batch: int, max_len: int, draft_tokens: int | str | None,
-                 draft_vocab: DraftVocab | None = None, compile: bool = False, prompt_cache: PromptCache | None = None):
+                 draft_vocab: DraftVocab | None = None, compile: bool = False, prompt_cache: PromptCache | None = None,
+                 chain: int = 1):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.model = model
@@ -136,6 +139,7 @@ class Decoder:
         slots = cache_slots(self.max_len, pooled, model.context_length)
         model.prepare_decode(slots)
         self.max_batch = max_batch
+        self.chain = chain  # rounds a step may run back to back for a lone greedy sequence at a fixed k (`_round`)
         self.state = self._take_state(bucket(max_batch), slots, use_mtp, pooled)
         self.masks = MaskDrafter(model, self.state.pos.shape[0]) if use_masks else None
         self.vocab = draft_vocab
@@ -448,6 +452,35 @@ class Decoder:
                                      appended=self.masks).tolist()  # the round's one sync
         return out, t_draft, time.perf_counter() - t
 
+    def _kept(self, seqs: list[Sequence], ks: list[int], K: int, out: list[list[int]], t_draft: float,
+              t_verify: float) -> list[tuple[Sequence, list[int]]]:
+        """A round's tokens (`out` [B][K+2]: the tokens, then n) into the host's positions and the sequences' sessions
+        and stats -> (sequence, tokens emitted) of those that emitted any."""
+        t = time.perf_counter()
+        emitted = []
+        for b, s in enumerate(seqs):
+            n = out[b][K + 1]
+            self.state.cache.rows[b] += n + 1
+            if self.use_mtp:
+                if K > 0:
+                    self.mtp_pos[b] += self.pend_n[b]
+                    self.pend_n[b] = n + 1
+                else:
+                    self.pend_n[b] += 1
+            st_s = s.session.stats
+            st_s.backbone_forwards += 1
+            st_s.record_step(ks[b], n)
+            st_s.time_draft += t_draft
+            st_s.time_verify += t_verify
+            kinds = ["draft"] * n + ["plain" if ks[b] == 0 else "bonus" if n == ks[b] else "correction"]
+            toks = s.session.emit(out[b][: n + 1], kinds)
+            if toks:
+                emitted.append((s, toks))
+        other = time.perf_counter() - t
+        for s in seqs:
+            s.session.stats.time_other += other
+        return emitted
+
     def _round(self, D: int, cold: bool = False) -> list[tuple[Sequence, list[int]]]:
         """One round of the decoding rows [0, D). `cold`: a prompt chunk was read less than COLD_ROUNDS rounds before,
         so this round's time is not one the policy learns from."""
@@ -483,10 +516,18 @@ class Decoder:
         if eager and self.masks is None:
             head = None if K == 0 else self.vocab_head
             if K == 0 or self.vocab is None or head is not None:
+                vocab = None if head is None else (head, self.vocab.ids)
+                # a lone greedy sequence runs the rounds its k stands for (plain and a fixed k: all; `auto`: up to its
+                # next probe) back to back in one call: the host's time between rounds was ~0.12 ms a round
+                # (docs/decisions.md); the policy then learns from each round as it would have
+                run = self.chain if self.policy.k_fixed is not None else min(self.chain, self.policy.run)
+                if run > 1 and B == 1 and rs is None and not (self.use_mtp and K == 0) and not seqs[0].session.stop:
+                    chained = self._chain(seqs, ks, k, K, st, vocab, run)
+                    if chained is not None:
+                        return chained
                 sampling = None if rs is None else (rs, *noise)
                 fused = round_kernel.greedy_round(model, st, K, ks, D, self.state.cache.rows[:B],
-                                                  max(self.pend_n[:B]) if K else 0,
-                                                  None if head is None else (head, self.vocab.ids), sampling)
+                                                  max(self.pend_n[:B]) if K else 0, vocab, sampling)
         if fused is not None:
             out, t_draft = fused
             t_verify = time.perf_counter() - t0 - t_draft
@@ -494,41 +535,44 @@ class Decoder:
             out, t_draft, t_verify = self._round_steps(st, K, ks, D, B, rs, noise, t0)
         if self.masks is not None:
             self.masks.commit(ks, [out[b][K + 1] for b in range(B)], D)
+        emitted = self._kept(seqs, ks, K, out, t_draft, t_verify)
+        seconds = None if self._first_call(B, K, rs) or cold else time.perf_counter() - t0
+        self.policy.update(D, k, [(ks[b], out[b][K + 1]) for b in range(D)], seconds, B)
+        self.last_round = [(s, ks[b], out[b][K + 1]) for b, s in enumerate(seqs)]
+        return emitted
 
-        t = time.perf_counter()
-        emitted = []
-        for b, s in enumerate(seqs):
-            n = out[b][K + 1]
-            self.state.cache.rows[b] += n + 1
-            if self.use_mtp:
-                if K > 0:
-                    self.mtp_pos[b] += self.pend_n[b]
-                    self.pend_n[b] = n + 1
-                else:
-                    self.pend_n[b] += 1
-            st_s = s.session.stats
-            st_s.backbone_forwards += 1
-            st_s.record_step(ks[b], n)
-            st_s.time_draft += t_draft
-            st_s.time_verify += t_verify
-            kinds = ["draft"] * n + ["plain" if ks[b] == 0 else "bonus" if n == ks[b] else "correction"]
-            toks = s.session.emit(out[b][: n + 1], kinds)
-            if toks:
-                emitted.append((s, toks))
-        other = time.perf_counter() - t
-        for s in seqs:
-            s.session.stats.time_other += other
-        # a compiled graph's first call compiles it (or reads it from the disk cache), and an eager round's first of its
-        # kind (per model) builds what it runs (one-call programs, buffers: ~5x a round here); an eager decoder's state
-        # binds each width's one-call round on its first use (`round_kernel.greedy_round`: ~0.3 ms, the round ~2 ms,
-        # and `auto` learned those: int8 drafted k = 4 where k = 3 was faster): not times to learn from
+    def _first_call(self, B: int, K: int, rs: RowSampling | None) -> bool:
+        """Whether this is the first round of its kind: a compiled graph's first call compiles it (or reads it from the
+        disk cache), and an eager round's first of its kind (per model) builds what it runs (one-call programs, buffers:
+        ~5x a round here); an eager decoder's state binds each width's one-call round on its first use
+        (`round_kernel.greedy_round`: ~0.3 ms, the round ~2 ms, and `auto` learned those: int8 drafted k = 4 where
+        k = 3 was faster): not times to learn from."""
         graph = (B, K, None if rs is None else (rs.use_penalty, rs.use_top_k, rs.use_top_p, rs.any_sampled, rs.any_unseeded))
         bound = self.state.__dict__.setdefault("rounds_run", set())
         first = graph not in self.runner.called or graph not in bound
         self.runner.called.add(graph)
         bound.add(graph)
-        seconds = None if first or cold else time.perf_counter() - t0
-        self.policy.update(D, k, [(ks[b], out[b][K + 1]) for b in range(D)], seconds, B)
-        self.last_round = [(s, ks[b], out[b][K + 1]) for b, s in enumerate(seqs)]
-        return emitted
+        return first
+
+    def _chain(self, seqs: list[Sequence], ks: list[int], k: int, K: int, st: RoundState, vocab,
+               run: int) -> list[tuple[Sequence, list[int]]] | None:
+        """Up to `run` rounds of the one greedy row at width K back to back in one call (`round_kernel.greedy_rounds`),
+        each then kept, recorded and learned from as `_round` does one -> what they emitted."""
+        s = seqs[0].session
+        chained = round_kernel.greedy_rounds(self.model, st, K, s.max_new - len(s.new_tokens), self.state.cache.rows[0],
+                                             vocab, list(s.eos), run)
+        if chained is None:
+            return None
+        outs, seconds, t_draft = chained
+        first = self._first_call(1, K, None)
+        toks = []
+        for i, out in enumerate(outs):
+            n = out[K + 1]
+            toks += [t for _, e in self._kept(seqs, ks, K, [out], t_draft / len(outs), seconds[i] - t_draft / len(outs))
+                     for t in e]
+            self.policy.update(1, k, [(ks[0], n)], None if i == 0 and first else seconds[i], 1)
+        self.policy.advance(len(outs) - 1)
+        self._since_chunk += len(outs) - 1
+        self.last_round = [(seqs[0], ks[0], outs[-1][K + 1])]
+        return [(seqs[0], toks)] if toks else []
 

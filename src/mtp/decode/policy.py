@@ -172,6 +172,7 @@ class DraftPolicy:
     probe_every: int = 8
     n: int = 0
     probed: int | None = None  # the last round was a probe around this best k
+    run: int = 1  # rounds in a row the k `next_k` chose stands, whatever they accept (a lone row; 1 for a batch)
     states: list[int] = field(default_factory=list)  # the state each decoding row's next round starts in, by row
 
     @property
@@ -241,20 +242,25 @@ class DraftPolicy:
             return self.k_fixed
         rows = batch if bucket is None else bucket
         self.n += 1
-        best_k, best = self.k_last, -1.0
+        self.run = 1
         fit = self.fit()
-        full = sum(self.states[:batch])  # rows starting after a fully accepted round; the others (new ones too) not
-        expected = [(batch - full) * a + full * b for a, b in zip(
-            *(c.expected_tokens_table(self.k_max) for c in self.counts.by_state))]
-        for k in range(0, self.k_max + 1):
-            t = self.round_time(rows, k, fit)
-            if t is None:
-                break
-            rate = expected[k] / t
-            if (rows, k) not in self.times:  # only predicted: worth one round to measure if it comes near the best
-                rate *= UNSEEN_BONUS
-            if rate > best:
-                best_k, best = k, rate
+        tables = [c.expected_tokens_table(self.k_max) for c in self.counts.by_state]
+
+        def best_for(full: int) -> int:  # `full` of the rows start after a fully accepted round, the others (new ones too) not
+            best_k, best = self.k_last, -1.0
+            for k in range(0, self.k_max + 1):
+                t = self.round_time(rows, k, fit)
+                if t is None:
+                    break
+                rate = ((batch - full) * tables[0][k] + full * tables[1][k]) / t
+                if (rows, k) not in self.times:  # only predicted: worth one round to measure if it comes near the best
+                    rate *= UNSEEN_BONUS
+                if rate > best:
+                    best_k, best = k, rate
+            return best_k
+
+        full = sum(self.states[:batch])
+        best_k = best_for(full)
         if self.probed is not None:  # the last round probed around self.probed: did it leave the best there?
             if self.probed == 0:  # wait longer before the next probe from 0 (up to 32x) ...
                 self.rounds.quiet = min(self.rounds.quiet + 1, QUIET_MAX) if best_k == 0 else 0
@@ -282,7 +288,16 @@ class DraftPolicy:
         if self.n % every == every // 2 and best_k > 0:
             self.probed = best_k
             return best_k - 1
+        if batch == 1 and best_for(1 - full) == best_k:  # (a lone row's next round chooses this k however this one ends)
+            probes = [m for m in range(self.n + 1, self.n + every + 1)
+                      if (m % every == 0 and best_k < self.k_max) or (m % every == every // 2 and best_k > 0)]
+            self.run = (probes[0] if probes else self.n + every) - self.n
         return best_k
+
+    def advance(self, rounds: int) -> None:
+        """`rounds` more rounds ran at the k `next_k` chose, within its `run` (a chain of rounds in one call): counted
+        as `next_k` counts the rounds it chooses for (their outcomes go to `update`, one round at a time)."""
+        self.n += rounds
 
     def move_row(self, src: int, dst: int) -> None:
         """The sequence at row `src` goes on at row `dst` (the decoder keeps its rows contiguous): its state with it."""

@@ -131,3 +131,39 @@ int greedy_round(GreedyRound* g) {
     g->stage = 0;
     return 0;
 }
+
+/* `greedy_round` for one row (B = 1) up to `rounds` times back to back, doing between rounds what the host does
+ * between its calls (round_kernel.py `greedy_rounds`), so each round is the round the host would have run: the row's
+ * position on the host (`starts`[0]) moves by the tokens kept and the draft chain's depth 1 reads the pending positions
+ * the last round left (`*width` = pend_n). Round i's tokens and n land at outs + i (K + 2). It stops after a round that
+ * emitted one of the `stop` tokens (nstop of them), when fewer than K + 1 tokens are `left` to emit (the next round
+ * could not use all K drafts: the host's rounds run that one), or when the next round's positions would pass `slots`.
+ * -> 0 with the rounds run in *done, each one's nanoseconds in round_ns and those of the draft chains in all in
+ * *draft_ns, or a round's failing status (greedy_round's; *done: the rounds before it). */
+int greedy_rounds(GreedyRound* g, int64_t rounds, const int64_t* stop, int64_t nstop, int64_t left, int64_t slots,
+                  int64_t* starts, int64_t* width, int64_t* outs, int64_t* round_ns, int64_t* done, int64_t* draft_ns) {
+    const int64_t K = g->acc.K;
+    int64_t* out = g->acc.out;
+    *done = *draft_ns = 0;
+    int status = 0;
+    for (int64_t i = 0; i < rounds && left >= K + 1 && starts[0] + K + 1 <= slots; i++) {
+        if (K > 0) *width = g->acc.pend_n[0];
+        g->acc.out = outs + i * (K + 2);
+        const int64_t t0 = now_ns();
+        status = greedy_round(g);
+        if (status) break;
+        round_ns[i] = now_ns() - t0;
+        *done = i + 1;
+        *draft_ns += g->draft_ns;
+        const int64_t* tok = g->acc.out;
+        const int64_t n = tok[K + 1];
+        starts[0] += n + 1;
+        left -= n + 1;
+        int stopped = 0;
+        for (int64_t s = 0; s <= n && !stopped; s++)
+            for (int64_t j = 0; j < nstop; j++) stopped |= tok[s] == stop[j];
+        if (stopped) break;
+    }
+    g->acc.out = out;
+    return status;
+}

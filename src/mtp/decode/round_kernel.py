@@ -39,6 +39,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.accept_greedy.restype = None
     lib.greedy_round.argtypes = [ctypes.POINTER(_Greedy)]
     lib.greedy_round.restype = ctypes.c_int
+    lib.greedy_rounds.argtypes = [ctypes.POINTER(_Greedy), i64, p, i64, i64, i64, p, p, p, p, p, p]
+    lib.greedy_rounds.restype = ctypes.c_int
 
 
 LIBRARY = NativeLibrary(Path(__file__).with_name("round.c"), None, "the round's accept runs as tensor operations",
@@ -102,6 +104,7 @@ class _Plan:
     active: ctypes.Array
     out: ctypes.Array
     keep: ctypes.Array
+    outs: ctypes.Array | None = None  # `greedy_rounds`' tokens and times of each round, grown as asked
 
 
 def _plan(model, st, K: int, commit: bool, vocab, scratch) -> _Plan | None:
@@ -130,22 +133,11 @@ def _plan(model, st, K: int, commit: bool, vocab, scratch) -> _Plan | None:
     return _Plan(prog, call, limit, active, out, keep)
 
 
-def greedy_round(model, st, K: int, limits: list[int], decoding: int, starts: list[int], width: int,
-                 vocab=None, sampling=None) -> tuple[list[list[int]], float] | None:
-    """round.py's `draft` then `verify` of a greedy round with no shaping (every row greedy, the argmax drafts, nothing
-    riding along, eager, on the CPU) as ONE C call, where the model runs its forwards as C programs
-    (`CausalLM.round_program`) -> (the tokens [B][K+2] `verify` returns, seconds in the draft chain), or None where it
-    cannot (the round then runs its steps, to the same result: tests/test_round_kernel.py). `limits` [B]: the drafts
-    each row may use; rows [0, decoding) decode, the rest keep nothing; `starts` [B]: the rows' positions on the host;
-    `width`: the pending positions the draft's depth 1 reads; `vocab`: a reduced draft vocabulary's (head, ids).
-    `sampling`: (RowSampling, draft noise [B, K, V], target noise [B, K+1, V], uniforms [B, K] or None; the noises None
-    where every row is greedy) of a round of shaped rows (repetition penalty, temperature, top-k, top-p): the drafts'
-    rule and accept.py's, in C (step.c `pick`, `unseeded_row`), the penalty over the state's `seen` and the drafts
-    before each position; None: greedy rows with no shaping."""
+def _bound(model, st, K: int, commit: bool, vocab) -> _Plan | None:
+    """The state's plan of a round of K drafts (bound on first use, rebound when the model's programs change), or None
+    where the round cannot run as one call."""
     if not LIBRARY.available():
         return None
-    B = st.pos.shape[0]
-    commit = K == 0 and decoding == B
     plans = st.__dict__.setdefault("greedy_plans", {})  # (K, commit, draft head) -> _Plan, or None: it cannot
     key = (K, commit, None if vocab is None else id(vocab[0]))
     plan = plans.get(key, False)
@@ -163,6 +155,23 @@ def greedy_round(model, st, K: int, limits: list[int], decoding: int, starts: li
             return arena
 
         plans[key] = plan = _plan(model, st, K, commit, vocab, scratch)
+    return plan
+
+
+def greedy_round(model, st, K: int, limits: list[int], decoding: int, starts: list[int], width: int,
+                 vocab=None, sampling=None) -> tuple[list[list[int]], float] | None:
+    """round.py's `draft` then `verify` of a greedy round with no shaping (every row greedy, the argmax drafts, nothing
+    riding along, eager, on the CPU) as ONE C call, where the model runs its forwards as C programs
+    (`CausalLM.round_program`) -> (the tokens [B][K+2] `verify` returns, seconds in the draft chain), or None where it
+    cannot (the round then runs its steps, to the same result: tests/test_round_kernel.py). `limits` [B]: the drafts
+    each row may use; rows [0, decoding) decode, the rest keep nothing; `starts` [B]: the rows' positions on the host;
+    `width`: the pending positions the draft's depth 1 reads; `vocab`: a reduced draft vocabulary's (head, ids).
+    `sampling`: (RowSampling, draft noise [B, K, V], target noise [B, K+1, V], uniforms [B, K] or None; the noises None
+    where every row is greedy) of a round of shaped rows (repetition penalty, temperature, top-k, top-p): the drafts'
+    rule and accept.py's, in C (step.c `pick`, `unseeded_row`), the penalty over the state's `seen` and the drafts
+    before each position; None: greedy rows with no shaping."""
+    B = st.pos.shape[0]
+    plan = _bound(model, st, K, K == 0 and decoding == B, vocab)
     if plan is None:
         return None
     prog, call = plan.program, plan.call
@@ -200,6 +209,45 @@ def greedy_round(model, st, K: int, limits: list[int], decoding: int, starts: li
         _raise(status, call.stage, prog)
     out = plan.out[:]
     return [out[b * (K + 2):(b + 1) * (K + 2)] for b in range(B)], call.draft_ns * 1e-9
+
+
+def greedy_rounds(model, st, K: int, left: int, start: int, vocab=None, stop: list[int] = (),
+                  rounds: int = 16) -> tuple[list[list[int]], list[float], float] | None:
+    """Up to `rounds` greedy rounds of one row (B = 1, greedy with no shaping) as ONE C call (round.c `greedy_rounds`):
+    each the round `greedy_round` would run, the host's work between them (the row's position, the draft chain's
+    width) done in C -> (each round's tokens [K+2], each round's seconds, seconds in the draft chains in all), at least
+    one round; None where it
+    cannot (the caller runs `greedy_round`). It stops after a round that emitted a `stop` token, when fewer than K + 1
+    tokens are `left` to emit, or after `rounds`. `start`: the row's position on the host; `vocab`: as
+    `greedy_round`'s. What it saves is the host's time between rounds (~0.12 ms a round on the shipped model,
+    docs/decisions.md)."""
+    if st.pos.shape[0] != 1 or left < K + 1:
+        return None
+    plan = _bound(model, st, K, K == 0, vocab)
+    if plan is None or start + K + 1 > plan.program.slots:
+        return None
+    prog, call = plan.program, plan.call
+    if call.pick is not None:  # (a greedy round after sampled ones: the programs back on the argmax)
+        prog.sample(None, None)
+        call.pick = None
+    plan.limit[0], plan.active[0], prog.starts[0] = K, True, start
+    if plan.outs is None or len(plan.outs) < rounds * (K + 3):
+        plan.outs = (ctypes.c_int64 * (rounds * (K + 3)))()
+    outs = plan.outs  # the rounds' tokens [rounds][K+2], then their nanoseconds [rounds]
+    times = ctypes.addressof(outs) + 8 * rounds * (K + 2)
+    stops = (ctypes.c_int64 * max(1, len(stop)))(*stop)
+    width = None if prog.draft_args is None else ctypes.addressof(prog.draft_args) + type(prog.draft_args).W.offset
+    done, draft_ns = ctypes.c_int64(), ctypes.c_int64()
+    call.nth = torch.get_num_threads()
+    status = LIBRARY.lib().greedy_rounds(ctypes.byref(call), rounds, ctypes.addressof(stops), len(stop), left,
+                                         prog.slots, ctypes.addressof(prog.starts), width, ctypes.addressof(outs),
+                                         times, ctypes.byref(done), ctypes.byref(draft_ns))
+    if status:
+        _raise(status, call.stage, prog)
+    n = done.value
+    flat = outs[: n * (K + 2)]
+    seconds = [t * 1e-9 for t in outs[rounds * (K + 2): rounds * (K + 2) + n]]
+    return [flat[i:i + K + 2] for i in range(0, len(flat), K + 2)], seconds, draft_ns.value * 1e-9
 
 
 def _raise(status: int, stage: int, prog) -> None:
