@@ -330,3 +330,36 @@ def test_rounds_chained_in_one_call_decode_what_single_rounds_do(kind, draft_tok
         for x, y in ((free, one), (a, b)):
             assert x.stats.k_history == y.stats.k_history and x.stats.n_history == y.stats.n_history
             assert x.kinds == y.kinds and x.stats.backbone_forwards == y.stats.backbone_forwards
+
+
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+def test_chained_rounds_switch_width_by_state_as_single_rounds_would(kind):
+    """`greedy_rounds` with a width per state (after a rejection 1, after a fully accepted round 3; a fixed k: one
+    width) == `greedy_round` called once a round with the width of the state the last round left: the same rounds,
+    tokens and, bit for bit, the round state; a stop token ends the chain after its round. (From this state the rounds
+    switch both ways here, one accepting its draft and the next drafting 3; the equalities hold whichever way.)"""
+    from test_step import quantized
+
+    model = quantized(kind)
+    model.prepare_decode(64)
+    for ks, full in (((1, 3), True), ((1, 3), False), ((2, 2), False)):
+        chained, single = round_state(model, 1, seed=12), round_state(model, 1, seed=12)
+        with torch.inference_mode():
+            got = round_kernel.greedy_rounds(model, chained, ks, full, 40, chained.pos.item(), rounds=12)
+        assert got is not None
+        rounds, seconds, _ = got
+        assert len(rounds) == len(seconds) and all(t > 0 for t in seconds)
+        want, state = [], full
+        while sum(n + 1 for _, (*_, n) in want) + ks[state] + 1 <= 40 and len(want) < 12:
+            K = ks[state]
+            out = one_round(model, single, K, [K], 1, None, True)[0]
+            want.append((K, out))
+            state = out[K + 1] == K
+        assert rounds == want and ks[full] == rounds[0][0]
+        assert all(torch.equal(x, y) for x, y in zip(chained.tensors(), single.tensors()))
+    stop = rounds[2][1][0]  # the third round's first token: the chain stops after the first round that emits it
+    again = round_state(model, 1, seed=12)
+    with torch.inference_mode():
+        cut = round_kernel.greedy_rounds(model, again, ks, full, 40, again.pos.item(), stop=[stop], rounds=12)[0]
+    first = next(i for i, (K, out) in enumerate(rounds) if stop in out[: out[K + 1] + 1])
+    assert cut == rounds[: first + 1]

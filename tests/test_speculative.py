@@ -230,18 +230,19 @@ def test_auto_policy_drafts_by_how_the_last_round_ended():
     assert deep >= 6 and shallow <= 3
 
 
-def test_auto_commits_a_lone_row_to_its_k_up_to_the_next_probe():
-    """`run` (the rounds a lone row may chain at the k `next_k` chose): up to the next probe where both states choose
-    that k, 1 where the states choose apart, on a probe or a measuring round, and for a batch; rounds chained and
-    counted with `advance` keep the probes where they fall without a chain."""
+def test_auto_commits_a_lone_row_to_its_k_by_state_up_to_the_next_probe():
+    """`run` and `by_state` (the rounds a lone row may chain, and its k after a rejection and after a fully accepted
+    round): up to the next probe, 1 on a probe or a measuring round and for a batch; `by_state` deep after a full round
+    and shallow after a rejection where acceptance differs so. Rounds chained (each at its state's k) and counted with
+    `advance` keep the probes where they fall without a chain."""
     from mtp.decode.policy import AFTER_FULL
 
     def policy(apart: bool) -> DraftPolicy:
         pol = DraftPolicy.from_arg("auto", 8)
-        for r in range(120):  # state-independent acceptance (or not), cheap drafts: the best k is deep
+        for r in range(120):  # cheap drafts; acceptance the same in both states (or far higher after a full round)
             k = pol.next_k(1)
             full = bool(pol.states) and pol.states[0] == AFTER_FULL
-            n = k if (r % 5 or (apart and full)) else 0
+            n = k if r % 5 else 0
             if apart and not full:
                 n = min(n, 1)
             pol.update(1, k, [(k, n)], 0.01 + 0.001 * k)
@@ -259,7 +260,7 @@ def test_auto_commits_a_lone_row_to_its_k_up_to_the_next_probe():
             every = pol.probe_every << pol.rounds.settled
             nxt = next(m for m in range(pol.n + 1, pol.n + every + 1)
                        if (m % every == 0 and k < pol.k_max) or (m % every == every // 2 and k > 0))
-            assert pol.run == nxt - pol.n
+            assert pol.run == nxt - pol.n and pol.by_state[pol.states[0]] == k
         pol.update(1, k, [(k, k)], 0.01 + 0.001 * k)
     assert probes and max(runs) > 1
     chained = policy(apart=False)
@@ -273,10 +274,12 @@ def test_auto_commits_a_lone_row_to_its_k_up_to_the_next_probe():
         chained.advance(chained.run - 1)
     assert [n for n in seen if n <= n0 + 64] == probes
     apart = policy(apart=True)
-    for _ in range(16):  # deep after a full round, shallow after a rejection: one round at a time
+    deeper = 0
+    for _ in range(16):
         k = apart.next_k(1)
-        assert apart.run == 1
+        deeper += apart.by_state[1] > apart.by_state[0]
         apart.update(1, k, [(k, k)], 0.01 + 0.001 * k)
+    assert deeper >= 12
     pol.next_k(2)
     assert pol.run == 1  # a batch: one round at a time
 

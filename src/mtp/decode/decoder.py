@@ -32,7 +32,7 @@ from . import round_kernel
 from .compiled import Runner
 from .draft_vocab import DraftVocab
 from .masks import MaskDrafter
-from .policy import Acceptance, DraftPolicy, RoundTimes
+from .policy import AFTER_FULL, Acceptance, DraftPolicy, RoundTimes
 from .prefill import PREFILL_CHUNK, prefill_chunk
 from .prompt_cache import PromptCache, Snapshot
 from .round import MAX_DRAFT, PENDING, RoundState
@@ -505,11 +505,15 @@ class Decoder:
             # rows that joined at different times would otherwise fill up one after another and call for a catch-up
             # nearly every round (measured: 60 in 125 rounds of 8 rows, a quarter of the decoding time)
             rows = [b < D and self.pend_n[b] >= 2 for b in range(B)]
+            t_catch = time.perf_counter()
             self.runner.catch_up(model, st, torch.tensor(rows, device=dev), self.mtp_pos[:B] if eager else None)
+            t_catch = time.perf_counter() - t_catch
             for b in range(B):
                 if rows[b]:
                     self.mtp_pos[b] += self.pend_n[b] - 1
                     self.pend_n[b] = 1
+        else:
+            t_catch = 0.0
         fused = None
         noise = (None,) * 3 if rs is None else self._noise(seqs, rs, B, K)  # (one draw a round, whichever path runs)
         # the whole round as one C call, where it can (greedy, and every shaping: step.c's picks and top_p.c)
@@ -522,21 +526,24 @@ class Decoder:
                 # (docs/decisions.md); the policy then learns from each round as it would have
                 run = self.chain if self.policy.k_fixed is not None else min(self.chain, self.policy.run)
                 if run > 1 and B == 1 and rs is None and not (self.use_mtp and K == 0) and not seqs[0].session.stop:
-                    chained = self._chain(seqs, ks, k, K, st, vocab, run)
+                    chained = self._chain(seqs, K, st, vocab, run)
                     if chained is not None:
                         return chained
                 sampling = None if rs is None else (rs, *noise)
                 fused = round_kernel.greedy_round(model, st, K, ks, D, self.state.cache.rows[:B],
                                                   max(self.pend_n[:B]) if K else 0, vocab, sampling)
         if fused is not None:
-            out, t_draft = fused
+            out, t_draft, t_call = fused
             t_verify = time.perf_counter() - t0 - t_draft
         else:
             out, t_draft, t_verify = self._round_steps(st, K, ks, D, B, rs, noise, t0)
         if self.masks is not None:
             self.masks.commit(ks, [out[b][K + 1] for b in range(B)], D)
         emitted = self._kept(seqs, ks, K, out, t_draft, t_verify)
-        seconds = None if self._first_call(B, K, rs) or cold else time.perf_counter() - t0
+        # what `auto` learns a round costs: its wall time; where rounds chain, what the round costs in C (+ a catch-up),
+        # as chained rounds are timed (`_chain`): the host's time around a single round is not what its k costs there
+        seconds = None if self._first_call(B, K, rs) or cold else (
+            t_call + t_catch if fused is not None and self.chain > 1 else time.perf_counter() - t0)
         self.policy.update(D, k, [(ks[b], out[b][K + 1]) for b in range(D)], seconds, B)
         self.last_round = [(s, ks[b], out[b][K + 1]) for b, s in enumerate(seqs)]
         return emitted
@@ -554,25 +561,27 @@ class Decoder:
         bound.add(graph)
         return first
 
-    def _chain(self, seqs: list[Sequence], ks: list[int], k: int, K: int, st: RoundState, vocab,
-               run: int) -> list[tuple[Sequence, list[int]]] | None:
-        """Up to `run` rounds of the one greedy row at width K back to back in one call (`round_kernel.greedy_rounds`),
-        each then kept, recorded and learned from as `_round` does one -> what they emitted."""
-        s = seqs[0].session
-        chained = round_kernel.greedy_rounds(self.model, st, K, s.max_new - len(s.new_tokens), self.state.cache.rows[0],
-                                             vocab, list(s.eos), run)
+    def _chain(self, seqs: list[Sequence], K: int, st: RoundState, vocab, run: int) -> list[tuple[Sequence, list[int]]] | None:
+        """Up to `run` rounds of the one greedy row back to back in one call (`round_kernel.greedy_rounds`), at width K
+        (a fixed k) or at `auto`'s k by the state each round starts in, each then kept, recorded and learned from as
+        `_round` does one -> what they emitted."""
+        s, pol = seqs[0].session, self.policy
+        full = bool(pol.states) and pol.states[0] == AFTER_FULL
+        ks = (K, K) if pol.k_fixed is not None else pol.by_state
+        chained = round_kernel.greedy_rounds(self.model, st, ks, full, s.max_new - len(s.new_tokens),
+                                             self.state.cache.rows[0], vocab, list(s.eos), run)
         if chained is None:
             return None
-        outs, seconds, t_draft = chained
-        first = self._first_call(1, K, None)
+        rounds, seconds, t_draft = chained
         toks = []
-        for i, out in enumerate(outs):
-            n = out[K + 1]
-            toks += [t for _, e in self._kept(seqs, ks, K, [out], t_draft / len(outs), seconds[i] - t_draft / len(outs))
-                     for t in e]
-            self.policy.update(1, k, [(ks[0], n)], None if i == 0 and first else seconds[i], 1)
-        self.policy.advance(len(outs) - 1)
-        self._since_chunk += len(outs) - 1
-        self.last_round = [(seqs[0], ks[0], outs[-1][K + 1])]
+        for (k, out), t in zip(rounds, seconds):
+            n = out[k + 1]
+            first = self._first_call(1, k, None)
+            toks += [x for _, e in self._kept(seqs, [k], k, [out], t_draft / len(rounds), t - t_draft / len(rounds))
+                     for x in e]
+            pol.update(1, k, [(k, n)], None if first else t, 1)
+        pol.advance(len(rounds) - 1)
+        self._since_chunk += len(rounds) - 1
+        self.last_round = [(seqs[0], rounds[-1][0], rounds[-1][1][-1])]
         return [(seqs[0], toks)] if toks else []
 

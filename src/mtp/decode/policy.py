@@ -172,7 +172,10 @@ class DraftPolicy:
     probe_every: int = 8
     n: int = 0
     probed: int | None = None  # the last round was a probe around this best k
-    run: int = 1  # rounds in a row the k `next_k` chose stands, whatever they accept (a lone row; 1 for a batch)
+    # a lone row's rounds in a row for which `next_k`'s choice stands, its k after a rejection and after a fully accepted
+    # round (`by_state`): the rounds up to the next probe (1 for a batch, a probe, a measuring or a cold round)
+    run: int = 1
+    by_state: tuple[int, int] = (0, 0)
     states: list[int] = field(default_factory=list)  # the state each decoding row's next round starts in, by row
 
     @property
@@ -288,14 +291,16 @@ class DraftPolicy:
         if self.n % every == every // 2 and best_k > 0:
             self.probed = best_k
             return best_k - 1
-        if batch == 1 and best_for(1 - full) == best_k:  # (a lone row's next round chooses this k however this one ends)
+        if batch == 1:  # a lone row: the k of either state stands until the next probe
+            other = best_for(1 - full)
+            self.by_state = (best_k, other) if full == 0 else (other, best_k)
             probes = [m for m in range(self.n + 1, self.n + every + 1)
                       if (m % every == 0 and best_k < self.k_max) or (m % every == every // 2 and best_k > 0)]
             self.run = (probes[0] if probes else self.n + every) - self.n
         return best_k
 
     def advance(self, rounds: int) -> None:
-        """`rounds` more rounds ran at the k `next_k` chose, within its `run` (a chain of rounds in one call): counted
+        """`rounds` more rounds ran within `next_k`'s `run` at `by_state`'s k (a chain of rounds in one call): counted
         as `next_k` counts the rounds it chooses for (their outcomes go to `update`, one round at a time)."""
         self.n += rounds
 

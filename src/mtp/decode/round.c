@@ -91,7 +91,7 @@ typedef struct {
     keep_fn keep;
     const void* keep_layers;
     int64_t keep_L;             /* 0: nothing to keep (updated in place) */
-    int64_t nth, stage, draft_ns; /* threads; out: the failing stage, nanoseconds in the draft chain */
+    int64_t nth, stage, draft_ns, round_ns; /* threads; out: the failing stage, nanoseconds in the draft chain and in all */
     const void* pick;           /* the verify's sampling rule (the rows' temperatures, top-k, noise), or NULL: argmax */
 } GreedyRound;
 
@@ -129,41 +129,54 @@ int greedy_round(GreedyRound* g) {
     accept_greedy(r);
     if (g->keep_L) g->keep(g->keep_L, g->keep_layers, r->keep, nth);
     g->stage = 0;
+    g->round_ns = now_ns() - t0;
     return 0;
 }
 
 /* `greedy_round` for one row (B = 1) up to `rounds` times back to back, doing between rounds what the host does
- * between its calls (round_kernel.py `greedy_rounds`), so each round is the round the host would have run: the row's
- * position on the host (`starts`[0]) moves by the tokens kept and the draft chain's depth 1 reads the pending positions
- * the last round left (`*width` = pend_n). Round i's tokens and n land at outs + i (K + 2). It stops after a round that
- * emitted one of the `stop` tokens (nstop of them), when fewer than K + 1 tokens are `left` to emit (the next round
- * could not use all K drafts: the host's rounds run that one), or when the next round's positions would pass `slots`.
- * -> 0 with the rounds run in *done, each one's nanoseconds in round_ns and those of the draft chains in all in
- * *draft_ns, or a round's failing status (greedy_round's; *done: the rounds before it). */
-int greedy_rounds(GreedyRound* g, int64_t rounds, const int64_t* stop, int64_t nstop, int64_t left, int64_t slots,
-                  int64_t* starts, int64_t* width, int64_t* outs, int64_t* round_ns, int64_t* done, int64_t* draft_ns) {
-    const int64_t K = g->acc.K;
-    int64_t* out = g->acc.out;
+ * between its calls (round_kernel.py `greedy_rounds`), so each round is the round the host would have run. g[0] and
+ * g[1]: the rounds (widths K) after a round with a draft rejected and after a fully accepted one (`auto` may draft
+ * apart by that state; the same round twice at a fixed k); `full`: the state the first round starts in (a round with
+ * no drafts keeps it). Before each round the row's position on the host (*starts[s] of the round's plan) is the last
+ * round's plus the tokens it kept, and the draft chain's depth 1 reads the pending positions the last round left
+ * (*width[s] = pend_n). Round i's record lands at outs + i (KM + 3), KM the wider K: its K, its tokens and n (K + 2).
+ * It stops after a round that emitted one of the `stop` tokens (nstop of them), when fewer than K + 1 tokens are `left`
+ * for the next round (it could not use all K drafts: the host's rounds run that one), or when its positions would pass
+ * `slots`. -> 0 with the rounds run in *done, each one's nanoseconds in round_ns and those of the draft chains in all
+ * in *draft_ns, or a round's failing status (greedy_round's; *done: the rounds before it). */
+int greedy_rounds(GreedyRound* const* g, int64_t full, int64_t rounds, const int64_t* stop, int64_t nstop, int64_t left,
+                  int64_t slots, int64_t* const* starts, int64_t* const* width, int64_t* outs, int64_t* round_ns,
+                  int64_t* done, int64_t* draft_ns) {
+    const int64_t KM = g[0]->acc.K > g[1]->acc.K ? g[0]->acc.K : g[1]->acc.K;
+    int64_t* const out[2] = {g[0]->acc.out, g[1]->acc.out};
+    int64_t pos = *starts[full != 0];
     *done = *draft_ns = 0;
     int status = 0;
-    for (int64_t i = 0; i < rounds && left >= K + 1 && starts[0] + K + 1 <= slots; i++) {
-        if (K > 0) *width = g->acc.pend_n[0];
-        g->acc.out = outs + i * (K + 2);
-        const int64_t t0 = now_ns();
-        status = greedy_round(g);
+    for (int64_t i = 0; i < rounds; i++) {
+        GreedyRound* r = g[full != 0];
+        const int64_t K = r->acc.K;
+        if (left < K + 1 || pos + K + 1 > slots) break;
+        *starts[full != 0] = pos;
+        if (K > 0) *width[full != 0] = r->acc.pend_n[0];
+        int64_t* rec = outs + i * (KM + 3);
+        rec[0] = K;
+        r->acc.out = rec + 1;
+        status = greedy_round(r);
         if (status) break;
-        round_ns[i] = now_ns() - t0;
+        round_ns[i] = r->round_ns;
         *done = i + 1;
-        *draft_ns += g->draft_ns;
-        const int64_t* tok = g->acc.out;
+        *draft_ns += r->draft_ns;
+        const int64_t* tok = rec + 1;
         const int64_t n = tok[K + 1];
-        starts[0] += n + 1;
+        pos += n + 1;
         left -= n + 1;
+        if (K > 0) full = n == K;
         int stopped = 0;
         for (int64_t s = 0; s <= n && !stopped; s++)
             for (int64_t j = 0; j < nstop; j++) stopped |= tok[s] == stop[j];
         if (stopped) break;
     }
-    g->acc.out = out;
+    g[0]->acc.out = out[0];
+    g[1]->acc.out = out[1];
     return status;
 }

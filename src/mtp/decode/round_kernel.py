@@ -31,7 +31,7 @@ class _Greedy(ctypes.Structure):
                                     "layers")]
                 + [("L", i64)] + [(n, p) for n in ("head", "logits", "draft", "draft_args", "draft_layers")]
                 + [("draft_L", i64)] + [(n, p) for n in ("keep", "keep_layers")]
-                + [(n, i64) for n in ("keep_L", "nth", "stage", "draft_ns")] + [("pick", p)])
+                + [(n, i64) for n in ("keep_L", "nth", "stage", "draft_ns", "round_ns")] + [("pick", p)])
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -39,7 +39,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.accept_greedy.restype = None
     lib.greedy_round.argtypes = [ctypes.POINTER(_Greedy)]
     lib.greedy_round.restype = ctypes.c_int
-    lib.greedy_rounds.argtypes = [ctypes.POINTER(_Greedy), i64, p, i64, i64, i64, p, p, p, p, p, p]
+    lib.greedy_rounds.argtypes = [p, i64, i64, p, i64, i64, i64, p, p, p, p, p, p]
     lib.greedy_rounds.restype = ctypes.c_int
 
 
@@ -129,7 +129,7 @@ def _plan(model, st, K: int, commit: bool, vocab, scratch) -> _Plan | None:
                    None if prog.draft_layers is None else addr(prog.draft_layers),
                    0 if prog.draft_layers is None else len(prog.draft_layers), prog.keep,
                    None if prog.keep_layers is None else addr(prog.keep_layers),
-                   0 if prog.keep_layers is None else len(prog.keep_layers), 1, 0, 0)
+                   0 if prog.keep_layers is None else len(prog.keep_layers), 1, 0, 0, 0)
     return _Plan(prog, call, limit, active, out, keep)
 
 
@@ -159,10 +159,11 @@ def _bound(model, st, K: int, commit: bool, vocab) -> _Plan | None:
 
 
 def greedy_round(model, st, K: int, limits: list[int], decoding: int, starts: list[int], width: int,
-                 vocab=None, sampling=None) -> tuple[list[list[int]], float] | None:
+                 vocab=None, sampling=None) -> tuple[list[list[int]], float, float] | None:
     """round.py's `draft` then `verify` of a greedy round with no shaping (every row greedy, the argmax drafts, nothing
     riding along, eager, on the CPU) as ONE C call, where the model runs its forwards as C programs
-    (`CausalLM.round_program`) -> (the tokens [B][K+2] `verify` returns, seconds in the draft chain), or None where it
+    (`CausalLM.round_program`) -> (the tokens [B][K+2] `verify` returns, seconds in the draft chain, seconds in the
+    call: what the round costs the machine, the host's time around it left out), or None where it
     cannot (the round then runs its steps, to the same result: tests/test_round_kernel.py). `limits` [B]: the drafts
     each row may use; rows [0, decoding) decode, the rest keep nothing; `starts` [B]: the rows' positions on the host;
     `width`: the pending positions the draft's depth 1 reads; `vocab`: a reduced draft vocabulary's (head, ids).
@@ -208,46 +209,57 @@ def greedy_round(model, st, K: int, limits: list[int], decoding: int, starts: li
     if status:
         _raise(status, call.stage, prog)
     out = plan.out[:]
-    return [out[b * (K + 2):(b + 1) * (K + 2)] for b in range(B)], call.draft_ns * 1e-9
+    return [out[b * (K + 2):(b + 1) * (K + 2)] for b in range(B)], call.draft_ns * 1e-9, call.round_ns * 1e-9
 
 
-def greedy_rounds(model, st, K: int, left: int, start: int, vocab=None, stop: list[int] = (),
-                  rounds: int = 16) -> tuple[list[list[int]], list[float], float] | None:
+def greedy_rounds(model, st, ks: tuple[int, int], full: bool, left: int, start: int, vocab=None, stop: list[int] = (),
+                  rounds: int = 16) -> tuple[list[tuple[int, list[int]]], list[float], float] | None:
     """Up to `rounds` greedy rounds of one row (B = 1, greedy with no shaping) as ONE C call (round.c `greedy_rounds`):
     each the round `greedy_round` would run, the host's work between them (the row's position, the draft chain's
-    width) done in C -> (each round's tokens [K+2], each round's seconds, seconds in the draft chains in all), at least
-    one round; None where it
-    cannot (the caller runs `greedy_round`). It stops after a round that emitted a `stop` token, when fewer than K + 1
-    tokens are `left` to emit, or after `rounds`. `start`: the row's position on the host; `vocab`: as
-    `greedy_round`'s. What it saves is the host's time between rounds (~0.12 ms a round on the shipped model,
-    docs/decisions.md)."""
-    if st.pos.shape[0] != 1 or left < K + 1:
+    width) done in C. `ks`: the drafts of a round after a rejection and after a fully accepted round (`auto`'s k by
+    state; a fixed k twice), `full`: the state the first round starts in -> (each round's (K, tokens [K+2])), each
+    round's seconds, seconds in the draft chains in all), at least one round; None where it cannot (the caller runs
+    `greedy_round`). It stops after a round that emitted a `stop` token, when fewer than K + 1 tokens are `left` for
+    the next round, or after `rounds`. `start`: the row's position on the host; `vocab`: as `greedy_round`'s. What it
+    saves is the host's time between rounds (~0.12 ms a round on the shipped model, docs/decisions.md)."""
+    K0 = ks[full]
+    if st.pos.shape[0] != 1 or left < K0 + 1 or (0 in ks and ks[0] != ks[1]):  # (a round with no drafts keeps its state)
         return None
-    plan = _bound(model, st, K, K == 0, vocab)
-    if plan is None or start + K + 1 > plan.program.slots:
+    plans = [_bound(model, st, K, K == 0, vocab) for K in ks]
+    if None in plans or start + K0 + 1 > plans[0].program.slots:
         return None
-    prog, call = plan.program, plan.call
-    if call.pick is not None:  # (a greedy round after sampled ones: the programs back on the argmax)
-        prog.sample(None, None)
-        call.pick = None
-    plan.limit[0], plan.active[0], prog.starts[0] = K, True, start
-    if plan.outs is None or len(plan.outs) < rounds * (K + 3):
-        plan.outs = (ctypes.c_int64 * (rounds * (K + 3)))()
-    outs = plan.outs  # the rounds' tokens [rounds][K+2], then their nanoseconds [rounds]
-    times = ctypes.addressof(outs) + 8 * rounds * (K + 2)
+    for plan, K in zip(plans, ks):
+        prog, call = plan.program, plan.call
+        if call.pick is not None:  # (a greedy round after sampled ones: the programs back on the argmax)
+            prog.sample(None, None)
+            call.pick = None
+        plan.limit[0], plan.active[0] = K, True
+        call.nth = torch.get_num_threads()
+    KM = max(ks)
+    first = plans[full]
+    if first.outs is None or len(first.outs) < rounds * (KM + 4):
+        first.outs = (ctypes.c_int64 * (rounds * (KM + 4)))()
+    outs = first.outs  # each round's K, tokens and n [rounds][KM+3], then their nanoseconds [rounds]
+    times = ctypes.addressof(outs) + 8 * rounds * (KM + 3)
+    ptrs = lambda xs: (ctypes.c_void_p * 2)(*xs)  # noqa: E731
+    calls = ptrs([ctypes.addressof(p.call) for p in plans])
+    starts = ptrs([ctypes.addressof(p.program.starts) for p in plans])
+    widths = ptrs([0 if p.program.draft_args is None else
+                   ctypes.addressof(p.program.draft_args) + type(p.program.draft_args).W.offset for p in plans])
     stops = (ctypes.c_int64 * max(1, len(stop)))(*stop)
-    width = None if prog.draft_args is None else ctypes.addressof(prog.draft_args) + type(prog.draft_args).W.offset
     done, draft_ns = ctypes.c_int64(), ctypes.c_int64()
-    call.nth = torch.get_num_threads()
-    status = LIBRARY.lib().greedy_rounds(ctypes.byref(call), rounds, ctypes.addressof(stops), len(stop), left,
-                                         prog.slots, ctypes.addressof(prog.starts), width, ctypes.addressof(outs),
-                                         times, ctypes.byref(done), ctypes.byref(draft_ns))
+    starts_0 = plans[full].program.starts
+    starts_0[0] = start
+    status = LIBRARY.lib().greedy_rounds(calls, int(full), rounds, ctypes.addressof(stops), len(stop), left,
+                                         first.program.slots, starts, widths, ctypes.addressof(outs), times,
+                                         ctypes.byref(done), ctypes.byref(draft_ns))
     if status:
-        _raise(status, call.stage, prog)
-    n = done.value
-    flat = outs[: n * (K + 2)]
-    seconds = [t * 1e-9 for t in outs[rounds * (K + 2): rounds * (K + 2) + n]]
-    return [flat[i:i + K + 2] for i in range(0, len(flat), K + 2)], seconds, draft_ns.value * 1e-9
+        failed = plans[0] if plans[0].call.stage else plans[1]  # (the other's last round, if any, ended at stage 0)
+        _raise(status, failed.call.stage, failed.program)
+    n, S = done.value, KM + 3
+    recs = [outs[i * S: i * S + S] for i in range(n)]
+    seconds = [t * 1e-9 for t in outs[rounds * S: rounds * S + n]]
+    return [(r[0], r[1:r[0] + 3]) for r in recs], seconds, draft_ns.value * 1e-9
 
 
 def _raise(status: int, stage: int, prog) -> None:
