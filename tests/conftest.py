@@ -134,6 +134,7 @@ def scripted_drafts_patterns(model, prompt: list[int], monkeypatch, pattern: str
     with monkeypatch.context() as m:
         m.setattr(rnd, "draft", scripted)
         m.setattr(round_kernel, "greedy_round", lambda *a, **kw: None)  # (its draft chain is C's own)
+        m.setattr(round_kernel, "greedy_rounds", lambda *a, **kw: None)  # (so are the chained rounds')
         for k in ks:
             r = mtp.generate(model, prompt, max_new_tokens=max_new, draft_tokens=k)
             assert r.tokens == want, (pattern, k)

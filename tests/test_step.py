@@ -228,12 +228,14 @@ def test_decoding_through_the_program_is_the_layer_by_layer_decoding(trained, mo
     with monkeypatch.context() as m:
         m.setattr(step, "decode", lambda *args: None)
         m.setattr(round_kernel, "greedy_round", lambda *args: None)  # (the whole round as one call runs the programs)
+        m.setattr(round_kernel, "greedy_rounds", lambda *args: None)  # (and so do rounds chained in one call)
         want = [mtp.generate(trained, p, max_new_tokens=30).tokens for p in prompts]
     monkeypatch.setattr(step, "decode", counted)
     for whole in (False, True):  # the programs called round by round, and the whole round as one call
         with monkeypatch.context() as m:
             if not whole:
                 m.setattr(round_kernel, "greedy_round", lambda *args: None)
+                m.setattr(round_kernel, "greedy_rounds", lambda *args: None)
             for p, w in zip(prompts, want):
                 for k in (None, 1, 3, "auto"):
                     assert mtp.generate(trained, p, max_new_tokens=30, draft_tokens=k).tokens == w, (p, k)

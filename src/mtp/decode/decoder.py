@@ -105,8 +105,8 @@ class Decoder:
     sized to it (never to the model's maximum context). `draft_tokens`: None/0 plain decoding, 1..8 or "auto".
     `compile`: run the round through compiled graphs (`compiled.Runner`). `prompt_cache`: where prompts' states are
     kept and found again (`prompt_cache.py`; a server's, shared by its decoders). `chain`: the rounds one `step` may
-    run back to back in one C call for a lone greedy sequence at a fixed k (`round_kernel.greedy_rounds`; 1: a step is
-    one round, as a server's must be to admit and cancel between rounds)."""
+    run back to back in one C call for a lone greedy sequence (`round_kernel.greedy_rounds`: at a fixed k, or `auto`'s
+    k by state up to its next probe; 1: a step is one round, as a server's must be to admit and cancel between rounds)."""
 
     def __init__(self, model, max_batch: int, max_len: int, draft_tokens: int | str | None,
                  draft_vocab: DraftVocab | None = None, compile: bool = False, prompt_cache: PromptCache | None = None,
@@ -139,7 +139,7 @@ class Decoder:
         slots = cache_slots(self.max_len, pooled, model.context_length)
         model.prepare_decode(slots)
         self.max_batch = max_batch
-        self.chain = chain  # rounds a step may run back to back for a lone greedy sequence at a fixed k (`_round`)
+        self.chain = chain  # rounds a step may run back to back for a lone greedy sequence (`_chain`)
         self.state = self._take_state(bucket(max_batch), slots, use_mtp, pooled)
         self.masks = MaskDrafter(model, self.state.pos.shape[0]) if use_masks else None
         self.vocab = draft_vocab

@@ -21,7 +21,7 @@ def decode(session: Session, draft_tokens: int | str | None, vocab: DraftVocab |
            compile: bool = False, prompt_cache: PromptCache | None = None) -> Iterator[list[int]]:
     """Decode one session to its end, yielding the tokens emitted per round (the prefill's first token first)."""
     model = session.model
-    # (a step may run up to 16 rounds in one call where the round allows: a lone greedy sequence at a fixed k)
+    # (a step may run up to 16 rounds in one call: a lone greedy sequence, `Decoder._chain`)
     decoder = Decoder(model, 1, len(session.tokens) + session.max_new, draft_tokens, vocab, compile=compile,
                       prompt_cache=prompt_cache, chain=16)
     session.stats.draft_tokens_max = decoder.policy.k_max
