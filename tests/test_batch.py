@@ -207,7 +207,7 @@ def test_rounds_without_drafts_skip_the_mtp_and_it_catches_up_later(models, monk
     n_calls = {}
     for pattern in ([2], [0, 0, 0, 2]):
         it = iter(pattern * 10_000)
-        monkeypatch.setattr(DraftPolicy, "next_k", lambda self, batch, cold=False, bucket=None, it=it: next(it))
+        monkeypatch.setattr(DraftPolicy, "next_k", lambda self, batch, cold=False, bucket=None, chain=False, it=it: next(it))
         calls["n"], first_drafts[:] = 0, []
         sessions = run_batched(model, requests, "auto")
         for (prompt, max_new, _, _), s in zip(requests, sessions):
@@ -247,9 +247,9 @@ def test_rounds_after_a_prompt_chunk_teach_the_policy_nothing(models):
     ks, colds = [], []
     real_next_k = dec.policy.next_k
 
-    def next_k(batch, cold=False, bucket=None):
+    def next_k(batch, cold=False, bucket=None, chain=False):
         colds.append(cold)
-        ks.append(real_next_k(batch, cold, bucket))
+        ks.append(real_next_k(batch, cold, bucket, chain))
         return ks[-1]
 
     dec.policy.next_k = next_k
@@ -328,7 +328,7 @@ def test_rows_that_joined_apart_catch_up_together(models, monkeypatch):
     monkeypatch.setattr(Decoder, "_round", round_)
     monkeypatch.setattr(type(model), "mtp_head", head)
     it = iter(([0] * 11 + [2]) * 10_000)
-    monkeypatch.setattr(DraftPolicy, "next_k", lambda self, batch, cold=False, bucket=None: next(it))
+    monkeypatch.setattr(DraftPolicy, "next_k", lambda self, batch, cold=False, bucket=None, chain=False: next(it))
     sessions = run_batched(model, requests, "auto", max_batch=4, arrive_every=3, eos=[])  # (every row runs its length)
     rounds = sum(s.stats.backbone_forwards for s in sessions)
     for (prompt, max_new, _, _), s in zip(requests, sessions):

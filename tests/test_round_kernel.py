@@ -363,3 +363,17 @@ def test_chained_rounds_switch_width_by_state_as_single_rounds_would(kind):
         cut = round_kernel.greedy_rounds(model, again, ks, full, 40, again.pos.item(), stop=[stop], rounds=12)[0]
     first = next(i for i, (K, out) in enumerate(rounds) if stop in out[: out[K + 1] + 1])
     assert cut == rounds[: first + 1]
+
+
+def test_a_chained_round_that_fails_raises_what_a_single_one_does():
+    """Bad state in a chain (a pending token outside the vocabulary, read by the first round's draft chain): the same
+    IndexError `greedy_round` raises, whichever of the two widths' plans ran it."""
+    from test_step import quantized
+
+    model = quantized("int8")
+    model.prepare_decode(64)
+    for ks, full in (((1, 3), True), ((1, 3), False), ((2, 2), False)):
+        st = round_state(model, 1, seed=4)
+        st.pend_next[0, 0] = model.config.vocab_size
+        with torch.inference_mode(), pytest.raises(IndexError, match="vocabulary"):
+            round_kernel.greedy_rounds(model, st, ks, full, 40, st.pos.item())

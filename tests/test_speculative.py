@@ -234,13 +234,13 @@ def test_auto_commits_a_lone_row_to_its_k_by_state_up_to_the_next_probe():
     """`run` and `by_state` (the rounds a lone row may chain, and its k after a rejection and after a fully accepted
     round): up to the next probe, 1 on a probe or a measuring round and for a batch; `by_state` deep after a full round
     and shallow after a rejection where acceptance differs so. Rounds chained (each at its state's k) and counted with
-    `advance` keep the probes where they fall without a chain."""
+    `advance` keep the probes where they fall without a chain. A caller that does not chain gets run 1."""
     from mtp.decode.policy import AFTER_FULL
 
     def policy(apart: bool) -> DraftPolicy:
         pol = DraftPolicy.from_arg("auto", 8)
         for r in range(120):  # cheap drafts; acceptance the same in both states (or far higher after a full round)
-            k = pol.next_k(1)
+            k = pol.next_k(1, chain=True)
             full = bool(pol.states) and pol.states[0] == AFTER_FULL
             n = k if r % 5 else 0
             if apart and not full:
@@ -251,7 +251,7 @@ def test_auto_commits_a_lone_row_to_its_k_by_state_up_to_the_next_probe():
     pol = policy(apart=False)
     probes, runs, n0 = [], [], pol.n
     for _ in range(64):
-        k = pol.next_k(1)
+        k = pol.next_k(1, chain=True)
         if pol.probed is not None or k != pol.k_last:
             probes.append(pol.n)
             assert pol.run == 1
@@ -266,7 +266,7 @@ def test_auto_commits_a_lone_row_to_its_k_by_state_up_to_the_next_probe():
     chained = policy(apart=False)
     seen = []
     while chained.n < n0 + 64:  # the same rounds, chained as the decoder chains them
-        k = chained.next_k(1)
+        k = chained.next_k(1, chain=True)
         if chained.probed is not None or k != chained.k_last:
             seen.append(chained.n)
         for _ in range(chained.run):
@@ -276,12 +276,14 @@ def test_auto_commits_a_lone_row_to_its_k_by_state_up_to_the_next_probe():
     apart = policy(apart=True)
     deeper = 0
     for _ in range(16):
-        k = apart.next_k(1)
+        k = apart.next_k(1, chain=True)
         deeper += apart.by_state[1] > apart.by_state[0]
         apart.update(1, k, [(k, k)], 0.01 + 0.001 * k)
     assert deeper >= 12
-    pol.next_k(2)
+    pol.next_k(2, chain=True)
     assert pol.run == 1  # a batch: one round at a time
+    k = pol.next_k(1)
+    assert pol.run == 1 and pol.probed is None and k == pol.k_last  # (not asked to chain)
 
 
 def test_a_new_generation_starts_from_the_acceptance_the_last_one_saw(models):

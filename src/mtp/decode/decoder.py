@@ -490,7 +490,7 @@ class Decoder:
         self.runner.begin_round()
         B = bucket(D)
         st = self._view(B)
-        k = self.policy.next_k(D, cold, B) if self.use_mtp or self.masks is not None else 0
+        k = self.policy.next_k(D, cold, B, self.chain > 1) if self.use_mtp or self.masks is not None else 0
         ks = [max(0, min(k, s.session.max_new - len(s.session.new_tokens) - 1)) for s in seqs] + [0] * (B - D)
         if self.masks is not None:  # a row drafts only from a valid mask block
             ks = [min(a, b) for a, b in zip(ks, self.masks.limits(k, B))]

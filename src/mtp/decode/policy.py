@@ -235,12 +235,13 @@ class DraftPolicy:
         t = self.round_time(b0, k)
         return None if t is None else t * batch / b0
 
-    def next_k(self, batch: int, cold: bool = False, bucket: int | None = None) -> int:
+    def next_k(self, batch: int, cold: bool = False, bucket: int | None = None, chain: bool = False) -> int:
         """k for the next round of a batch of `batch` sequences. `cold`: the round follows a prompt chunk, so its time
         is not learned from (`update`), and it neither measures k = 0 at a new batch size nor probes. `bucket`: the
         rows the round computes (`batch` where None), which its time is kept and predicted by: a round of 5 decoding
         rows computes the 8 of its bucket, as a round of 8 does (keyed by the 5, a drain's few rounds at 5-7 rows were
-        measured apart, each estimate from a handful of rounds)."""
+        measured apart, each estimate from a handful of rounds). `chain`: the caller may chain a lone row's rounds
+        (`run`, `by_state`; left at 1 and unset otherwise)."""
         if self.k_fixed is not None:
             return self.k_fixed
         rows = batch if bucket is None else bucket
@@ -291,12 +292,12 @@ class DraftPolicy:
         if self.n % every == every // 2 and best_k > 0:
             self.probed = best_k
             return best_k - 1
-        if batch == 1:  # a lone row: the k of either state stands until the next probe
+        if chain and batch == 1:  # a lone row: the k of either state stands until the next probe
             other = best_for(1 - full)
             self.by_state = (best_k, other) if full == 0 else (other, best_k)
-            probes = [m for m in range(self.n + 1, self.n + every + 1)
-                      if (m % every == 0 and best_k < self.k_max) or (m % every == every // 2 and best_k > 0)]
-            self.run = (probes[0] if probes else self.n + every) - self.n
+            after = lambda r: self.n - self.n % every + r + (every if r <= self.n % every else 0)  # noqa: E731
+            probes = ([after(0)] if best_k < self.k_max else []) + ([after(every // 2)] if best_k > 0 else [])
+            self.run = min(probes, default=self.n + every) - self.n
         return best_k
 
     def advance(self, rounds: int) -> None:

@@ -137,20 +137,20 @@ int greedy_round(GreedyRound* g) {
  * between its calls (round_kernel.py `greedy_rounds`), so each round is the round the host would have run. g[0] and
  * g[1]: the rounds (widths K) after a round with a draft rejected and after a fully accepted one (`auto` may draft
  * apart by that state; the same round twice at a fixed k); `full`: the state the first round starts in (a round with
- * no drafts keeps it). Before each round the row's position on the host (*starts[s] of the round's plan) is the last
- * round's plus the tokens it kept, and the draft chain's depth 1 reads the pending positions the last round left
+ * no drafts keeps it). Before each round the row's position on the host (*starts[s] of the round's plan) is `pos`, then
+ * the last round's plus the tokens it kept, and the draft chain's depth 1 reads the pending positions the last round left
  * (*width[s] = pend_n). Round i's record lands at outs + i (KM + 3), KM the wider K: its K, its tokens and n (K + 2).
  * It stops after a round that emitted one of the `stop` tokens (nstop of them), when fewer than K + 1 tokens are `left`
  * for the next round (it could not use all K drafts: the host's rounds run that one), or when its positions would pass
  * `slots`. -> 0 with the rounds run in *done, each one's nanoseconds in round_ns and those of the draft chains in all
  * in *draft_ns, or a round's failing status (greedy_round's; *done: the rounds before it). */
 int greedy_rounds(GreedyRound* const* g, int64_t full, int64_t rounds, const int64_t* stop, int64_t nstop, int64_t left,
-                  int64_t slots, int64_t* const* starts, int64_t* const* width, int64_t* outs, int64_t* round_ns,
-                  int64_t* done, int64_t* draft_ns) {
+                  int64_t pos, int64_t slots, int64_t* const* starts, int64_t* const* width, int64_t* outs,
+                  int64_t* round_ns, int64_t* done, int64_t* draft_ns) {
     const int64_t KM = g[0]->acc.K > g[1]->acc.K ? g[0]->acc.K : g[1]->acc.K;
     int64_t* const out[2] = {g[0]->acc.out, g[1]->acc.out};
-    int64_t pos = *starts[full != 0];
     *done = *draft_ns = 0;
+    g[0]->stage = g[1]->stage = 0; /* (a failing round leaves its stage; the other plan's says 0) */
     int status = 0;
     for (int64_t i = 0; i < rounds; i++) {
         GreedyRound* r = g[full != 0];

@@ -39,7 +39,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.accept_greedy.restype = None
     lib.greedy_round.argtypes = [ctypes.POINTER(_Greedy)]
     lib.greedy_round.restype = ctypes.c_int
-    lib.greedy_rounds.argtypes = [p, i64, i64, p, i64, i64, i64, p, p, p, p, p, p]
+    lib.greedy_rounds.argtypes = [p, i64, i64, p, i64, i64, i64, i64, p, p, p, p, p, p]
     lib.greedy_rounds.restype = ctypes.c_int
 
 
@@ -248,13 +248,11 @@ def greedy_rounds(model, st, ks: tuple[int, int], full: bool, left: int, start: 
                    ctypes.addressof(p.program.draft_args) + type(p.program.draft_args).W.offset for p in plans])
     stops = (ctypes.c_int64 * max(1, len(stop)))(*stop)
     done, draft_ns = ctypes.c_int64(), ctypes.c_int64()
-    starts_0 = plans[full].program.starts
-    starts_0[0] = start
-    status = LIBRARY.lib().greedy_rounds(calls, int(full), rounds, ctypes.addressof(stops), len(stop), left,
+    status = LIBRARY.lib().greedy_rounds(calls, int(full), rounds, ctypes.addressof(stops), len(stop), left, start,
                                          first.program.slots, starts, widths, ctypes.addressof(outs), times,
                                          ctypes.byref(done), ctypes.byref(draft_ns))
     if status:
-        failed = plans[0] if plans[0].call.stage else plans[1]  # (the other's last round, if any, ended at stage 0)
+        failed = plans[0] if plans[0].call.stage else plans[1]  # (the plan whose round failed keeps its stage)
         _raise(status, failed.call.stage, failed.program)
     n, S = done.value, KM + 3
     recs = [outs[i * S: i * S + S] for i in range(n)]
