@@ -9,6 +9,7 @@ where Linux allows it — no tracemalloc, which would slow the run it measures.
 
 from __future__ import annotations
 
+import gc
 import resource
 import time
 from collections.abc import Callable
@@ -253,9 +254,15 @@ def run_interleaved(models: dict, hf_model, configs: list[BenchConfig], prompts:
                 last = (cfg.engine, cfg.variant)
                 _reset_peak_rss()
                 before = _status_mb("VmRSS")
-                t0 = time.perf_counter()
-                tokens, stats, k_hist = fns[cfg.name](ids)
-                seconds = time.perf_counter() - t0
+                # no garbage collection inside a timed run (as timeit): the bench's own heap (every run so far) made
+                # a young-generation pass 60-70 ms, which landed on whichever run the allocation count chose
+                gc.disable()
+                try:
+                    t0 = time.perf_counter()
+                    tokens, stats, k_hist = fns[cfg.name](ids)
+                    seconds = time.perf_counter() - t0
+                finally:
+                    gc.enable()
                 runs.append(Run(cfg.name, p, r, tokens, seconds, _peak_rss_mb(), stats, k_hist, before))
                 if progress is not None:
                     progress.update(1)
