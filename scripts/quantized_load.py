@@ -75,14 +75,16 @@ def to_gptq(src: Path, dst: Path) -> None:
 
 
 PROBE = """
-import resource, sys, time, torch
+import sys, time, torch
 torch.set_num_threads(int(sys.argv[2]))
 import mtp
 q = sys.argv[3] or None
 t0 = time.perf_counter()
 m = mtp.load_model(sys.argv[1], **({} if q is None else dict(dtype="bfloat16", quantize=q, release=True)))
 t = time.perf_counter() - t0
-print(f"{t:.2f} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} {m.dtype}")
+# the high-water mark of this process's own memory (ru_maxrss carries the parent's peak across fork and exec)
+hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(f"{t:.2f} {hwm / 1024:.0f} {m.dtype}")
 """
 
 
