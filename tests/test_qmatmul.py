@@ -106,6 +106,26 @@ def test_activation_quantization_costs_little_accuracy():
     assert 1e-4 < rel < 0.015
 
 
+@pytest.mark.parametrize("group", [8, 16])
+@pytest.mark.parametrize("shape", [(48, 64), (33, 70), (8, 1), (1, 1)])
+def test_pack_bf16_puts_every_weight_where_its_layout_says(monkeypatch, group, shape):
+    """pack_bf16's two layouts by their definition, element by element, on distinct bit patterns (NaNs included):
+    vector builds (g, p, j, e) = w[8g+j, 2p+e]; the AMX build (b, c, p, j, e) = w[16b+j, 32c+2p+e]; zeros past w."""
+    monkeypatch.setattr(qmatmul, "bf16_group", lambda: group)
+    N, K = shape
+    w = torch.arange(1, N * K + 1, dtype=torch.int16).reshape(N, K).view(torch.bfloat16)
+    bits = qmatmul.pack_bf16(w).view(torch.int16)
+    k = 2 if group == 8 else 32
+    full = torch.zeros(-(-N // group) * group, -(-K // k) * k, dtype=torch.int16)
+    full[:N, :K] = w.view(torch.int16)
+    if group == 8:
+        want = full.reshape(-1, 8, full.shape[1] // 2, 2).permute(0, 2, 1, 3)
+    else:
+        want = full.reshape(-1, 16, full.shape[1] // 32, 16, 2).permute(0, 2, 3, 1, 4)
+    assert bits.shape == want.shape and bits.is_contiguous()
+    assert torch.equal(bits, want)
+
+
 @needs_kernels
 @pytest.mark.parametrize("shape", [(384, 768), (201, 37), (8, 1)])
 def test_bf16_kernel_is_the_fp32_product_rounded_once(shape):

@@ -125,9 +125,16 @@ def pack_bf16(w: torch.Tensor) -> torch.Tensor:
     k = 32 if n == 16 else 2
     if N % n or K % k:  # (only then: a pad is a copy, and an output head's weight is the largest there is)
         w = F.pad(w, (0, -K % k, 0, -N % n))
+    # each pair of inputs moves as one int32: torch's permuted copy of 4-byte elements ran 2-4x faster than of the
+    # bf16 pairs (0.8B shape: ~2.3 s of a load, docs/decisions.md 2026-12-06 eleventh session)
+    p = w.contiguous().view(torch.int32)  # [N, K/2]: inputs 2i and 2i+1 of an output
     if k == 2:
-        return w.reshape(-1, 8, (K + 1) // 2, 2).transpose(1, 2).contiguous()
-    return w.reshape(-1, 16, (K + 31) // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+        out = torch.empty(p.shape[0] // 8, p.shape[1], 8, dtype=torch.int32)
+        out.copy_(p.reshape(-1, 8, p.shape[1]).transpose(1, 2))
+        return out.view(torch.bfloat16).reshape(-1, p.shape[1], 8, 2)
+    out = torch.empty(p.shape[0] // 16, p.shape[1] // 16, 16, 16, dtype=torch.int32)
+    out.copy_(p.reshape(-1, 16, p.shape[1] // 16, 16).permute(0, 2, 3, 1))
+    return out.view(torch.bfloat16).reshape(*out.shape, 2)
 
 
 def _library() -> ctypes.CDLL:
