@@ -25,6 +25,8 @@ import sys
 
 import torch
 
+from . import dequant
+
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the scale dtypes the formats store
 ROWS = 128  # rows `dequantize_scaled` decodes at a time
 
@@ -128,7 +130,11 @@ def awq_pack(codes: torch.Tensor) -> torch.Tensor:
 def dequantize_scaled(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
                       dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Codes w [..., N, K] (float8, or symmetric int8) and their scale (see `quantized.expected_scale_shapes`) -> w * scale in
-    `dtype` [..., N, K], computed in fp32 (exactly (q.float() * s.float()).to(dtype)), ROWS rows at a time."""
+    `dtype` [..., N, K], computed in fp32 (exactly (q.float() * s.float()).to(dtype)), ROWS rows at a time; in one C
+    pass where it can (`dequant.scaled`: the same bits)."""
+    fast = dequant.scaled(w, scale, block, dtype)
+    if fast is not None:
+        return fast
     *lead, N, K = w.shape
     s = scale.float()
     if block is None:  # per tensor / per channel / per expert: a multiplier per row, broadcast over the columns

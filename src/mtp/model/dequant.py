@@ -1,0 +1,81 @@
+"""A checkpoint's scaled 8-bit codes (FP8 e4m3fn / e5m2, symmetric int8) decoded to float weights in one C pass
+(`dequant.c`): what an FP8 release spends its load on beyond a bf16 one.
+
+The torch form, `packed.dequantize_scaled`, converts the codes to fp32, multiplies by the scales and casts, 128 rows
+at a time: ~4 s of a 10 s FP8 load at the Qwen3.5-0.8B shape on one core (docs/decisions.md, 2026-12-06 eleventh
+session). dequant.c does the same fp32 operations (each code's value from a table of torch's own conversions, one
+multiply, torch's rounding to bf16), so its weights are bit for bit the torch form's (tests/test_dequant.py).
+
+`scaled` returns None where it does not apply, and the caller then runs the torch form: the library is not available
+(native.py: no compiler, not x86-64 with AVX2, MTP_NATIVE=0), the codes are not a CPU tensor of 8-bit codes, or the
+output is neither bf16 nor fp32.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .native import NativeLibrary
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.scaled_decode.argtypes = [i64, i64, p, p, p, i64, i64, i64, i32, p, i32]
+    lib.scaled_decode.restype = None
+
+
+LIBRARY = NativeLibrary("dequant.c", None, "decoding scaled codes runs in torch ops", _declare)
+CODES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8)
+_tables: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _table(dtype: torch.dtype) -> torch.Tensor:
+    """Every 8-bit pattern of `dtype` as torch converts it to fp32 [256] (index: the pattern as a byte)."""
+    if dtype not in _tables:
+        _tables[dtype] = torch.arange(256, dtype=torch.uint8).view(dtype).float().contiguous()
+    return _tables[dtype]
+
+
+def _tiles(scale: torch.Tensor, N: int, K: int, block: tuple[int, int] | None) -> tuple[torch.Tensor, int, int, int]:
+    """One matrix's scale (one of `quantized.expected_scale_shapes` less the lead dims) -> (fp32 scales, b0, b1,
+    row stride): row n, column k takes scales[(n // b0) * stride + k // b1]."""
+    s = scale.float().contiguous()
+    if block is not None:
+        return s, block[0], block[1], s.shape[-1]
+    if s.numel() == 1:
+        return s.reshape(1), N, K, 1
+    return s.reshape(N), 1, K, 1
+
+
+@torch.no_grad()
+def scaled(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """`packed.dequantize_scaled(w, scale, block, dtype)` in C, or None (module docstring). w [..., N, K] 8-bit codes;
+    scale as `quantized.expected_scale_shapes` allows for w's shape."""
+    if (w.device.type != "cpu" or w.dtype not in CODES or w.dim() < 2 or dtype not in (torch.bfloat16, torch.float32)
+            or not LIBRARY.available()):
+        return None
+    *lead, N, K = w.shape
+    E = 1
+    for d in lead:
+        E *= d
+    codes = w.contiguous().view(torch.uint8).reshape(E, N, K)
+    s = scale.float()
+    if block is not None:
+        s = s.reshape(E, *s.shape[-2:])
+    elif s.numel() == 1:
+        s = s.reshape(1, 1).expand(E, 1)
+    elif s.numel() == E * N:
+        s = s.reshape(E, N)
+    else:  # one per expert
+        s = s.reshape(E, 1)
+    out = torch.empty(E, N, K, dtype=dtype)
+    if out.numel() == 0:
+        return out.reshape(w.shape)
+    lut, lib, threads = _table(w.dtype), LIBRARY.lib(), torch.get_num_threads()
+    for e in range(E):
+        t, b0, b1, stride = _tiles(s[e], N, K, block)
+        lib.scaled_decode(N, K, codes[e].data_ptr(), lut.data_ptr(), t.data_ptr(), b0, b1, stride,
+                          int(dtype == torch.bfloat16), out[e].data_ptr(), threads)
+    return out.reshape(w.shape)

@@ -1,0 +1,97 @@
+"""The C decode of scaled 8-bit codes (model/dequant.c) gives bit for bit the weights of the torch form it replaces
+(`packed.dequantize_scaled`'s chunked fp32 passes): every bit pattern of float8 e4m3fn / e5m2 and int8, every scale
+layout a checkpoint may store (128x128 tiles with partial tiles, per output channel, per tensor, per expert), scales in
+fp32 / bf16 / fp16 down to subnormal products, bf16 and fp32 outputs, one and two threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtp.model import dequant, packed
+
+pytestmark = pytest.mark.skipif(not dequant.LIBRARY.available(), reason=f"dequant.c unavailable: {dequant.LIBRARY.reason()}")
+
+CODES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
+# (weight shape, weight_block_size, scale shape): the layouts `quantized.expected_scale_shapes` allows
+LAYOUTS = [
+    ((300, 520), (128, 128), (3, 5)),  # partial tiles both ways
+    ((256, 384), (128, 128), (2, 3)),
+    ((4, 130, 260), (128, 128), (4, 2, 3)),  # stacked experts
+    ((7, 13), (4, 4), (2, 4)),  # tiles narrower than a vector
+    ((64, 96), None, ()),
+    ((64, 96), None, (1,)),
+    ((64, 96), None, (64, 1)),
+    ((64, 96), None, (64,)),
+    ((3, 64, 96), None, (3, 64, 1)),
+    ((3, 64, 96), None, (3, 1, 1)),
+    ((3, 64, 96), None, (3,)),
+    ((1, 7), None, ()),
+]
+
+
+def torch_form(w, scale, block, dtype):
+    """`packed.dequantize_scaled` with the C pass turned off."""
+    orig = dequant.scaled
+    dequant.scaled = lambda *a: None
+    try:
+        return packed.dequantize_scaled(w, scale, block, dtype)
+    finally:
+        dequant.scaled = orig
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shapes, dtypes and bits (-0.0 and 0.0 differ), NaN where the other has NaN (torch writes every NaN as one
+    bf16 pattern; the C rounding keeps its sign and payload: a NaN weight is refused or warned about by NaN-ness)."""
+    if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a.isnan(), b.isnan()):
+        return False
+    keep = ~a.isnan()
+    bits = torch.int16 if a.dtype.itemsize == 2 else torch.int32
+    return torch.equal(a[keep].view(bits), b[keep].view(bits))
+
+
+@pytest.mark.parametrize("code", CODES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_decode_is_the_torch_forms(code, layout):
+    shape, block, sshape = layout
+    g = torch.Generator().manual_seed(len(shape) * 1000 + shape[-1])
+    w = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8).view(code)
+    for sdt in (torch.float32, torch.bfloat16, torch.float16):
+        # magnitudes from 1e-40 (subnormal products) to 1e4
+        s = (torch.rand(sshape, generator=g) * 10.0 ** torch.randint(-40, 5, sshape, generator=g).float()).to(sdt)
+        for out in (torch.bfloat16, torch.float32):
+            fast = dequant.scaled(w, s, block, out)
+            assert fast is not None
+            assert same_bits(fast, torch_form(w, s, block, out)), (sdt, out)
+            assert same_bits(packed.dequantize_scaled(w, s, block, out), fast)
+
+
+def test_every_code_decodes_as_torch_converts_it():
+    """All 256 patterns of each format in one row, scale 1: the table is torch's own conversion, NaN included."""
+    for code in CODES:
+        w = torch.arange(256, dtype=torch.uint8).view(code).reshape(1, 256)
+        fast = dequant.scaled(w, torch.ones(()), None, torch.float32)
+        assert same_bits(fast, w.float())
+
+
+def test_threads_do_not_change_a_bit():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randint(0, 256, (1024, 1280), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)  # >= 2**20 codes
+    s = torch.rand(8, 10, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = dequant.scaled(w, s, (128, 128), torch.bfloat16)
+        torch.set_num_threads(2)
+        two = dequant.scaled(w, s, (128, 128), torch.bfloat16)
+    finally:
+        torch.set_num_threads(threads)
+    assert same_bits(one, two) and same_bits(one, torch_form(w, s, (128, 128), torch.bfloat16))
+
+
+def test_what_the_c_pass_does_not_take_goes_to_the_torch_form():
+    w = torch.randint(0, 256, (16, 32), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    s = torch.rand(16)
+    assert dequant.scaled(w, s, None, torch.float16) is None  # fp16 output
+    assert dequant.scaled(w.float(), s, None, torch.bfloat16) is None  # not codes
+    assert same_bits(packed.dequantize_scaled(w, s, None, torch.float16), torch_form(w, s, None, torch.float16))
