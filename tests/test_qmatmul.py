@@ -106,6 +106,26 @@ def test_activation_quantization_costs_little_accuracy():
     assert 1e-4 < rel < 0.015
 
 
+@pytest.mark.parametrize("isa", ["avx2", "amx"])
+@pytest.mark.parametrize("N", [16, 13, 1])
+def test_pack_int8_and_int4_put_every_code_where_their_layouts_say(monkeypatch, isa, N):
+    """By the layouts' definitions, code by code: int8 byte (g, c, j, i) = q[8g+j, 4c+i] (+ 128 in the AVX-512
+    builds); int4 byte (g, c, j, i) of [N/8][K/8][8][4] = q[8g+j, 8c+i] | q[8g+j, 8c+4+i] << 4; zero codes past N."""
+    monkeypatch.setattr(qmatmul, "isa", lambda: isa)
+    K = 64
+    g = torch.Generator().manual_seed(N)
+    q8 = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+    q4 = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+    p8, p4 = qmatmul.pack_int8(q8), qmatmul.pack_int4(q4).reshape(-(-N // 8), K // 8, 8, 4)
+    assert p8.shape == (-(-N // 8), K // 4, 8, 4) and p8.dtype == torch.uint8
+    for n in range(-(-N // 8) * 8):
+        for k in range(K):
+            code8 = int(q8[n, k]) if n < N else 0
+            assert int(p8[n // 8, k // 4, n % 8, k % 4]) == (code8 + (0 if isa == "avx2" else 128)) % 256
+            byte = int(p4[n // 8, k // 8, n % 8, k % 4])
+            assert (byte >> 4 if k % 8 >= 4 else byte & 15) == (int(q4[n, k]) if n < N else 0)
+
+
 @pytest.mark.parametrize("group", [8, 16])
 @pytest.mark.parametrize("shape", [(48, 64), (33, 70), (8, 1), (1, 1)])
 def test_pack_bf16_puts_every_weight_where_its_layout_says(monkeypatch, group, shape):

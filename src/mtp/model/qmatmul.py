@@ -79,10 +79,14 @@ def pack_int8(codes: torch.Tensor) -> torch.Tensor:
     pad = -N % 8
     if pad:
         codes = F.pad(codes, (0, 0, 0, pad))
-    c = codes.reshape(-1, 8, K // 4, 4).permute(0, 2, 1, 3)
-    if isa() != "avx2":
-        return (c.to(torch.int16) + 128).to(torch.uint8).contiguous()
-    return c.contiguous().view(torch.uint8)
+    # a chunk's 4 codes move as one int32 (torch's permuted copy of 4-byte elements, not of bytes: pack_bf16)
+    c = codes.contiguous().view(torch.int32).reshape(-1, 8, K // 4).permute(0, 2, 1)
+    out = torch.empty(c.shape, dtype=torch.int32)
+    if isa() != "avx2":  # code + 128 as a byte is the code's bits with the top one flipped
+        torch.bitwise_xor(c, -0x7F7F7F80, out=out)  # 0x80808080 as an int32
+    else:
+        out.copy_(c)
+    return out.view(torch.uint8).reshape(*c.shape, 4)
 
 
 def unpack_int8(packed: torch.Tensor, out_features: int) -> torch.Tensor:
@@ -97,8 +101,12 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     group of 8 outputs (the last padded with zero codes), per 8 inputs, 32 bytes, byte (j, i) = q[j, i] | q[j, 4 + i] << 4."""
     codes = F.pad(codes, (0, 0, 0, -codes.shape[0] % 8))
     N, K = codes.shape
-    c = codes.reshape(N // 8, 8, K // 8, 2, 4).permute(0, 2, 1, 3, 4)  # [N/8, K/8, 8 outputs, 2 halves, 4 inputs]
-    return (c[..., 0, :] | (c[..., 1, :] << 4)).reshape(N // 8, 4 * K).contiguous()
+    # [N/8, K/8, 8 outputs, 2 halves] of int32 words, 4 inputs a word (codes < 16: a byte shifted by 4 stays in its
+    # byte): one pass of 4-byte elements instead of torch's byte-wise permutes (1.6 s of a 0.8B-shape int4 load)
+    c = codes.contiguous().view(torch.int32).reshape(N // 8, 8, K // 8, 2).permute(0, 2, 1, 3)
+    out = torch.empty(N // 8, K // 8, 8, dtype=torch.int32)
+    torch.bitwise_or(c[..., 0], c[..., 1] << 4, out=out)
+    return out.view(torch.uint8).reshape(N // 8, 4 * K)
 
 
 def pack_int4_groups(t: torch.Tensor) -> torch.Tensor:
