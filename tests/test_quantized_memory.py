@@ -125,8 +125,6 @@ def test_released_layers_refuse_what_needs_their_weights(tmp_path):
     model.load_state_dict(src.state_dict(), assign=True)  # new float weights: the codes are stale
     with torch.no_grad(), pytest.raises(ReleasedWeightError):
         model(ids)
-    with pytest.raises(ValueError, match="needs quantize"):
-        mtp.load_model(tmp_path / "m", release=True)
     with pytest.raises(ValueError, match="cannot save tensor 'model.layers.0"):
         mtp.save_model(mtp.load_model(tmp_path / "m", quantize="int4", release=True), tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -189,3 +187,43 @@ def test_bf16_native_fusions_view_their_parts_and_loads_drop_the_mapped_weights(
     prompt = [1, 2, 3, 4, 5]
     assert (mtp.generate(loaded, prompt, max_new_tokens=12, draft_tokens=2).tokens
             == mtp.generate(model, prompt, max_new_tokens=12).tokens)
+
+
+def test_released_bf16_layers_hold_their_packed_copies_and_decode_the_same(tmp_path, monkeypatch):
+    """release=True on a bf16 load (what the inference commands load: a checkpoint decoded at load, FP8 or GPTQ,
+    would otherwise hold each weight twice): every layer on qmatmul's bf16 product but the output heads keeps only its
+    packed copy; `restore` unpacks exactly the weight it let go; greedy plain and speculative decoding, and int4 drafts
+    quantized from the restored MTP weights, give the unreleased load's tokens and drafts; a training forward or
+    a save refuses clearly."""
+    kernels(monkeypatch, "native")
+    monkeypatch.setenv("MTP_BF16", "native")
+    mtp.save_model(bf16_model(), tmp_path / "m")
+    kept = mtp.load_model(tmp_path / "m")
+    released = mtp.load_model(tmp_path / "m", release=True)
+    packed = {n: m for n, m in released.named_modules() if isinstance(m, FastLinear) and m.kernel == "bf16-native"}
+    heads = {"lm_head"} | {n for n, m in packed.items() if any(m is h for h in released._output_heads())}
+    assert packed and all(m.released == (n not in heads) and m.weight.is_meta == m.released for n, m in packed.items())
+    for n in ("model.layers.0.mlp.down_proj", "model.layers.0.linear_attn.in_proj_qkv"):
+        layer = released.get_submodule(n)
+        layer.restore()
+        assert torch.equal(layer.weight.view(torch.int16), kept.get_submodule(n).weight.detach().view(torch.int16)), n
+        layer.release()
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    plain = mtp.generate(kept, prompt, max_new_tokens=24, draft_tokens=0).tokens
+    assert mtp.generate(released, prompt, max_new_tokens=24, draft_tokens=0).tokens == plain
+    assert mtp.generate(released, prompt, max_new_tokens=24, draft_tokens=2).tokens == plain
+    kept.quantize_drafts("int4")
+    released.quantize_drafts("int4")
+    for (n, a), (_, b) in zip(kept.mtp.named_modules(), released.mtp.named_modules()):
+        if isinstance(a, FastLinear) and a.kernel is not None:
+            assert b.kernel == a.kernel and torch.equal(a._packed, b._packed), n
+            assert b.released or any(b is h for h in released._output_heads()), n
+    a = mtp.generate(kept, prompt, max_new_tokens=24, draft_tokens=3)
+    b = mtp.generate(released, prompt, max_new_tokens=24, draft_tokens=3)
+    assert a.tokens == b.tokens == plain
+    assert (a.stats.drafted, a.stats.accepted, a.stats.backbone_forwards) == (b.stats.drafted, b.stats.accepted,
+                                                                                b.stats.backbone_forwards)
+    with pytest.raises(ReleasedWeightError, match="holds only its packed copy"):
+        released(torch.tensor([[1, 2, 3]]))  # training forward: grad is on
+    with pytest.raises(ValueError, match="cannot save tensor"):
+        mtp.save_model(released, tmp_path / "out")

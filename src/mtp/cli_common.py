@@ -80,8 +80,8 @@ def model_name(args) -> str:
 
 
 def load_from_args(args):
-    """The model the options name, on the device they name, for inference: with --quantize the quantized layers keep
-    only their codes (`load_model(release=True)`: their float weights are let go)."""
+    """The model the options name, on the device they name, for inference (`load_model(release=True)`): the quantized
+    layers keep only their codes, the bf16 layers on qmatmul's product only their packed copies."""
     import torch
 
     from .model import load_model
@@ -92,8 +92,7 @@ def load_from_args(args):
     if args.model is None and not Path(name).exists():
         raise SystemExit(f"mtp: model folder {name} does not exist (pass --model PATH or a hub id)")
     model = load_model(name, dtype=args.dtype, device=resolve_device(args.device), revision=args.revision,
-                       quantize=(quantize := getattr(args, "quantize", None)), strict=getattr(args, "strict", False),
-                       release=quantize is not None)
+                       quantize=getattr(args, "quantize", None), strict=getattr(args, "strict", False), release=True)
     if bits := draft_precision(getattr(args, "draft_quantize", "none"), model):
         model.quantize_drafts(bits)
     if hasattr(args, "draft_vocab"):  # (commands that draft: --draft-vocab's choice -> a size or None)

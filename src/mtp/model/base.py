@@ -230,15 +230,22 @@ class CausalLM(nn.Module, ABC):
         `release=True` (inference only) then lets go of each quantized layer's float weight (`FastLinear.release`,
         `Experts.release`): the model holds the codes, the embedding and the output heads (kept in bf16: the reduced
         draft vocabulary reads their rows); training it or changing a released weight raises `ReleasedWeightError`.
+        Unquantized, it lets go of the float weight of each layer on qmatmul's bf16 product but the output heads (its
+        packed copy is the same numbers: `FastLinear.restore` unpacks it): a weight decoded at load (FP8, GPTQ) is
+        then held once, as a memory-mapped bf16 checkpoint's is.
         `int4` (quantize "int4"): the layers, by module name, that run their int4 checkpoint's own codes instead of
         quantizing their weights (`int4_checkpoint_layers`)."""
         self.prepared = True
         if self.device.type != "cpu":
             return
+        heads = {id(h) for h in self._output_heads()}
         if quantize is None:
             def packed(layer: FastLinear) -> None:  # a bf16 weight on qmatmul's product: its packed copy runs
-                if on_quantized is not None and layer.kernel == "bf16-native":
-                    on_quantized(layer.weight)
+                if layer.kernel == "bf16-native" and layer._native:
+                    if on_quantized is not None:
+                        on_quantized(layer.weight)
+                    if release and id(layer) not in heads:
+                        layer.release()
 
             if self.dtype in (torch.bfloat16, torch.float32):
                 prepare_linears(self, "bf16" if self.dtype == torch.bfloat16 else "fp32", prepared=packed)
@@ -249,7 +256,6 @@ class CausalLM(nn.Module, ABC):
             raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
         if self.dtype != torch.bfloat16:
             raise ValueError(f"quantize={quantize!r} needs a bfloat16 model (load it with dtype='bfloat16'), got {self.dtype}")
-        heads = {id(h) for h in self._output_heads()}
 
         def quantized(layer: FastLinear) -> None:
             if on_quantized is not None:
@@ -312,6 +318,11 @@ class CausalLM(nn.Module, ABC):
             raise ValueError(f"the drafts are already quantized ({self.draft_quantize})")
         if not self.prepared:
             self.prepare_for_inference()
+        # the MTP's packed bf16 layers let go of by an inference load get their float weights back to be quantized
+        # from, and let them go again below
+        restored = [m for m in self.mtp.modules() if isinstance(m, FastLinear) and m.released and m.kernel == "bf16-native"]
+        for m in restored:
+            m.restore()
         prefix = "mtp"  # (the attribute's name: the full names `precise_layers` are written in start with it)
         heads = {id(h) for h in self._output_heads()}
         keep = self.keep_precision
@@ -353,6 +364,11 @@ class CausalLM(nn.Module, ABC):
             copy.weight = head.weight  # (one parameter: the copy holds only its codes; heads keep their float weight)
             copy.bias = head.bias
             copies[id(head)] = FastLinear.wrap(copy, quantized_kernel(bits, head))
+        for m in restored:
+            m.release()
+        for m in self.mtp.modules():  # (a release swaps in a placeholder; the fusions record what their parts hold)
+            if (fusion := m.__dict__.get("_fused")) is not None:
+                fusion.versions = [p.weight._version for p in fusion.parts]
         self.__dict__["_draft_heads"] = copies
         self.__dict__["_draft_quantize"] = bits
 

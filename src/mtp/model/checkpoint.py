@@ -109,9 +109,11 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
     of 128) quantizes them and the routed experts (weight-only; the model is then bf16) - see `model/linear.py`. A
     quantized checkpoint (FP8: `model/quantized.py`) is decoded at load to `dtype` (auto: bf16). Quantizing goes layer
     by layer, and the memory-mapped pages of each weight it has read are dropped from memory as it goes (read again
-    from the file if the float weight is ever used: training, `mtp quantize`). `release=True` with `quantize`
-    (inference only: what `mtp generate / serve / bench / check` load) also lets go of the quantized layers' float
-    weights (`CausalLM.prepare_for_inference`): memory then holds the codes, the bf16 embedding and output heads.
+    from the file if the float weight is ever used: training, `mtp quantize`). `release=True` (inference only: what
+    `mtp generate / serve / check` load) also lets go of the quantized layers' float weights
+    (`CausalLM.prepare_for_inference`): memory then holds the codes, the bf16 embedding and output heads; unquantized,
+    of the float weights of the layers on qmatmul's bf16 product (their packed copies run), so a weight decoded at
+    load (FP8, GPTQ without `quantize`) is held once, as a memory-mapped bf16 one is.
     An int4 checkpoint (GPTQ / AWQ 4-bit, compressed-tensors pack-quantized int4) with `quantize="int4"` runs its own
     codes in every int4 layer whose shape the kernels take at its group size (`_int4_sources`; with `release` those
     weights are never decoded); the others are decoded and quantized.
@@ -120,8 +122,6 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
     or a wider embedding than the tensors hold, a model larger than the memory available. A config with MTP layers
     but no MTP tensors loads with a MissingMTPWarning and `model.has_mtp == False` (never random heads). A tensor
     holding NaN or Inf gives a NonFiniteWeightsWarning naming it; `strict=True` refuses the checkpoint."""
-    if release and quantize is None:
-        raise ValueError("release=True lets go of the float weights of quantized layers: it needs quantize='int8' or 'int4'")
     path = resolve_checkpoint(path, revision=revision)
     want_dtype = parse_dtype(dtype)
     if quantize is not None and want_dtype is None:

@@ -338,11 +338,13 @@ class FastLinear(nn.Linear):
         return self._released is not None
 
     def release(self) -> None:
-        """Let go of the float weight of an "int8" / "int4" layer (inference only): the module then holds its codes
-        and scales, and `weight` is a meta tensor of the same shape and dtype (no memory). A call with grad enabled,
-        or after the weight was changed or replaced, raises `ReleasedWeightError` instead of running stale codes."""
-        if self.kernel not in ("int8", "int4"):
-            raise ValueError(f"only an int8 / int4 layer can release its float weight (kernel {self.kernel})")
+        """Let go of the float weight of an "int8" / "int4" layer, or of a "bf16-native" one on qmatmul's product
+        (inference only): the module then holds its codes and scales (its packed weight: the same numbers, permuted),
+        and `weight` is a meta tensor of the same shape and dtype (no memory). A call with grad enabled, or after the
+        weight was changed or replaced, raises `ReleasedWeightError` instead of running stale codes."""
+        if self.kernel not in ("int8", "int4") and not (self.kernel == "bf16-native" and self._native):
+            raise ValueError(f"only an int8 / int4 layer or a packed bf16 one can release its float weight "
+                             f"(kernel {self.kernel})")
         if self._released is not None:
             return
         w = self.weight
@@ -352,9 +354,23 @@ class FastLinear(nn.Linear):
         self.__dict__["_released"] = placeholder  # a plain attribute, not a second registered parameter
 
     def _released_message(self, what: str) -> str:
-        return (f"linear layer [{self.out_features} <- {self.in_features}] ({self.kernel}) holds only its quantized codes "
+        held = "its packed copy" if self.kernel == "bf16-native" else "its quantized codes"
+        return (f"linear layer [{self.out_features} <- {self.in_features}] ({self.kernel}) holds only {held} "
                 f"(loaded for inference with release=True, as `mtp generate/serve/bench/check` load): it cannot {what}; "
                 "load the model without release=True to train or change its weights")
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Give a released "bf16-native" layer its float weight back, unpacked from its packed copy (exactly the
+        weight it released: `qmatmul.unpack_bf16`); the packed copy is not rebuilt. Anything else released raises."""
+        if self._released is None:
+            return
+        if self.kernel != "bf16-native":
+            raise ReleasedWeightError(self._released_message("give its float weight back"))
+        w = qmatmul.unpack_bf16(self._packed, self.out_features, self.in_features).to(self._released.dtype)
+        del self.__dict__["_released"]
+        self.weight = nn.Parameter(w, requires_grad=False)
+        self._version = self.weight._version
 
     def int8_decoded(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """An "int8" layer's weight as its codes give it, codes x scales (`packed.dequantize_scaled`, per channel):

@@ -145,6 +145,16 @@ def pack_bf16(w: torch.Tensor) -> torch.Tensor:
     return out.view(torch.bfloat16).reshape(*out.shape, 2)
 
 
+def unpack_bf16(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """`pack_bf16`'s inverse, for the loaded build's layout: packed -> bf16 weight [out_features, in_features]."""
+    p = packed.view(torch.int32)
+    if packed.dim() == 4:  # vector builds: [N/8, K/2, 8, 2]
+        w = p.reshape(p.shape[0], p.shape[1], 8).transpose(1, 2).reshape(p.shape[0] * 8, p.shape[1])
+    else:  # the AMX build: [N/16, K/32, 16, 16, 2]
+        w = p.reshape(*p.shape[:4]).permute(0, 3, 1, 2).reshape(p.shape[0] * 16, p.shape[1] * 16)
+    return w.contiguous().view(torch.bfloat16)[:out_features, :in_features].contiguous()
+
+
 def _library() -> ctypes.CDLL:
     return LIBRARY.lib()
 
