@@ -1,8 +1,8 @@
 """What loading a quantized release costs next to the bf16 one of the same model: wall time and peak RSS of
 `mtp.load_model` in a fresh process, for a random-weight model of a named shape saved as bf16, as an FP8 release
 (128x128 block scales) and as a GPTQ 4-bit release (groups of 128, asymmetric, v1 zero points); each variant
-CHECKPOINT[:QUANTIZE] loads that checkpoint, with `quantize=QUANTIZE, release=True` when given (what `mtp generate
---quantize` loads). Used for docs/decisions.md, 2026-12-01 and 2026-12-02 ("quantized loads") (issue 19).
+CHECKPOINT[:QUANTIZE] loads that checkpoint with `release=True`, and `quantize=QUANTIZE` when given (what `mtp
+generate [--quantize]` loads). Used for docs/decisions.md, 2026-12-01 and 2026-12-02 ("quantized loads") (issue 19).
 
     python scripts/quantized_load.py [--shape qwen3.5-0.8b] [--dir /tmp/mtp-qload] [--threads 1]
         [--variants bf16,fp8,gptq4,bf16:int8,bf16:int4,gptq4:int4] [--runs 1]
@@ -80,11 +80,12 @@ torch.set_num_threads(int(sys.argv[2]))
 import mtp
 q = sys.argv[3] or None
 t0 = time.perf_counter()
-m = mtp.load_model(sys.argv[1], **({} if q is None else dict(dtype="bfloat16", quantize=q, release=True)))
+m = mtp.load_model(sys.argv[1], release=True, **({} if q is None else dict(dtype="bfloat16", quantize=q)))
 t = time.perf_counter() - t0
-# the high-water mark of this process's own memory (ru_maxrss carries the parent's peak across fork and exec)
-hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
-print(f"{t:.2f} {hwm / 1024:.0f} {m.dtype}")
+# the high-water mark of this process's own memory (ru_maxrss carries the parent's peak across fork and exec), and
+# what it holds after the load
+status = {line.split(":")[0]: int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("Vm")}
+print(f"{t:.2f} {status['VmHWM'] / 1024:.0f} {status['VmRSS'] / 1024:.0f} {m.dtype}")
 """
 
 
@@ -118,9 +119,9 @@ def main() -> None:
             size = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e9
             r = subprocess.run([sys.executable, "-c", PROBE, str(path), str(args.threads), quantize], capture_output=True,
                                text=True, check=True)
-            t, rss, dtype = r.stdout.split()
-            print(f"  {v:11s} files {size:5.2f} GB   load {float(t):6.2f} s   peak RSS {float(rss) / 1024:5.2f} GB   ({dtype})",
-                  flush=True)
+            t, rss, after, dtype = r.stdout.split()
+            print(f"  {v:11s} files {size:5.2f} GB   load {float(t):6.2f} s   peak RSS {float(rss) / 1024:5.2f} GB   "
+                  f"after {float(after) / 1024:5.2f} GB   ({dtype})", flush=True)
 
 
 if __name__ == "__main__":
