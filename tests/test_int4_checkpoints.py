@@ -176,3 +176,37 @@ def test_group_sizes_the_kernels_do_not_take_are_decoded_and_quantized_again(tmp
     for (name, a), (_, b) in zip(model.named_modules(), again.named_modules()):
         if isinstance(a, FastLinear) and a.kernel in ("int8", "int4"):
             assert torch.equal(a._packed, b._packed), name
+
+
+@pytest.mark.parametrize("release", ["gptq asym g32", "awq g32", "ct asym g32"])
+def test_the_inference_commands_run_an_int4_release_as_int4_by_default(tmp_path, release):
+    """`--quantize` left out: an int4 release loads as `--quantize int4` (its own codes, never decoded); `none` decodes
+    it; an 8-bit release, an FP8 one and a float checkpoint load as stored; an explicit choice stands."""
+    import argparse
+
+    from mtp.cli_common import add_model_args, load_from_args, resolve_quantize
+    from test_quantized import release_fp8
+
+    make, *_ = RELEASES[release]
+    mtp.save_model(tiny_model(std=0.02, **WIDE).to(torch.bfloat16), tmp_path / "int4")
+    make(tmp_path / "int4")
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    args = p.parse_args(["--model", str(tmp_path / "int4"), "--threads", "1"])
+    model = load_from_args(args)
+    assert args.quantize == "int4"
+    coded = [m for m in model.modules() if isinstance(m, FastLinear) and m.checkpoint_codes]
+    assert len(coded) >= 20 and all(m.weight.is_meta for m in coded)
+    none = p.parse_args(["--model", str(tmp_path / "int4"), "--quantize", "none"])
+    resolve_quantize(none)
+    assert none.quantize is None
+    mtp.save_model(tiny_model(std=0.02, **WIDE).to(torch.bfloat16), tmp_path / "float")
+    mtp.save_model(tiny_model(std=0.02, **WIDE).to(torch.bfloat16), tmp_path / "int8")
+    release_int(tmp_path / "int8", "gptq", 8, 32, False, False, "gptq")
+    mtp.save_model(tiny_model(std=0.02, **WIDE).to(torch.bfloat16), tmp_path / "fp8")
+    release_fp8(tmp_path / "fp8")
+    for name, argv, want in [("float", [], None), ("int8", [], None), ("fp8", [], None),
+                             ("int4", ["--quantize", "int8"], "int8"), ("float", ["--quantize", "int4"], "int4")]:
+        a = p.parse_args(["--model", str(tmp_path / name), *argv])
+        resolve_quantize(a)
+        assert a.quantize == want, (name, argv)

@@ -61,12 +61,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) when --model is a hub id")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and activations (auto: the checkpoint's)")
-    p.add_argument("--quantize", default=None, choices=["int8", "int4"],
+    p.add_argument("--quantize", default=None, choices=["int8", "int4", "none"],
                    help="weight-only quantization of the linear layers and experts, bf16 activations (the MTP's input "
                         "projection stays bf16): int8 (per-channel scales) or int4 (groups of 128, asymmetric); the "
-                        "quantized layers then hold only their codes. A checkpoint already quantized (FP8, GPTQ, AWQ, "
-                        "compressed-tensors) loads decoded with no flag; an int4 one (GPTQ/AWQ 4-bit, pack-quantized "
-                        "int4) with --quantize int4 runs its own codes where the kernel takes its group size")
+                        "quantized layers then hold only their codes. Default: an int4 release (GPTQ/AWQ 4-bit, "
+                        "compressed-tensors int4) runs its own codes as int4 on the CPU, where the kernel takes its "
+                        "group size; any other checkpoint loads as stored (FP8, 8-bit releases decoded to --dtype). "
+                        "none: decode an int4 release too")
     p.add_argument("--device", default="auto", choices=DEVICES, help="auto: cuda when available, else cpu")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: chosen from the cores that are free now, see `auto_threads`)")
@@ -77,6 +78,29 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def model_name(args) -> str:
     """The --model value, or the default model's path."""
     return str(args.model) if args.model is not None else str(default_model_path())
+
+
+def resolve_quantize(args, device=None) -> None:
+    """--quantize's default, in place: "int4" for an int4 release (`Quantization.int4`) loaded on the CPU (its codes
+    run as published: a quarter of the bf16 weight's bytes, the load a third of decoding them), else None; "none" ->
+    None. A config that does not parse is left to the loader, which names the key."""
+    if args.quantize == "none":
+        args.quantize = None
+        return
+    if args.quantize is not None or getattr(args, "shape", None) or (device is not None and device.type != "cpu"):
+        return
+    import json
+
+    from .config.quantization import parse_quantization
+    from .io.hub import resolve_checkpoint
+
+    try:
+        path = resolve_checkpoint(model_name(args), revision=args.revision)
+        quant = parse_quantization(json.loads((path / "config.json").read_text()).get("quantization_config"))
+    except Exception:  # noqa: BLE001 - (the loader reports a bad folder, hub id or config with its own message)
+        return
+    if quant is not None and quant.int4:
+        args.quantize = "int4"
 
 
 def load_from_args(args):
@@ -91,7 +115,10 @@ def load_from_args(args):
     name = model_name(args)
     if args.model is None and not Path(name).exists():
         raise SystemExit(f"mtp: model folder {name} does not exist (pass --model PATH or a hub id)")
-    model = load_model(name, dtype=args.dtype, device=resolve_device(args.device), revision=args.revision,
+    device = resolve_device(args.device)
+    if hasattr(args, "quantize"):
+        resolve_quantize(args, device)
+    model = load_model(name, dtype=args.dtype, device=device, revision=args.revision,
                        quantize=getattr(args, "quantize", None), strict=getattr(args, "strict", False), release=True)
     if bits := draft_precision(getattr(args, "draft_quantize", "none"), model):
         model.quantize_drafts(bits)

@@ -33,6 +33,7 @@ from ..cli_common import (
     load_from_args,
     model_name,
     parse_draft_tokens,
+    resolve_quantize,
 )
 from ..model import load_model, qmatmul
 from .costmodel import (
@@ -142,6 +143,7 @@ def cmd_shape(args) -> int:
     from ..decode.draft_vocab import DraftVocab
 
     torch.set_num_threads(args.threads or auto_threads())
+    resolve_quantize(args)  # ("none" -> None; a shape has no checkpoint to take a default from)
     dtype = "bfloat16" if args.quantize and args.dtype == "auto" else args.dtype
     print(f"building a random-weight {args.shape} model ({dtype}{', ' + args.quantize if args.quantize else ''}) …",
           file=sys.stderr)

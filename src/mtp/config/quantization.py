@@ -51,6 +51,13 @@ class Quantization:
     zero_offset: int = 0
     ct: CompressedTensors | None = None
 
+    @property
+    def int4(self) -> bool:
+        """Are the checkpoint's quantized weights 4-bit integer codes (GPTQ / AWQ 4-bit, compressed-tensors int4)?"""
+        if self.ct is not None:
+            return any(s.kind == "int" and s.bits == 4 for s in self.ct.schemes)
+        return self.method in ("gptq", "awq") and self.bits == 4
+
     def excluded_by(self, module: str) -> str | None:
         """The `exclude` pattern that keeps checkpoint module `module` unquantized, or None. As transformers matches:
         a pattern matches from the start up to a module boundary (also as a regex: "layers.*.gate" matches
