@@ -3,8 +3,8 @@
 
 The torch form, `packed.dequantize_scaled`, converts the codes to fp32, multiplies by the scales and casts, 128 rows
 at a time: ~4 s of a 10 s FP8 load at the Qwen3.5-0.8B shape on one core (docs/decisions.md, 2026-12-06 eleventh
-session). dequant.c does the same fp32 operations (each code's value from a table of torch's own conversions, one
-multiply, torch's rounding to bf16), so its weights are bit for bit the torch form's (tests/test_dequant.py).
+session). dequant.c does the same fp32 operations (each code's exact value, one multiply, torch's rounding to bf16), so
+its weights are bit for bit the torch form's (tests/test_dequant.py).
 
 `scaled` returns None where it does not apply, and the caller then runs the torch form: the library is not available
 (native.py: no compiler, not x86-64 with AVX2, MTP_NATIVE=0), the codes are not a CPU tensor of 8-bit codes, or the
@@ -22,12 +22,13 @@ from .native import NativeLibrary
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.scaled_decode.argtypes = [i64, i64, p, p, p, i64, i64, i64, i32, p, i32]
+    lib.scaled_decode.argtypes = [i64, i64, p, i32, p, p, i64, i64, i64, i32, p, i32]
     lib.scaled_decode.restype = None
 
 
 LIBRARY = NativeLibrary("dequant.c", None, "decoding scaled codes runs in torch ops", _declare)
 CODES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8)
+KINDS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.int8: 3}  # dequant.c's decode8 (else its table)
 _tables: dict[torch.dtype, torch.Tensor] = {}
 
 
@@ -76,6 +77,6 @@ def scaled(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, 
     lut, lib, threads = _table(w.dtype), LIBRARY.lib(), torch.get_num_threads()
     for e in range(E):
         t, b0, b1, stride = _tiles(s[e], N, K, block)
-        lib.scaled_decode(N, K, codes[e].data_ptr(), lut.data_ptr(), t.data_ptr(), b0, b1, stride,
+        lib.scaled_decode(N, K, codes[e].data_ptr(), KINDS.get(w.dtype, 0), lut.data_ptr(), t.data_ptr(), b0, b1, stride,
                           int(dtype == torch.bfloat16), out[e].data_ptr(), threads)
     return out.reshape(w.shape)
