@@ -7,8 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
+import mtp
+from conftest import tiny_model
 from mtp.model import dequant, packed
+from mtp.model.checkpoint import NonFiniteWeightsWarning
+from test_quantized import release_fp8
 
 pytestmark = pytest.mark.skipif(not dequant.LIBRARY.available(), reason=f"dequant.c unavailable: {dequant.LIBRARY.reason()}")
 
@@ -60,9 +65,9 @@ def test_decode_is_the_torch_forms(code, layout):
         # magnitudes from 1e-40 (subnormal products) to 1e4
         s = (torch.rand(sshape, generator=g) * 10.0 ** torch.randint(-40, 5, sshape, generator=g).float()).to(sdt)
         for out in (torch.bfloat16, torch.float32):
-            fast = dequant.scaled(w, s, block, out)
-            assert fast is not None
+            fast, n = dequant.scaled_counted(w, s, block, out)
             assert same_bits(fast, torch_form(w, s, block, out)), (sdt, out)
+            assert n == int((~torch.isfinite(fast)).sum()), (sdt, out)  # the count the loader's check would make
             assert same_bits(packed.dequantize_scaled(w, s, block, out), fast)
 
 
@@ -95,3 +100,32 @@ def test_what_the_c_pass_does_not_take_goes_to_the_torch_form():
     assert dequant.scaled(w, s, None, torch.float16) is None  # fp16 output
     assert dequant.scaled(w.float(), s, None, torch.bfloat16) is None  # not codes
     assert same_bits(packed.dequantize_scaled(w, s, None, torch.float16), torch_form(w, s, None, torch.float16))
+
+
+def test_the_count_of_non_finite_weights_includes_overflow():
+    """NaN codes, e5m2 infinities, and finite products that overflow (fp32, or only when rounded to bf16): counted as
+    the loader's check counts the weight it was given."""
+    w = torch.tensor([[0x7F, 0xFF, 0x7E, 0x01] * 4], dtype=torch.uint8)  # e4m3fn: NaN, -NaN, 448, tiny
+    for scale, out in [(1.0, torch.bfloat16), (3.0e38, torch.float32), (7.59e35, torch.bfloat16)]:
+        fast, n = dequant.scaled_counted(w.view(torch.float8_e4m3fn), torch.tensor(scale), None, out)
+        assert n == int((~torch.isfinite(fast)).sum()) and n >= 8, (scale, out)
+    e5 = torch.tensor([[0x7C, 0xFC, 0x7D, 0x3C] * 4], dtype=torch.uint8).view(torch.float8_e5m2)  # +inf, -inf, NaN, 1
+    fast, n = dequant.scaled_counted(e5, torch.ones(()), None, torch.bfloat16)
+    assert n == 12 == int((~torch.isfinite(fast)).sum())
+
+
+def test_an_fp8_checkpoints_nan_is_named_at_load(tmp_path):
+    """The loader takes the C decode's count instead of reading the weight again: a NaN code in an FP8 release is
+    still named with its count (a warning; refused under strict)."""
+    mtp.save_model(tiny_model(std=0.02).to(torch.bfloat16), tmp_path)
+    release_fp8(tmp_path)
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors = load_file(tmp_path / "model.safetensors")
+    codes = tensors[name].view(torch.uint8).clone()
+    codes[0, :3] = 0x7F
+    tensors[name] = codes.view(torch.float8_e4m3fn)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.warns(NonFiniteWeightsWarning, match=f"NaN or Inf in tensor '{name}' \\(3 values\\)"):
+        mtp.load_model(tmp_path)
+    with pytest.raises(mtp.CheckpointError, match=f"NaN or Inf in tensor '{name}'"):
+        mtp.load_model(tmp_path, strict=True)

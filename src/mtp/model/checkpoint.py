@@ -379,13 +379,26 @@ def non_finite(t: torch.Tensor) -> int:
     return sum(int((~torch.isfinite(flat[i : i + FINITE_CHUNK])).sum()) for i in range(0, flat.numel(), FINITE_CHUNK))
 
 
+def _counted(files: TensorIndex, source, t: torch.Tensor) -> int | None:
+    """NaN / Inf in t as its decoder counted them while writing it (`DecodedTensor.non_finite`: an FP8 weight decoded
+    in C), or None: t must be read to know."""
+    if not isinstance(files, QuantizedIndex) or not isinstance(source, str):
+        return None
+    st, _ = files[source]
+    if isinstance(st, DecodedTensor) and st.non_finite is not None and t.dtype in (st.index.dtype, torch.float32):
+        return st.non_finite  # (a widening to fp32 keeps every value as it is)
+    return None
+
+
 def check_finite(files: TensorIndex, sources: dict, state: dict[str, torch.Tensor], strict: bool, drop=None) -> None:
     """NaN or Inf in a weight makes every forward non-finite (greedy decoding then emits token 0, often end-of-text,
     with no other sign): warn naming the tensors (NonFiniteWeightsWarning), or refuse under `strict`. `drop(t)`,
     when given, is called on each tensor once checked (the loader drops its file pages there)."""
     bad = []
     for name, t in state.items():
-        if t.is_floating_point() and not t.is_meta and (n := non_finite(t)):
+        if t.is_floating_point() and not t.is_meta and (n := _counted(files, sources[name], t)) is None:
+            n = non_finite(t)
+        if t.is_floating_point() and not t.is_meta and n:
             bad.append((name, n))
         if drop is not None:
             drop(t)

@@ -35,10 +35,13 @@ static inline __m256 decode8(const uint8_t* p, int kind, const float* lut) {
 }
 
 /* codes q [N, K] (row stride K) of `kind` (decode8; lut [256]: each code's fp32 value, the table kind's and the
- * scalar tail's), scales s: row n, column k takes s[(n / b0) * ss + k / b1] -> out [N, K]: bf16 (bf16 != 0) or fp32. */
+ * scalar tail's), scales s: row n, column k takes s[(n / b0) * ss + k / b1] -> out [N, K]: bf16 (bf16 != 0) or fp32;
+ * bad [N]: how many of each row's outputs are NaN or +-Inf (what the loader's check of the weight would count: it
+ * need not read the weight again). */
 void scaled_decode(int64_t N, int64_t K, const uint8_t* q, int kind, const float* lut, const float* s, int64_t b0,
-                   int64_t b1, int64_t ss, int bf16, void* out, int nthreads) {
+                   int64_t b1, int64_t ss, int bf16, void* out, int64_t* bad, int nthreads) {
     PARALLEL_FOR(N * K >= (1 << 20), n, N, {
+        int64_t nonfinite = 0;
         const uint8_t* qr = q + n * K;
         const float* sr = s + (n / b0) * ss;
         for (int64_t k0 = 0; k0 < K; k0 += b1) {
@@ -48,18 +51,29 @@ void scaled_decode(int64_t N, int64_t K, const uint8_t* q, int kind, const float
             int64_t k = k0;
             for (; k + 8 <= k1; k += 8) {
                 const __m256 v = _mm256_mul_ps(decode8(qr + k, kind, lut), sv);
-                if (bf16)
-                    f_to_bf16x8((uint16_t*)out + n * K + k, v);
-                else
+                if (bf16) {  /* (counted on the rounded values: a finite float can round to a bf16 infinity) */
+                    uint16_t* o = (uint16_t*)out + n * K + k;
+                    f_to_bf16x8(o, v);
+                    const __m128i e = _mm_and_si128(_mm_loadu_si128((const __m128i*)o), _mm_set1_epi16(0x7f80));
+                    nonfinite += __builtin_popcount(_mm_movemask_epi8(_mm_cmpeq_epi16(e, _mm_set1_epi16(0x7f80)))) / 2;
+                } else {
                     _mm256_storeu_ps((float*)out + n * K + k, v);
+                    const __m256 d = _mm256_sub_ps(v, v);  /* NaN exactly where v is NaN or infinite */
+                    nonfinite += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(d, d, _CMP_UNORD_Q)));
+                }
             }
             for (; k < k1; k++) {
                 const float v = lut[qr[k]] * sc;
-                if (bf16)
-                    ((uint16_t*)out)[n * K + k] = to_bf16(v);
-                else
+                if (bf16) {
+                    const uint16_t h = to_bf16(v);
+                    ((uint16_t*)out)[n * K + k] = h;
+                    nonfinite += (h & 0x7f80) == 0x7f80;
+                } else {
                     ((float*)out)[n * K + k] = v;
+                    nonfinite += v - v != 0.0f;  /* (false for finite v; true, unordered, for NaN and +-Inf) */
+                }
             }
         }
+        bad[n] = nonfinite;
     });
 }

@@ -22,7 +22,7 @@ from .native import NativeLibrary
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.scaled_decode.argtypes = [i64, i64, p, i32, p, p, i64, i64, i64, i32, p, i32]
+    lib.scaled_decode.argtypes = [i64, i64, p, i32, p, p, i64, i64, i64, i32, p, p, i32]
     lib.scaled_decode.restype = None
 
 
@@ -50,10 +50,18 @@ def _tiles(scale: torch.Tensor, N: int, K: int, block: tuple[int, int] | None) -
     return s.reshape(N), 1, K, 1
 
 
-@torch.no_grad()
 def scaled(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, dtype: torch.dtype) -> torch.Tensor | None:
     """`packed.dequantize_scaled(w, scale, block, dtype)` in C, or None (module docstring). w [..., N, K] 8-bit codes;
     scale as `quantized.expected_scale_shapes` allows for w's shape."""
+    decoded = scaled_counted(w, scale, block, dtype)
+    return None if decoded is None else decoded[0]
+
+
+@torch.no_grad()
+def scaled_counted(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, int] | None:
+    """`scaled`, and how many of the weights it gives are NaN or +-Inf (counted as they are written: what the loader's
+    check would count by reading them again), or None."""
     if (w.device.type != "cpu" or w.dtype not in CODES or w.dim() < 2 or dtype not in (torch.bfloat16, torch.float32)
             or not LIBRARY.available()):
         return None
@@ -73,10 +81,11 @@ def scaled(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, 
         s = s.reshape(E, 1)
     out = torch.empty(E, N, K, dtype=dtype)
     if out.numel() == 0:
-        return out.reshape(w.shape)
+        return out.reshape(w.shape), 0
+    bad = torch.empty(E, N, dtype=torch.int64)
     lut, lib, threads = _table(w.dtype), LIBRARY.lib(), torch.get_num_threads()
     for e in range(E):
         t, b0, b1, stride = _tiles(s[e], N, K, block)
         lib.scaled_decode(N, K, codes[e].data_ptr(), KINDS.get(w.dtype, 0), lut.data_ptr(), t.data_ptr(), b0, b1, stride,
-                          int(dtype == torch.bfloat16), out[e].data_ptr(), threads)
-    return out.reshape(w.shape)
+                          int(dtype == torch.bfloat16), out[e].data_ptr(), bad[e].data_ptr(), threads)
+    return out.reshape(w.shape), int(bad.sum())

@@ -34,6 +34,7 @@ import torch
 
 from ..config.quantization import Quantization, parse_quantization
 from ..io.safetensors_mmap import CheckpointError
+from . import dequant
 from .compressed_tensors import ct_entries
 from .linear import Int4Codes, Int4Weight
 from .packed import AWQ_REVERSE, SCALE_DTYPES, awq_weight, dequantize_scaled, gptq_weight, int4_nibbles
@@ -65,10 +66,14 @@ class DecodedTensor:
     def nbytes(self, name: str) -> int:
         return _prod(self._shape) * self.index.dtype.itemsize
 
+    non_finite: int | None = None  # NaN / Inf among the values `tensor` last gave, where its decoder counted them
+
     def tensor(self, name: str) -> torch.Tensor:
-        """The decoded weight (the file pages of its stored parts are dropped once read)."""
+        """The decoded weight (the file pages of its stored parts are dropped once read). A decoder gives the weight,
+        or (the weight, how many of its values are NaN / Inf): then `non_finite`."""
         stored = {role: self.index.raw.tensor(key) for role, key in self.parts.items()}
         out = self.decode(stored, self.index.dtype)
+        out, self.non_finite = out if isinstance(out, tuple) else (out, None)
         for key in self.parts.values():
             st, k = self.index.raw[key]
             st.release(k)
@@ -214,8 +219,15 @@ def decoded_index(raw, config, where: Path | str = ""):
                                   "bfloat16 or float16")
         block = quant.block
         decoded[name] = ({"weight": name, "scale": scale}, shape,
-                         lambda t, dtype, block=block: dequantize_scaled(t["weight"], t["scale"], block, dtype))
+                         lambda t, dtype, block=block: _scaled(t, dtype, block))
     return QuantizedIndex(raw, quant, decoded, hidden)
+
+
+def _scaled(t: dict[str, torch.Tensor], dtype: torch.dtype, block: tuple[int, int] | None):
+    """FP8 codes and their scale -> the weight and how many of its values are NaN / Inf where the C pass decoded them
+    (`dequant.scaled_counted`: the loader need not read the weight again to check it), else the weight."""
+    counted = dequant.scaled_counted(t["weight"], t["scale"], block, dtype)
+    return counted if counted is not None else dequantize_scaled(t["weight"], t["scale"], block, dtype)
 
 
 def packed_entries(raw, quant: Quantization) -> tuple[dict, set[str]]:
