@@ -396,10 +396,12 @@ def check_finite(files: TensorIndex, sources: dict, state: dict[str, torch.Tenso
     when given, is called on each tensor once checked (the loader drops its file pages there)."""
     bad = []
     for name, t in state.items():
-        if t.is_floating_point() and not t.is_meta and (n := _counted(files, sources[name], t)) is None:
-            n = non_finite(t)
-        if t.is_floating_point() and not t.is_meta and n:
-            bad.append((name, n))
+        if t.is_floating_point() and not t.is_meta:
+            n = _counted(files, sources[name], t)
+            if n is None:
+                n = non_finite(t)
+            if n:
+                bad.append((name, n))
         if drop is not None:
             drop(t)
     if not bad:
