@@ -89,15 +89,14 @@ def resolve_quantize(args, device=None) -> None:
         return
     if args.quantize is not None or getattr(args, "shape", None) or (device is not None and device.type != "cpu"):
         return
-    import json
-
+    from .config import ConfigError, read_config_file
     from .config.quantization import parse_quantization
-    from .io.hub import resolve_checkpoint
+    from .io.hub import HubError, resolve_checkpoint
 
     try:
         path = resolve_checkpoint(model_name(args), revision=args.revision)
-        quant = parse_quantization(json.loads((path / "config.json").read_text()).get("quantization_config"))
-    except Exception:  # noqa: BLE001 - (the loader reports a bad folder, hub id or config with its own message)
+        quant = parse_quantization(read_config_file(path / "config.json").get("quantization_config"))
+    except (ConfigError, HubError):  # (the loader reports a bad folder, hub id or config with its own message)
         return
     if quant is not None and quant.int4:
         args.quantize = "int4"

@@ -4,10 +4,10 @@
  * shape on one core (docs/decisions.md, 2026-12-06 eleventh session).
  *
  * The arithmetic is the torch form's: each code's fp32 value (float8 e4m3fn / e5m2 through fp16, int8 converted; the
- * 256-entry table of torch's own conversions of every bit pattern for the scalar tail: tests/test_dequant.py checks
- * every code of each format against torch), times its scale in fp32
- * (one rounding), then rounded to bf16 as torch rounds (nearest even; a NaN stays a NaN) or kept in fp32. Built with
- * -ffp-contract=off. Rows are independent, so the threads' split does not change a bit. */
+ * 256-entry table of torch's own conversions for the scalar tail: tests/test_dequant.py checks every code of each
+ * format against torch), times its scale in fp32 (one rounding), then rounded to bf16 as torch rounds (nearest even; a
+ * NaN stays a NaN) or kept in fp32; the NaN / Inf written are counted on the way (the loader's check then need not read
+ * the weight again). Built with -ffp-contract=off. Rows are independent: the threads' split does not change a bit. */
 
 #include <immintrin.h>
 #include <stdint.h>
@@ -17,25 +17,22 @@
 /* 8 codes -> their fp32 values, as torch converts them. kind 1: float8 e4m3fn, through fp16 (its 4 exponent and 3
  * mantissa bits placed in fp16's, the value then 2^-8 of the code's: exact, subnormals included, times 256 exactly),
  * its NaN codes (s.1111.111) as torch writes them (0x7ff00000 with the sign); 2: float8 e5m2, fp16's top byte (exact,
- * infinities and NaNs included); 3: int8; else the table. */
-static inline __m256 decode8(const uint8_t* p, int kind, const float* lut) {
+ * infinities and NaNs included); 3: int8. */
+static inline __m256 decode8(const uint8_t* p, int kind) {
     const __m128i c = _mm_loadl_epi64((const __m128i*)p);
     if (kind == 3) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
-    if (kind == 1 || kind == 2) {
-        const __m128i b = _mm_cvtepu8_epi16(c);
-        if (kind == 2) return _mm256_cvtph_ps(_mm_slli_epi16(b, 8));
-        const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
-        const __m128i mag = _mm_and_si128(b, _mm_set1_epi16(0x7f));
-        const __m256 v = _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(sign, _mm_slli_epi16(mag, 7))), _mm256_set1_ps(256.0f));
-        const __m256i nan = _mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f)));
-        const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_cvtepi16_epi32(sign), 16), _mm256_set1_epi32(0x7ff00000));
-        return _mm256_blendv_ps(v, _mm256_castsi256_ps(bits), _mm256_castsi256_ps(nan));
-    }
-    return _mm256_i32gather_ps(lut, _mm256_cvtepu8_epi32(c), 4);
+    const __m128i b = _mm_cvtepu8_epi16(c);
+    if (kind == 2) return _mm256_cvtph_ps(_mm_slli_epi16(b, 8));
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
+    const __m128i mag = _mm_and_si128(b, _mm_set1_epi16(0x7f));
+    const __m256 v = _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(sign, _mm_slli_epi16(mag, 7))), _mm256_set1_ps(256.0f));
+    const __m256i nan = _mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f)));
+    const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_cvtepi16_epi32(sign), 16), _mm256_set1_epi32(0x7ff00000));
+    return _mm256_blendv_ps(v, _mm256_castsi256_ps(bits), _mm256_castsi256_ps(nan));
 }
 
-/* codes q [N, K] (row stride K) of `kind` (decode8; lut [256]: each code's fp32 value, the table kind's and the
- * scalar tail's), scales s: row n, column k takes s[(n / b0) * ss + k / b1] -> out [N, K]: bf16 (bf16 != 0) or fp32;
+/* codes q [N, K] (row stride K) of `kind` (decode8; lut [256]: each code's fp32 value as torch converts it, for the
+ * scalar tail), scales s: row n, column k takes s[(n / b0) * ss + k / b1] -> out [N, K]: bf16 (bf16 != 0) or fp32;
  * bad [N]: how many of each row's outputs are NaN or +-Inf (what the loader's check of the weight would count: it
  * need not read the weight again). */
 void scaled_decode(int64_t N, int64_t K, const uint8_t* q, int kind, const float* lut, const float* s, int64_t b0,
@@ -50,7 +47,7 @@ void scaled_decode(int64_t N, int64_t K, const uint8_t* q, int kind, const float
             const __m256 sv = _mm256_set1_ps(sc);
             int64_t k = k0;
             for (; k + 8 <= k1; k += 8) {
-                const __m256 v = _mm256_mul_ps(decode8(qr + k, kind, lut), sv);
+                const __m256 v = _mm256_mul_ps(decode8(qr + k, kind), sv);
                 if (bf16) {  /* (counted on the rounded values: a finite float can round to a bf16 infinity) */
                     uint16_t* o = (uint16_t*)out + n * K + k;
                     f_to_bf16x8(o, v);

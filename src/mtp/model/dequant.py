@@ -27,8 +27,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 LIBRARY = NativeLibrary("dequant.c", None, "decoding scaled codes runs in torch ops", _declare)
-CODES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8)
-KINDS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.int8: 3}  # dequant.c's decode8 (else its table)
+KINDS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.int8: 3}  # the codes dequant.c's decode8 takes
 _tables: dict[torch.dtype, torch.Tensor] = {}
 
 
@@ -62,7 +61,7 @@ def scaled_counted(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] 
                    ) -> tuple[torch.Tensor, int] | None:
     """`scaled`, and how many of the weights it gives are NaN or +-Inf (counted as they are written: what the loader's
     check would count by reading them again), or None."""
-    if (w.device.type != "cpu" or w.dtype not in CODES or w.dim() < 2 or dtype not in (torch.bfloat16, torch.float32)
+    if (w.device.type != "cpu" or w.dtype not in KINDS or w.dim() < 2 or dtype not in (torch.bfloat16, torch.float32)
             or not LIBRARY.available()):
         return None
     *lead, N, K = w.shape
@@ -86,6 +85,6 @@ def scaled_counted(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] 
     lut, lib, threads = _table(w.dtype), LIBRARY.lib(), torch.get_num_threads()
     for e in range(E):
         t, b0, b1, stride = _tiles(s[e], N, K, block)
-        lib.scaled_decode(N, K, codes[e].data_ptr(), KINDS.get(w.dtype, 0), lut.data_ptr(), t.data_ptr(), b0, b1, stride,
+        lib.scaled_decode(N, K, codes[e].data_ptr(), KINDS[w.dtype], lut.data_ptr(), t.data_ptr(), b0, b1, stride,
                           int(dtype == torch.bfloat16), out[e].data_ptr(), bad[e].data_ptr(), threads)
     return out.reshape(w.shape), int(bad.sum())

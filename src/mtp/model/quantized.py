@@ -56,6 +56,7 @@ class DecodedTensor:
         self.index, self.parts, self._shape, self.decode = index, parts, shape, decode
         self.path = index.raw[next(iter(parts.values()))][0].path
         self.int4_codes = int4
+        self.non_finite: int | None = None  # NaN / Inf among the values `tensor` last gave, where its decoder counted them
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._shape
@@ -65,8 +66,6 @@ class DecodedTensor:
 
     def nbytes(self, name: str) -> int:
         return _prod(self._shape) * self.index.dtype.itemsize
-
-    non_finite: int | None = None  # NaN / Inf among the values `tensor` last gave, where its decoder counted them
 
     def tensor(self, name: str) -> torch.Tensor:
         """The decoded weight (the file pages of its stored parts are dropped once read). A decoder gives the weight,
