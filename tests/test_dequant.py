@@ -1,7 +1,8 @@
 """The C decode of scaled 8-bit codes (model/dequant.c) gives bit for bit the weights of the torch form it replaces
 (`packed.dequantize_scaled`'s chunked fp32 passes): every bit pattern of float8 e4m3fn / e5m2 and int8, every scale
 layout a checkpoint may store (128x128 tiles with partial tiles, per output channel, per tensor, per expert), scales in
-fp32 / bf16 / fp16 down to subnormal products, bf16 and fp32 outputs, one and two threads."""
+fp32 / bf16 / fp16 down to subnormal products, bf16 and fp32 outputs, one and two threads; and decoded straight into
+qmatmul's bf16 packing, the packing of that decode."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import mtp
 from conftest import tiny_model
-from mtp.model import dequant, packed
+from mtp.model import dequant, packed, qmatmul
 from mtp.model.checkpoint import NonFiniteWeightsWarning
 from test_quantized import release_fp8
 
@@ -102,6 +103,35 @@ def test_what_the_c_pass_does_not_take_goes_to_the_torch_form():
     assert same_bits(packed.dequantize_scaled(w, s, None, torch.float16), torch_form(w, s, None, torch.float16))
 
 
+@pytest.mark.parametrize("group", [8, 16])
+@pytest.mark.parametrize("layout", [lay for lay in LAYOUTS if len(lay[0]) == 2], ids=str)
+def test_a_packed_decode_is_the_packing_of_the_decode(monkeypatch, group, layout):
+    """`scaled_packed` (a released FP8 load's decode) is `pack_bf16` of `scaled_counted`'s bf16 weight in both of the
+    packing's layouts, bit for bit, NaN codes and the pads (zeros, whatever `out` held) included, with the same count,
+    into a new buffer or a given one, at one and two threads."""
+    if not qmatmul.available():
+        pytest.skip(f"the qmatmul kernels do not run here: {qmatmul.reason()}")
+    monkeypatch.setattr(qmatmul, "bf16_group", lambda: group)
+    shape, block, sshape = layout
+    g = torch.Generator().manual_seed(shape[-1] + group)
+    s = torch.rand(sshape, generator=g) * 4
+    threads = torch.get_num_threads()
+    for code in CODES:
+        w = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8).view(code)
+        decoded, n = dequant.scaled_counted(w, s, block, torch.bfloat16)
+        want = qmatmul.pack_bf16(decoded).view(torch.int16)
+        try:
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                fresh, n1 = dequant.scaled_packed(w, s, block)
+                given = torch.full(want.shape, -1, dtype=torch.int16).view(torch.bfloat16)  # NaN bits everywhere
+                into, n2 = dequant.scaled_packed(w, s, block, given)
+                assert into is given and n1 == n2 == n, (code, t)
+                assert torch.equal(fresh.view(torch.int16), want) and torch.equal(into.view(torch.int16), want), (code, t)
+        finally:
+            torch.set_num_threads(threads)
+
+
 def test_the_count_of_non_finite_weights_includes_overflow():
     """NaN codes, e5m2 infinities, and finite products that overflow (fp32, or only when rounded to bf16): counted as
     the loader's check counts the weight it was given."""
@@ -125,7 +155,8 @@ def test_an_fp8_checkpoints_nan_is_named_at_load(tmp_path):
     codes[0, :3] = 0x7F
     tensors[name] = codes.view(torch.float8_e4m3fn)
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.warns(NonFiniteWeightsWarning, match=f"NaN or Inf in tensor '{name}' \\(3 values\\)"):
-        mtp.load_model(tmp_path)
-    with pytest.raises(mtp.CheckpointError, match=f"NaN or Inf in tensor '{name}'"):
-        mtp.load_model(tmp_path, strict=True)
+    for release in (False, True):  # (released: decoded at prepare, straight into its packed copy)
+        with pytest.warns(NonFiniteWeightsWarning, match=f"NaN or Inf in tensor '{name}' \\(3 values\\)"):
+            mtp.load_model(tmp_path, release=release)
+        with pytest.raises(mtp.CheckpointError, match=f"NaN or Inf in tensor '{name}'"):
+            mtp.load_model(tmp_path, strict=True, release=release)

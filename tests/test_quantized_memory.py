@@ -227,3 +227,42 @@ def test_released_bf16_layers_hold_their_packed_copies_and_decode_the_same(tmp_p
         released(torch.tensor([[1, 2, 3]]))  # training forward: grad is on
     with pytest.raises(ValueError, match="cannot save tensor"):
         mtp.save_model(released, tmp_path / "out")
+
+
+def test_a_released_fp8_load_decodes_straight_into_the_packed_copies(tmp_path, monkeypatch):
+    """release=True on an FP8 release (what the inference commands load): the layers on qmatmul's bf16 product get
+    their packed copies decoded from the codes (`DecodedTensor.packed_bf16`), never as [out, in] weights; each fusion
+    runs the one buffer its parts were packed into (no concatenated copy); the packed copies, `restore`, and greedy
+    plain and speculative tokens are the unreleased load's."""
+    from mtp.model import dequant
+    from test_quantized import release_fp8
+
+    kernels(monkeypatch, "native")
+    if not dequant.LIBRARY.available():
+        pytest.skip(f"dequant.c unavailable: {dequant.LIBRARY.reason()}")
+    monkeypatch.setenv("MTP_BF16", "native")
+    mtp.save_model(bf16_model(), tmp_path / "m")
+    release_fp8(tmp_path / "m")
+    kept = mtp.load_model(tmp_path / "m")
+    decoded = []
+    whole = dequant.scaled_counted
+    monkeypatch.setattr(dequant, "scaled_counted", lambda *a: decoded.append(a[0].shape) or whole(*a))
+    released = mtp.load_model(tmp_path / "m", release=True)
+    assert decoded == []  # every FP8 weight of this model is a linear layer's on the bf16 product
+    packed = {n: m for n, m in released.named_modules() if isinstance(m, FastLinear) and m.kernel == "bf16-native"}
+    heads = {n for n, m in packed.items() if any(m is h for h in released._output_heads())}
+    assert len(packed) > len(heads) and all(m.released == (n not in heads) for n, m in packed.items())
+    for n, m in packed.items():
+        assert torch.equal(m._packed.view(torch.int16), kept.get_submodule(n)._packed.view(torch.int16)), n
+    theirs = dict(fusions(kept))
+    assert fusions(released) and {n for n, _ in fusions(released)} == set(theirs)
+    for n, f in fusions(released):
+        assert f.fused._packed.data_ptr() == f.parts[0]._packed.data_ptr(), n
+        assert torch.equal(f.fused._packed.view(torch.int16), theirs[n].fused._packed.view(torch.int16)), n
+    layer = released.get_submodule("model.layers.0.mlp.down_proj")
+    layer.restore()
+    assert torch.equal(layer.weight.view(torch.int16), kept.get_submodule("model.layers.0.mlp.down_proj").weight.view(torch.int16))
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    plain = mtp.generate(kept, prompt, max_new_tokens=24, draft_tokens=0).tokens
+    assert mtp.generate(released, prompt, max_new_tokens=24, draft_tokens=0).tokens == plain
+    assert mtp.generate(released, prompt, max_new_tokens=24, draft_tokens=2).tokens == plain

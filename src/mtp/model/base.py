@@ -35,7 +35,18 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .cache import Cache, KVCache, Positions
-from .linear import FastLinear, FusedProjections, Int4Sources, fusable, int4_fits, int4_supported, quantized_kernel, renew_prepared
+from .linear import (
+    FastLinear,
+    FusedProjections,
+    Int4Sources,
+    PackedSources,
+    bf16_kernel,
+    fusable,
+    int4_fits,
+    int4_supported,
+    quantized_kernel,
+    renew_prepared,
+)
 from .linear import prepare_for_inference as prepare_linears
 from .moe import Experts, group_experts, split_experts
 from .rope import RotaryTable
@@ -216,7 +227,7 @@ class CausalLM(nn.Module, ABC):
 
     def prepare_for_inference(self, quantize: str | None = None, release: bool = False,
                               on_quantized: Callable[[torch.Tensor], None] | None = None,
-                              int4: Int4Sources | None = None) -> None:
+                              int4: Int4Sources | None = None, packed: PackedSources | None = None) -> None:
         """Swap the linear layers for row-invariant CPU inference kernels (`model/linear.py`): bf16 weights use
         qmatmul's bf16 product (or, where it cannot run, oneDNN's packed layout: `linear.bf16_kernel`), fp32
         weights a row-by-row product; `quantize` "int8" (weight-only, per-channel scales)
@@ -234,13 +245,15 @@ class CausalLM(nn.Module, ABC):
         packed copy is the same numbers: `FastLinear.restore` unpacks it): a weight decoded at load (FP8, GPTQ) is
         then held once, as a memory-mapped bf16 checkpoint's is.
         `int4` (quantize "int4"): the layers, by module name, that run their int4 checkpoint's own codes instead of
-        quantizing their weights (`int4_checkpoint_layers`)."""
+        quantizing their weights (`int4_checkpoint_layers`). `packed` (unquantized): the layers, by module name, whose
+        packed copy for qmatmul's bf16 product comes from their source (`packed_bf16_layers`; their weights are meta,
+        never loaded): an FP8 release's weight decoded straight into its packing."""
         self.prepared = True
         if self.device.type != "cpu":
             return
         heads = {id(h) for h in self._output_heads()}
         if quantize is None:
-            def packed(layer: FastLinear) -> None:  # a bf16 weight on qmatmul's product: its packed copy runs
+            def packed_copy(layer: FastLinear) -> None:  # a bf16 weight on qmatmul's product: its packed copy runs
                 if layer.kernel == "bf16-native" and layer._native:
                     if on_quantized is not None:
                         on_quantized(layer.weight)
@@ -248,7 +261,8 @@ class CausalLM(nn.Module, ABC):
                         layer.release()
 
             if self.dtype in (torch.bfloat16, torch.float32):
-                prepare_linears(self, "bf16" if self.dtype == torch.bfloat16 else "fp32", prepared=packed)
+                prepare_linears(self, "bf16" if self.dtype == torch.bfloat16 else "fp32", prepared=packed_copy,
+                                packed=packed)
             if self.__dict__.get("masks") is not None:  # its LoRA hooks need each projection's own forward
                 self.masks.unfuse(self)
             return
@@ -371,6 +385,16 @@ class CausalLM(nn.Module, ABC):
                 fusion.versions = [p.weight._version for p in fusion.parts]
         self.__dict__["_draft_heads"] = copies
         self.__dict__["_draft_quantize"] = bits
+
+    def packed_bf16_layers(self) -> list[str]:
+        """The linear layers (module names) that `prepare_for_inference(release=True)` of this bf16 model, on the CPU,
+        packs for qmatmul's bf16 product and then lets go of: every one but the output heads, where that product runs
+        (`linear.bf16_kernel`). Their weights need never be held as [out, in] tensors: a load (of a model still on the
+        meta device) may hand their packed copies to `prepare_for_inference` (`packed`) instead."""
+        if bf16_kernel() != "bf16-native":
+            return []
+        heads = {id(h) for h in self._output_heads()}
+        return [n for n, m in self.named_modules() if type(m) is nn.Linear and id(m) not in heads]
 
     def int4_checkpoint_layers(self, int4_groups: dict[str, int]) -> list[str]:
         """Of the linear layers (module name -> the group size of their int4 checkpoint codes), those that

@@ -30,6 +30,7 @@ from ..io.tokenizer import Tokenizer
 from .base import MTP_LAYER, CausalLM
 from .budget import BUILD_ERRORS, TooLargeError, build_on_meta
 from .families import config_from_json, model_class_for
+from .linear import FastLinear
 from .masks import MASKS_CONFIG, load_adapter
 from .moe import Stack
 from .quantized import DecodedTensor, QuantizedIndex, decoded_index
@@ -163,24 +164,38 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
         expected = {n: p for n, p in model.state_dict(keep_vars=True).items() if not _is_tied(model, n)}
         # int4 from an int4 checkpoint: the layers that can run its codes as stored; released, they are never decoded
         int4 = _int4_sources(model, files, sources) if quantize == "int4" and torch.device(device).type == "cpu" else {}
-        coded = {f"{m}.weight" for m in int4} if release else set()
+        # FP8 weights that the model runs packed for qmatmul's bf16 product and lets go of: decoded at prepare, straight
+        # into their packing, never held as [out, in] weights (a copy of the model: ~1 s of a 0.8B-shape load)
+        cpu_bf16 = dtype_ == torch.bfloat16 and torch.device(device).type == "cpu"
+        packs = _packed_sources(model, files, sources) if release and quantize is None and cpu_bf16 else {}
+        coded = ({f"{m}.weight" for m in int4} if release else set()) | {f"{m}.weight" for m in packs}
         state = {name: torch.empty(p.shape, dtype=dtype_, device="meta") if name in coded else
                  materialize(files, sources[name], tuple(p.shape), torch.float32 if cls.keeps_fp32(name) else dtype_, device)
                  for name, p in expected.items()}
         # quantizing: each weight's file pages are dropped once read (checked here, quantized below), so the load
         # does not hold the whole float checkpoint in memory beside its codes; unquantized, `prepare_for_inference`
         # drops the pages of the bf16 weights it packs for qmatmul's product (the others it runs in place)
-        cpu_bf16 = dtype_ == torch.bfloat16 and torch.device(device).type == "cpu"
         drop = _page_dropper(files, sources, state) if quantize is not None or cpu_bf16 else None
-        check_finite(files, sources, state, strict, drop if quantize is not None else None)
-        if coded:  # the codes are integers: their scales are what could be NaN / Inf
+        bad = check_finite(files, sources, state, drop if quantize is not None else None)
+        if not packs:
+            report_non_finite(files, sources, bad, strict)
+        if int4 and release:  # the codes are integers: their scales are what could be NaN / Inf
             scales = {key: files.raw.tensor(key) for m in int4 for key in int4[m].scale_names()}
-            check_finite(files.raw, {k: k for k in scales}, scales, strict)
+            names = {k: k for k in scales}
+            report_non_finite(files.raw, names, check_finite(files.raw, names, scales), strict)
         model.load_state_dict(state, strict=False, assign=True)
         _retie(model)
         model.eval()
         del state  # the model holds the weights now: a released one is freed at once
-        model.prepare_for_inference(quantize, release=release, on_quantized=drop, int4={m: d.int4 for m, d in int4.items()})
+        model.prepare_for_inference(quantize, release=release, on_quantized=drop, int4={m: d.int4 for m, d in int4.items()},
+                                    packed={m: d.packed_bf16 for m, d in packs.items()})
+        for m in packs:  # (`packed_bf16_layers` names what this prepare packs: a layer left holding no weight is a bug)
+            layer = model.get_submodule(m)
+            if not (isinstance(layer, FastLinear) and layer.kernel == "bf16-native" and layer._native):
+                raise RuntimeError(f"{m}: loaded with no weight for a packed copy that was not built")
+        if packs:  # their NaN / Inf as the decoder counted them, reported with the others'
+            report_non_finite(files, sources, bad + [(f"{m}.weight", d.non_finite) for m, d in packs.items() if d.non_finite],
+                              strict)
     model.source_path = str(path)
     model.checkpoint_layout = layout
     model.tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
@@ -201,6 +216,19 @@ def _int4_sources(model: CausalLM, files, sources: dict) -> dict[str, DecodedTen
                 entries[name.removesuffix(".weight")] = st
     fits = model.int4_checkpoint_layers({m: e.int4_codes.group for m, e in entries.items()})
     return {m: entries[m] for m in fits}
+
+
+def _packed_sources(model: CausalLM, files, sources: dict) -> dict[str, DecodedTensor]:
+    """module name -> the checkpoint entry of each layer that a released load packs for qmatmul's bf16 product
+    (`packed_bf16_layers`) and whose weight its format decodes straight into that packing (`DecodedTensor.pack`: FP8)."""
+    out = {}
+    for m in model.packed_bf16_layers():
+        src = sources.get(f"{m}.weight")
+        if isinstance(src, str):
+            st, _ = files[src]
+            if isinstance(st, DecodedTensor) and st.pack is not None:
+                out[m] = st
+    return out
 
 
 def _page_dropper(files: TensorIndex, sources: dict, state: dict[str, torch.Tensor]):
@@ -390,10 +418,9 @@ def _counted(files: TensorIndex, source, t: torch.Tensor) -> int | None:
     return None
 
 
-def check_finite(files: TensorIndex, sources: dict, state: dict[str, torch.Tensor], strict: bool, drop=None) -> None:
-    """NaN or Inf in a weight makes every forward non-finite (greedy decoding then emits token 0, often end-of-text,
-    with no other sign): warn naming the tensors (NonFiniteWeightsWarning), or refuse under `strict`. `drop(t)`,
-    when given, is called on each tensor once checked (the loader drops its file pages there)."""
+def check_finite(files: TensorIndex, sources: dict, state: dict[str, torch.Tensor], drop=None) -> list[tuple[str, int]]:
+    """The weights holding NaN or Inf, [(parameter, how many)], for `report_non_finite` (meta tensors: not loaded,
+    skipped). `drop(t)`, when given, is called on each tensor once checked (the loader drops its file pages there)."""
     bad = []
     for name, t in state.items():
         if t.is_floating_point() and not t.is_meta:
@@ -404,6 +431,13 @@ def check_finite(files: TensorIndex, sources: dict, state: dict[str, torch.Tenso
                 bad.append((name, n))
         if drop is not None:
             drop(t)
+    return bad
+
+
+def report_non_finite(files: TensorIndex, sources: dict, bad: list[tuple[str, int]], strict: bool) -> None:
+    """NaN or Inf in a weight makes every forward non-finite (greedy decoding then emits token 0, often end-of-text,
+    with no other sign): warn naming the tensors in `bad` [(parameter, how many NaN / Inf)] (NonFiniteWeightsWarning),
+    or refuse the checkpoint under `strict` (CheckpointError); nothing when `bad` is empty."""
     if not bad:
         return
     key = first_tensor(sources[bad[0][0]])

@@ -11,6 +11,7 @@
 
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "native.h"
 
@@ -31,46 +32,69 @@ static inline __m256 decode8(const uint8_t* p, int kind) {
     return _mm256_blendv_ps(v, _mm256_castsi256_ps(bits), _mm256_castsi256_ps(nan));
 }
 
-/* codes q [N, K] (row stride K) of `kind` (decode8; lut [256]: each code's fp32 value as torch converts it, for the
- * scalar tail), scales s: row n, column k takes s[(n / b0) * ss + k / b1] -> out [N, K]: bf16 (bf16 != 0) or fp32;
- * bad [N]: how many of each row's outputs are NaN or +-Inf (what the loader's check of the weight would count: it
- * need not read the weight again). */
-void scaled_decode(int64_t N, int64_t K, const uint8_t* q, int kind, const float* lut, const float* s, int64_t b0,
-                   int64_t b1, int64_t ss, int bf16, void* out, int64_t* bad, int nthreads) {
-    PARALLEL_FOR(N * K >= (1 << 20), n, N, {
-        int64_t nonfinite = 0;
-        const uint8_t* qr = q + n * K;
-        const float* sr = s + (n / b0) * ss;
-        for (int64_t k0 = 0; k0 < K; k0 += b1) {
-            const int64_t k1 = k0 + b1 < K ? k0 + b1 : K;
-            const float sc = sr[k0 / b1];
-            const __m256 sv = _mm256_set1_ps(sc);
-            int64_t k = k0;
-            for (; k + 8 <= k1; k += 8) {
-                const __m256 v = _mm256_mul_ps(decode8(qr + k, kind), sv);
-                if (bf16) {  /* (counted on the rounded values: a finite float can round to a bf16 infinity) */
-                    uint16_t* o = (uint16_t*)out + n * K + k;
-                    f_to_bf16x8(o, v);
-                    const __m128i e = _mm_and_si128(_mm_loadu_si128((const __m128i*)o), _mm_set1_epi16(0x7f80));
-                    nonfinite += __builtin_popcount(_mm_movemask_epi8(_mm_cmpeq_epi16(e, _mm_set1_epi16(0x7f80)))) / 2;
-                } else {
-                    _mm256_storeu_ps((float*)out + n * K + k, v);
-                    const __m256 d = _mm256_sub_ps(v, v);  /* NaN exactly where v is NaN or infinite */
-                    nonfinite += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(d, d, _CMP_UNORD_Q)));
-                }
-            }
-            for (; k < k1; k++) {
-                const float v = lut[qr[k]] * sc;
-                if (bf16) {
-                    const uint16_t h = to_bf16(v);
-                    ((uint16_t*)out)[n * K + k] = h;
-                    nonfinite += (h & 0x7f80) == 0x7f80;
-                } else {
-                    ((float*)out)[n * K + k] = v;
-                    nonfinite += v - v != 0.0f;  /* (false for finite v; true, unordered, for NaN and +-Inf) */
-                }
+/* Row n of the codes q [N, K] (row stride K) of `kind` (decode8; lut [256]: each code's fp32 value as torch converts
+ * it, for the scalar tail), scales s: column k takes sr[k / b1] -> o [K]: bf16 (bf16 != 0) or fp32. Returns how many of
+ * the row's outputs are NaN or +-Inf (what the loader's check of the weight would count: it need not read it again). */
+static int64_t decode_row(int64_t K, const uint8_t* qr, int kind, const float* lut, const float* sr, int64_t b1,
+                          int bf16, void* o) {
+    int64_t nonfinite = 0;
+    for (int64_t k0 = 0; k0 < K; k0 += b1) {
+        const int64_t k1 = k0 + b1 < K ? k0 + b1 : K;
+        const float sc = sr[k0 / b1];
+        const __m256 sv = _mm256_set1_ps(sc);
+        int64_t k = k0;
+        for (; k + 8 <= k1; k += 8) {
+            const __m256 v = _mm256_mul_ps(decode8(qr + k, kind), sv);
+            if (bf16) {  /* (counted on the rounded values: a finite float can round to a bf16 infinity) */
+                uint16_t* ob = (uint16_t*)o + k;
+                f_to_bf16x8(ob, v);
+                const __m128i e = _mm_and_si128(_mm_loadu_si128((const __m128i*)ob), _mm_set1_epi16(0x7f80));
+                nonfinite += __builtin_popcount(_mm_movemask_epi8(_mm_cmpeq_epi16(e, _mm_set1_epi16(0x7f80)))) / 2;
+            } else {
+                _mm256_storeu_ps((float*)o + k, v);
+                const __m256 d = _mm256_sub_ps(v, v);  /* NaN exactly where v is NaN or infinite */
+                nonfinite += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(d, d, _CMP_UNORD_Q)));
             }
         }
-        bad[n] = nonfinite;
+        for (; k < k1; k++) {
+            const float v = lut[qr[k]] * sc;
+            if (bf16) {
+                const uint16_t h = to_bf16(v);
+                ((uint16_t*)o)[k] = h;
+                nonfinite += (h & 0x7f80) == 0x7f80;
+            } else {
+                ((float*)o)[k] = v;
+                nonfinite += v - v != 0.0f;  /* (false for finite v; true, unordered, for NaN and +-Inf) */
+            }
+        }
+    }
+    return nonfinite;
+}
+
+/* codes q [N, K], scales s (row n, column k takes s[(n / b0) * ss + k / b1]) -> out: group 0, [N, K] bf16 (bf16 != 0)
+ * or fp32; group 8 / 16, bf16 in qmatmul.py's pack_bf16 layout of that output group ([ceil(N/8)][ceil(K/2)][8][2], or
+ * the AMX tiles' [ceil(N/16)][ceil(K/32)][16][16][2]; the caller zeroes out where it has pads): each row is decoded
+ * to a scratch row, then its input pairs move as 4-byte words to their places. bad [N]: each row's NaN / Inf count. */
+void scaled_decode(int64_t N, int64_t K, const uint8_t* q, int kind, const float* lut, const float* s, int64_t b0,
+                   int64_t b1, int64_t ss, int bf16, void* out, int64_t* bad, int group, int nthreads) {
+    const int64_t pairs = group == 16 ? (K + 31) / 32 * 16 : (K + 1) / 2;  /* input pairs a packed row holds */
+    PARALLEL_FOR(N * K >= (1 << 20), n, N, {
+        const uint8_t* qr = q + n * K;
+        const float* sr = s + (n / b0) * ss;
+        if (group == 0) {
+            bad[n] = decode_row(K, qr, kind, lut, sr, b1, bf16, bf16 ? (void*)((uint16_t*)out + n * K) : (void*)((float*)out + n * K));
+        } else {
+            uint32_t* row = (uint32_t*)calloc(pairs, 4);  /* (zeros past K: the pad inputs) */
+            bad[n] = decode_row(K, qr, kind, lut, sr, b1, 1, row);
+            uint32_t* o = (uint32_t*)out;
+            if (group == 16) {  /* pair p of output j = n % 16: tile p / 16, its row p % 16, column j */
+                uint32_t* d = o + (n / 16) * pairs * 16 + n % 16;
+                for (int64_t p = 0; p < pairs; p++) d[(p >> 4) * 256 + (p & 15) * 16] = row[p];
+            } else {  /* pair p of output j = n % 8: [n / 8][p][j] */
+                uint32_t* d = o + (n / 8) * pairs * 8 + n % 8;
+                for (int64_t p = 0; p < pairs; p++) d[p * 8] = row[p];
+            }
+            free(row);
+        }
     });
 }

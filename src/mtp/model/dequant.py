@@ -17,12 +17,13 @@ import ctypes
 
 import torch
 
+from . import qmatmul
 from .native import NativeLibrary
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.scaled_decode.argtypes = [i64, i64, p, i32, p, p, i64, i64, i64, i32, p, p, i32]
+    lib.scaled_decode.argtypes = [i64, i64, p, i32, p, p, i64, i64, i64, i32, p, p, i32, i32]
     lib.scaled_decode.restype = None
 
 
@@ -86,5 +87,34 @@ def scaled_counted(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] 
     for e in range(E):
         t, b0, b1, stride = _tiles(s[e], N, K, block)
         lib.scaled_decode(N, K, codes[e].data_ptr(), KINDS[w.dtype], lut.data_ptr(), t.data_ptr(), b0, b1, stride,
-                          int(dtype == torch.bfloat16), out[e].data_ptr(), bad[e].data_ptr(), threads)
+                          int(dtype == torch.bfloat16), out[e].data_ptr(), bad[e].data_ptr(), 0, threads)
     return out.reshape(w.shape), int(bad.sum())
+
+
+@torch.no_grad()
+def scaled_packed(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, out: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, int] | None:
+    """`qmatmul.pack_bf16(scaled(w, scale, block, torch.bfloat16), out)` in one pass, with no [N, K] weight between
+    (what a load that runs the weight on qmatmul's bf16 product keeps), and its NaN / Inf count as `scaled_counted`
+    gives it; or None (module docstring; also for stacked codes). w [N, K] 8-bit codes; scale as for `scaled`."""
+    if (w.device.type != "cpu" or w.dtype not in KINDS or w.dim() != 2 or not LIBRARY.available()
+            or not qmatmul.available()):
+        return None
+    N, K = w.shape
+    group = qmatmul.bf16_group()
+    shape = qmatmul.bf16_packed_shape(N, K)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.bfloat16)
+    elif tuple(out.shape) != shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"scaled_packed: out must be contiguous bf16 {list(shape)}, got {out.dtype} {list(out.shape)}")
+    if N % group or K % (32 if group == 16 else 2):  # the pads are zeros; the codes fill the rest
+        out.zero_()
+    if N == 0 or K == 0:
+        return out, 0
+    s = scale.float()
+    s = s.reshape(s.shape[-2:]) if block is not None else s.reshape(1) if s.numel() == 1 else s.reshape(N)
+    t, b0, b1, stride = _tiles(s, N, K, block)
+    bad, codes, lut = torch.empty(N, dtype=torch.int64), w.contiguous().view(torch.uint8), _table(w.dtype)
+    LIBRARY.lib().scaled_decode(N, K, codes.data_ptr(), KINDS[w.dtype], lut.data_ptr(), t.data_ptr(), b0, b1, stride, 1,
+                                out.data_ptr(), bad.data_ptr(), group, torch.get_num_threads())
+    return out, int(bad.sum())

@@ -351,11 +351,10 @@ class HFCausalLM(CausalLM):
                 for p in params:
                     del p._is_hf_initialized
 
-    def prepare_for_inference(self, quantize: str | None = None, release: bool = False, on_quantized=None,
-                              int4=None) -> None:
+    def prepare_for_inference(self, *args, **kwargs) -> None:
         """The family default (row-invariant linear kernels), and every MLP activation through `rowwise`."""
         for m in self.modules():
             act = m.__dict__.get("_modules", {}).get("act_fn")
             if isinstance(act, nn.Module) and not isinstance(act, Rowwise):
                 m.act_fn = Rowwise(act)
-        super().prepare_for_inference(quantize, release, on_quantized, int4)
+        super().prepare_for_inference(*args, **kwargs)

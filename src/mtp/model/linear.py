@@ -254,23 +254,32 @@ class FastLinear(nn.Linear):
     checkpoint_codes = False  # "int4" prepared from an int4 checkpoint's own codes (`prepare(..., from_checkpoint=True)`)
 
     @classmethod
-    def wrap(cls, linear: nn.Linear, kernel: str, int4: Int4Weight | None = None, from_checkpoint: bool = False) -> FastLinear:
-        """The same module (same parameters) with a prepared copy for `kernel` (int4: from `int4`'s codes when given)."""
+    def wrap(cls, linear: nn.Linear, kernel: str, int4: Int4Weight | None = None, from_checkpoint: bool = False,
+             packed_into: torch.Tensor | None = None, pack: Callable[[torch.Tensor | None], torch.Tensor] | None = None
+             ) -> FastLinear:
+        """The same module (same parameters) with a prepared copy for `kernel` (int4: from `int4`'s codes when given;
+        `packed_into`, `pack`: `prepare`'s)."""
         linear.__class__ = cls
-        linear.prepare(kernel, int4, from_checkpoint)
+        linear.prepare(kernel, int4, from_checkpoint, packed_into, pack)
         return linear
 
     @torch.no_grad()
-    def prepare(self, kernel: str, int4: Int4Weight | None = None, from_checkpoint: bool = False) -> None:
+    def prepare(self, kernel: str, int4: Int4Weight | None = None, from_checkpoint: bool = False,
+                packed_into: torch.Tensor | None = None, pack: Callable[[torch.Tensor | None], torch.Tensor] | None = None
+                ) -> None:
         """Build the prepared copy of the weight for `kernel`; "int4" from `int4` when given (the codes of this weight,
         `Int4Weight.quantize` of it, or `from_checkpoint`: an int4 checkpoint's own codes, any kernel group size and
-        act order, which the weight - when the layer holds one - is only their decode of), else quantized here."""
+        act order, which the weight - when the layer holds one - is only their decode of), else quantized here.
+        `packed_into`: where a "bf16-native" packing goes (this part's rows of its fusion's buffer: `prepare_parts`);
+        `pack`: what gives that packing instead of the weight (`PackedSources`: a layer loaded with no weight)."""
         if kernel not in KERNELS:
             raise ValueError(f"unknown linear kernel {kernel!r}; expected one of {KERNELS}")
         if self._released is not None:
             raise ReleasedWeightError(self._released_message("be prepared again"))
         if kernel == "bf16":
             kernel = bf16_kernel()
+        if pack is not None and not (kernel == "bf16-native" and qmatmul.available()):
+            raise ValueError(f"a packed bf16 source needs qmatmul's bf16 product (kernel {kernel})")
         w = self.weight.detach()
         self.kernel = kernel
         self._native = False
@@ -282,7 +291,8 @@ class FastLinear(nn.Linear):
             # memory-mapped tensor sits wherever the file put it), and the same checkpoint should give the same bits
             self._packed = w if w.is_contiguous() and w.data_ptr() % 64 == 0 else w.clone(memory_format=torch.contiguous_format)
         elif kernel == "bf16-native" and qmatmul.available():
-            self._packed, self._native = qmatmul.pack_bf16(w.to(torch.bfloat16)), True
+            self._packed = qmatmul.pack_bf16(w.to(torch.bfloat16), packed_into) if pack is None else pack(packed_into)
+            self._native = True
         elif kernel in ("bf16", "bf16-native"):
             self.kernel = "bf16"
             w = w.to(torch.bfloat16)
@@ -588,7 +598,7 @@ class FusedProjections:
         f.__dict__["_released"] = None
         f.weight = nn.Parameter(torch.empty(f.out_features, f.in_features, dtype=parts[0].weight.dtype, device="meta"),
                                 requires_grad=False)
-        cat = lambda attr: torch.cat([getattr(p, attr) for p in parts])  # noqa: E731
+        cat = lambda attr: _joined([getattr(p, attr) for p in parts])  # noqa: E731
         if parts[0].bias is not None:  # (again on a refresh: the parts' current biases, padded as the codes are)
             f.bias = nn.Parameter(torch.cat([F.pad(p.bias.detach(), (0, m - n)) for p, n, m in
                                              zip(parts, self.sizes, self.padded)]), requires_grad=False)
@@ -668,13 +678,17 @@ def project(module: nn.Module, x: torch.Tensor, *names: str) -> list[torch.Tenso
 
 # module name -> its int4 checkpoint codes, built on demand (`DecodedTensor.int4`): one layer's unpacked codes at a time
 Int4Sources = dict[str, Callable[[], Int4Weight]]
+# module name -> its weight in `qmatmul.pack_bf16`'s layout, built on demand into the given buffer (or a new one when
+# None) and returned (`DecodedTensor.packed_bf16`): the layer holds no weight (meta) and runs that packing
+PackedSources = dict[str, Callable[[torch.Tensor | None], torch.Tensor]]
 
 
-def prepare_parts(parts: list[nn.Linear], kernel: str, given: list[Callable[[], Int4Weight] | None] | None = None
+def prepare_parts(parts: list[nn.Linear], kernel: str, given: list[Callable[[], Int4Weight] | None] | None = None,
+                  packed: list[Callable[[torch.Tensor | None], torch.Tensor] | None] | None = None
                   ) -> list[Int4Weight] | None:
-    """Prepare the layers of one fusion for `kernel` ("int4": from a part's checkpoint codes where `given` has them);
-    for "int4" on torch's kernel also return their Int4Weights (what `FusedProjections` builds the fused packing
-    from), else None."""
+    """Prepare the layers of one fusion for `kernel` ("int4": from a part's checkpoint codes where `given` has them;
+    bf16 on qmatmul's product: from a part's packing source where `packed` has one, `PackedSources`); for "int4" on
+    torch's kernel also return their Int4Weights (what `FusedProjections` builds the fused packing from), else None."""
     int4 = None
     groups = [int4_group_for(p.in_features) for p in parts]
     codes = [None if g is None else g() for g in (given or [None] * len(parts))] if kernel == "int4" else [None] * len(parts)
@@ -682,13 +696,32 @@ def prepare_parts(parts: list[nn.Linear], kernel: str, given: list[Callable[[], 
             and not all(qmatmul.available() and qmatmul.supports(p.in_features, q.group if q is not None else g)
                         for p, g, q in zip(parts, groups, codes))):
         int4 = [q if q is not None else Int4Weight.quantize(p.weight.detach(), g) for p, g, q in zip(parts, groups, codes)]
+    # bf16 on qmatmul's product: each part packs into its rows of one buffer, which the fusion then runs as it is
+    # (`_joined`) instead of concatenating the packings (a copy of most of the model's weights at load)
+    into: list[torch.Tensor | None] = [None] * len(parts)
+    if (kernel == "bf16-native" or kernel == "bf16" and bf16_kernel() == "bf16-native") and qmatmul.available() \
+            and len(parts) > 1 and len({p.in_features for p in parts}) == 1:
+        shapes = [qmatmul.bf16_packed_shape(p.out_features, p.in_features) for p in parts]
+        into = list(torch.empty(sum(s[0] for s in shapes), *shapes[0][1:], dtype=torch.bfloat16).split([s[0] for s in shapes]))
+    packed = packed or [None] * len(parts)
     for i, p in enumerate(parts):
         wq = int4[i] if int4 is not None else codes[i]
         if isinstance(p, FastLinear):
-            p.prepare(kernel, wq, codes[i] is not None)
+            p.prepare(kernel, wq, codes[i] is not None, into[i], packed[i])
         else:
-            FastLinear.wrap(p, kernel, wq, codes[i] is not None)
+            FastLinear.wrap(p, kernel, wq, codes[i] is not None, into[i], packed[i])
     return int4
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(parts) along dim 0; with no copy where the parts are, in order, the consecutive row blocks of one
+    contiguous tensor (packed into their fusion's buffer: `prepare_parts`): that tensor."""
+    base = parts[0]._base
+    if base is not None and base.is_contiguous() and all(t._base is base and t.is_contiguous() for t in parts) \
+            and sum(t.shape[0] for t in parts) == base.shape[0] and parts[0].data_ptr() == base.data_ptr() \
+            and all(a.data_ptr() + a.nbytes == b.data_ptr() for a, b in zip(parts, parts[1:])):
+        return base
+    return torch.cat(parts)
 
 
 def fusable(parts: list[FastLinear], int4: list[Int4Weight] | None = None) -> bool:
@@ -708,14 +741,16 @@ def fusable(parts: list[FastLinear], int4: list[Int4Weight] | None = None) -> bo
 
 def prepare_for_inference(model: nn.Module, kernel: str, skip: tuple[str, ...] = (),
                           prepared: Callable[[FastLinear], None] | None = None, int4: Int4Sources | None = None,
-                          prefix: str = "") -> int:
+                          prefix: str = "", packed: PackedSources | None = None) -> int:
     """Swap every nn.Linear of `model` (but those whose name ends with one of `skip`) for a FastLinear prepared for
     `kernel`, and fuse each module's `fused_projections` (unless their prepared forms differ: `fusable`). Returns how
     many layers were prepared. Parameters, names and the state dict do not change. `prepared(layer)` is called for
     each layer once its prepared form (and its fusion's) exists, layer by layer: the caller may let go of its float
     weight there (`FastLinear.release`). "int4": a layer named in `int4` runs its checkpoint's codes. `prefix`: the
-    name of `model` inside the model the names in `skip` and `int4` are from (a submodule's layers by their full names)."""
+    name of `model` inside the model the names in `skip` and `int4` are from (a submodule's layers by their full names).
+    "bf16" / "bf16-native": a layer named in `packed` gets its packed copy from there (it holds no weight)."""
     int4 = int4 if kernel == "int4" and int4 else {}
+    packed = packed or {}
     n = 0
     done: set[int] = set()
     skipped = lambda name: any(name.endswith(s) for s in skip)  # noqa: E731
@@ -726,7 +761,8 @@ def prepare_for_inference(model: nn.Module, kernel: str, skip: tuple[str, ...] =
             parts = [m._modules.get(x) for x in names]
             if all((type(p) is nn.Linear or isinstance(p, FastLinear)) and not skipped(f"{name}.{x}" if name else x)
                    for p, x in zip(parts, names)):
-                fused = prepare_parts(parts, kernel, [int4.get(f"{name}.{x}" if name else x) for x in names])
+                full = [f"{name}.{x}" if name else x for x in names]
+                fused = prepare_parts(parts, kernel, [int4.get(f) for f in full], [packed.get(f) for f in full])
                 if fusable(parts, fused):
                     m.__dict__["_fused"] = FusedProjections(parts, fused)
                 else:
@@ -741,9 +777,9 @@ def prepare_for_inference(model: nn.Module, kernel: str, skip: tuple[str, ...] =
         if (type(m) is nn.Linear or isinstance(m, FastLinear)) and id(m) not in done and not skipped(name):
             codes = int4[name]() if name in int4 else None
             if isinstance(m, FastLinear):
-                m.prepare(kernel, codes, codes is not None)
+                m.prepare(kernel, codes, codes is not None, pack=packed.get(name))
             else:
-                FastLinear.wrap(m, kernel, codes, codes is not None)
+                FastLinear.wrap(m, kernel, codes, codes is not None, pack=packed.get(name))
             done.add(id(m))
             if prepared is not None:
                 prepared(m)

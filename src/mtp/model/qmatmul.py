@@ -122,27 +122,39 @@ def bf16_group() -> int:
     return 16 if isa() == AMX.name else 8
 
 
-def pack_bf16(w: torch.Tensor) -> torch.Tensor:
+def bf16_packed_shape(N: int, K: int) -> tuple[int, ...]:
+    """The shape `pack_bf16` gives a bf16 weight [N, K] in the loaded build's layout."""
+    if bf16_group() == 16:
+        return (-(-N // 16), -(-K // 32), 16, 16, 2)
+    return (-(-N // 8), -(-K // 2), 8, 2)
+
+
+def pack_bf16(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """bf16 weight [N, K] -> the loaded build's layout for `bf16_linear`:
     - vector builds: [ceil(N/8), ceil(K/2), 8, 2], element (g, p, j, e) is output 8g+j's weight for input 2p+e;
     - the AMX build: [ceil(N/16), ceil(K/32), 16, 16, 2], one tile per 16 outputs x 32 inputs, element (b, c, p, j, e)
       is output 16b+j's weight for input 32c+2p+e.
-    Outputs and inputs past the weight's are zeros."""
+    Outputs and inputs past the weight's are zeros. `out` (contiguous bf16 of `bf16_packed_shape(N, K)`, e.g. one
+    part's rows of a fusion's buffer) receives the packing and is returned."""
     N, K = w.shape
     n = bf16_group()
     k = 32 if n == 16 else 2
+    shape = bf16_packed_shape(N, K)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.bfloat16)
+    elif tuple(out.shape) != shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"pack_bf16: out must be contiguous bf16 {list(shape)}, got {out.dtype} {list(out.shape)}")
     if N % n or K % k:  # (only then: a pad is a copy, and an output head's weight is the largest there is)
         w = F.pad(w, (0, -K % k, 0, -N % n))
     # each pair of inputs moves as one int32: torch's permuted copy of 4-byte elements ran 2-4x faster than of the
     # bf16 pairs (0.8B shape: ~2.3 s of a load, docs/decisions.md 2026-12-06 eleventh session)
     p = w.contiguous().view(torch.int32)  # [N, K/2]: inputs 2i and 2i+1 of an output
+    words = out.view(torch.int32).reshape(shape[:-1])
     if k == 2:
-        out = torch.empty(p.shape[0] // 8, p.shape[1], 8, dtype=torch.int32)
-        out.copy_(p.reshape(-1, 8, p.shape[1]).transpose(1, 2))
-        return out.view(torch.bfloat16).reshape(-1, p.shape[1], 8, 2)
-    out = torch.empty(p.shape[0] // 16, p.shape[1] // 16, 16, 16, dtype=torch.int32)
-    out.copy_(p.reshape(-1, 16, p.shape[1] // 16, 16).permute(0, 2, 3, 1))
-    return out.view(torch.bfloat16).reshape(*out.shape, 2)
+        words.copy_(p.reshape(-1, 8, p.shape[1]).transpose(1, 2))
+    else:
+        words.copy_(p.reshape(-1, 16, p.shape[1] // 16, 16).permute(0, 2, 3, 1))
+    return out
 
 
 def unpack_bf16(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:

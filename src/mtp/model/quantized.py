@@ -34,7 +34,7 @@ import torch
 
 from ..config.quantization import Quantization, parse_quantization
 from ..io.safetensors_mmap import CheckpointError
-from . import dequant
+from . import dequant, qmatmul
 from .compressed_tensors import ct_entries
 from .linear import Int4Codes, Int4Weight
 from .packed import AWQ_REVERSE, SCALE_DTYPES, awq_weight, dequantize_scaled, gptq_weight, int4_nibbles
@@ -49,13 +49,14 @@ INT_DTYPES = (torch.int32, torch.int64, torch.int16)
 class DecodedTensor:
     """One quantized weight read as a float tensor, with the calls the loader makes on a stored one (`path`,
     `shape`, `dtype`, `tensor`, `release`). `parts` are the stored tensors it decodes from (role -> checkpoint name),
-    `decode(parts, dtype)` the format's decoder; `index.dtype` is the dtype it decodes to (the model's)."""
+    `decode(parts, dtype)` the format's decoder; `index.dtype` is the dtype it decodes to (the model's). `pack(parts,
+    out)`, where the format has one, decodes straight into qmatmul's bf16 packing (`packed_bf16`)."""
 
     def __init__(self, index: QuantizedIndex, parts: dict[str, str], shape: tuple[int, ...], decode,
-                 int4: Int4Codes | None = None):
+                 int4: Int4Codes | None = None, pack=None):
         self.index, self.parts, self._shape, self.decode = index, parts, shape, decode
         self.path = index.raw[next(iter(parts.values()))][0].path
-        self.int4_codes = int4
+        self.int4_codes, self.pack = int4, pack
         self.non_finite: int | None = None  # NaN / Inf among the values `tensor` last gave, where its decoder counted them
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -80,6 +81,28 @@ class DecodedTensor:
 
     def release(self, name: str) -> None:
         """Nothing to drop: `tensor` released the stored pages already."""
+
+    def packed_bf16(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`qmatmul.pack_bf16(tensor(name), out)`, the weight decoded in bf16: where the format can (`pack`, the C
+        pass), straight into that layout with no [N, K] weight between; `non_finite` as `tensor` sets it. A load that
+        runs the weight on qmatmul's bf16 product and lets go of it asks for this (model/checkpoint.py)."""
+        if self.index.dtype != torch.bfloat16:
+            raise ValueError(f"packed_bf16: the weight decodes to {self.index.dtype}, not bfloat16")
+        got = None
+        if self.pack is not None:
+            stored = {role: self.index.raw.tensor(key) for role, key in self.parts.items()}
+            got = self.pack(stored, out)
+            if got is not None:
+                for key in self.parts.values():
+                    st, k = self.index.raw[key]
+                    st.release(k)
+        if got is None:  # (the torch decoder, then the packing)
+            w = self.tensor("")
+            if self.non_finite is None:
+                self.non_finite = int((~torch.isfinite(w)).sum())
+            return qmatmul.pack_bf16(w, out)
+        out, self.non_finite = got
+        return out
 
     def int4(self) -> Int4Weight:
         """The stored int4 codes, scales and zero points as they are (`int4_codes` not None), in the int4 kernel's
@@ -108,8 +131,8 @@ class QuantizedIndex(dict):
         for name, entry in raw.items():
             if name not in hidden and name not in decoded:
                 self[name] = entry
-        for name, (parts, shape, decode, *int4) in decoded.items():
-            self[name] = (DecodedTensor(self, parts, shape, decode, *int4), name)
+        for name, (parts, shape, decode, *extra) in decoded.items():  # (extra: int4 codes, a packing decoder)
+            self[name] = (DecodedTensor(self, parts, shape, decode, *extra), name)
         self.decoded = set(decoded)
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -218,7 +241,8 @@ def decoded_index(raw, config, where: Path | str = ""):
                                   "bfloat16 or float16")
         block = quant.block
         decoded[name] = ({"weight": name, "scale": scale}, shape,
-                         lambda t, dtype, block=block: _scaled(t, dtype, block))
+                         lambda t, dtype, block=block: _scaled(t, dtype, block), None,
+                         lambda t, out, block=block: dequant.scaled_packed(t["weight"], t["scale"], block, out))
     return QuantizedIndex(raw, quant, decoded, hidden)
 
 
