@@ -19,7 +19,8 @@ import mtp
 from conftest import tiny_model
 from mtp.config import ConfigError
 from mtp.io import CheckpointError
-from mtp.model import config_from_dict
+from mtp.model import compressed_tensors, config_from_dict, dequant, qmatmul
+from mtp.model.linear import FastLinear
 from test_families import tiny
 from test_moe import MOE_CFG, write
 from test_quantized import KEEP, assert_loads_as, close_logits, edit_tensors, greedy_spec_equals_plain
@@ -185,6 +186,16 @@ def test_int8_and_fp8_formats_load_exactly(tmp_path, fmt, w, monkeypatch):
     assert_loads_as(model, reference)
     assert close_logits(model, src, IDS) < 0.1
     greedy_spec_equals_plain(model, monkeypatch, 64)
+    # released (what the inference commands load; one scale per tensor, row or tile: decoded straight into the
+    # packed copies, with no [out, in] weight between): the same packed weights
+    decoded = []
+    whole = compressed_tensors.dequantize
+    monkeypatch.setattr(compressed_tensors, "dequantize", lambda q, *a, **k: decoded.append(q.shape) or whole(q, *a, **k))
+    released = mtp.load_model(tmp_path, release=True)
+    assert (decoded == []) == (fmt != "naive-quantized" and qmatmul.available() and dequant.LIBRARY.available())
+    for n, m in released.named_modules():
+        if isinstance(m, FastLinear) and m.kernel == "bf16-native":
+            assert torch.equal(m._packed.view(torch.int16), model.get_submodule(n)._packed.view(torch.int16)), n
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "deepseek_v3"])

@@ -29,6 +29,7 @@ import torch
 
 from ..config.compressed_tensors import CompressedTensors, Scheme
 from ..io.safetensors_mmap import CheckpointError
+from . import dequant
 from .linear import Int4Codes, Int4Weight
 from .packed import SCALE_DTYPES, dequantize_codes, dequantize_scaled, int4_nibbles, pack_cols, unpack_cols
 
@@ -105,9 +106,9 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, 
 
 
 def ct_entries(raw, ct: CompressedTensors) -> tuple[dict, set[str]]:
-    """The decoded entries (weight name -> (parts, shape, decode, int4 codes or None)) and the stored names they hide, for
-    `quantized.QuantizedIndex`; every rule of the module docstring checked from the headers (and the small
-    weight_shape / g_idx tensors)."""
+    """The decoded entries (weight name -> (parts, shape, decode, int4 codes or None, packing decoder or None)) and
+    the stored names they hide, for `quantized.QuantizedIndex`; every rule of the module docstring checked from the
+    headers (and the small weight_shape / g_idx tensors)."""
     modules: dict[str, dict[str, str]] = {}
     hidden: set[str] = set()
     for name, (st, key) in raw.items():
@@ -203,7 +204,10 @@ def _entry(raw, ct: CompressedTensors, base: str, parts: dict[str, str]):
     if packed and s.kind == "int" and s.bits == 4 and s.strategy in ("group", "channel"):
         group = s.group if s.strategy == "group" else K
         int4 = Int4Codes(group, lambda t, N=N, K=K, s=s, group=group: int4_weight(t, s, N, K, group))
-    return {role: parts[role] for role in parts if role != "weight_shape"}, (N, K), decode, int4
+    pack = None  # (one scale per tensor, row or tile: FP8 and symmetric int8 decode straight into qmatmul's bf16 packing)
+    if not packed and "weight_zero_point" not in parts and s.strategy != "group":
+        pack = lambda t, out, s=s: dequant.scaled_packed(t["weight"], t["weight_scale"], s.block, out)  # noqa: E731
+    return {role: parts[role] for role in parts if role != "weight_shape"}, (N, K), decode, int4, pack
 
 
 def int4_weight(t: dict[str, torch.Tensor], s: Scheme, N: int, K: int, group: int) -> Int4Weight:
