@@ -358,6 +358,31 @@ ATTENTION_BUILD = textwrap.dedent("""
 """)
 
 
+DEQUANT_BUILD = textwrap.dedent("""
+    import sys, torch
+    from mtp.model import dequant, qmatmul
+    g = torch.Generator().manual_seed(9)
+    out = {}
+    # every code of each format, tails of the 16- and 8-code vectors, tiles narrower than a vector, subnormal products
+    for N, K, block in ((5, 256, None), (40, 300, (16, 32)), (33, 7, None), (17, 45, (4, 4)), (64, 96, (128, 128))):
+        for code in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8):
+            w = torch.randint(0, 256, (N, K), generator=g, dtype=torch.uint8).view(code)
+            shape = (-(-N // block[0]), -(-K // block[1])) if block else (N, 1)
+            s = torch.rand(shape, generator=g) * 10.0 ** torch.randint(-40, 5, shape, generator=g).float()
+            key = f"{code} {N} {K} {block}"
+            for dtype in (torch.bfloat16, torch.float32):
+                w2, n = dequant.scaled_counted(w, s, block, dtype)
+                out[f"{key} {dtype}"] = (w2.view(torch.int32) if dtype == torch.float32 else w2, torch.tensor(n))  # (NaN)
+            for group in (8, 16):
+                qmatmul.bf16_group = lambda group=group: group
+                w2, n = dequant.scaled_packed(w, s, block)
+                out[f"{key} packed {group}"] = (w2, torch.tensor(n))
+    isa = dequant.LIBRARY.isa
+    print("isa:", isa.name if isa else "avx2")
+    torch.save(out, sys.argv[1])
+""")
+
+
 def outputs_by_build(script: str, tmp_path) -> dict:
     """`script`'s saved outputs {key: tuple of tensors} from the AVX2 build and the AVX-512 one, each in a real
     process (MTP_NATIVE_ISA names the build)."""
@@ -374,12 +399,14 @@ def outputs_by_build(script: str, tmp_path) -> dict:
 
 @needs_kernels
 @pytest.mark.skipif(not all(f in cpu_flags() for f in AVX512_VNNI.cpu_flags), reason="no AVX-512 here: one build only")
-@pytest.mark.parametrize("script", [DELTANET_BUILD, ACT_BUILD, ATTENTION_BUILD], ids=["deltanet", "act", "attention"])
+@pytest.mark.parametrize("script", [DELTANET_BUILD, ACT_BUILD, ATTENTION_BUILD, DEQUANT_BUILD],
+                         ids=["deltanet", "act", "attention", "dequant"])
 def test_avx512_builds_compute_the_avx2_bits(tmp_path, script):
     """deltanet.c's AVX-512 build runs the recurrence 16 columns a vector, act.c's gates 16 elements a vector,
-    attention.c two keys' scores a vector and the value sums 16 outputs a vector: their outputs (and the DeltaNet's
-    kept and in-place states) are bit for bit the AVX2 build's, NaN, infinities and tails included (every sum stays
-    within its column, its key or its output, in its order; exp16 is exp8's operations lane for lane)."""
+    attention.c two keys' scores a vector and the value sums 16 outputs a vector, dequant.c 16 codes a vector: their
+    outputs (and the DeltaNet's kept and in-place states, the decodes' NaN / Inf counts) are bit for bit the AVX2
+    build's, NaN, infinities and tails included (every sum stays within its column, its key or its output, in its
+    order; exp16 is exp8's operations lane for lane)."""
     outs = outputs_by_build(script, tmp_path)
     for k, ys in outs["avx2"].items():
         assert all(torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,

@@ -7,7 +7,8 @@
  * 256-entry table of torch's own conversions for the scalar tail: tests/test_dequant.py checks every code of each
  * format against torch), times its scale in fp32 (one rounding), then rounded to bf16 as torch rounds (nearest even; a
  * NaN stays a NaN) or kept in fp32; the NaN / Inf written are counted on the way (the loader's check then need not read
- * the weight again). Built with -ffp-contract=off. Rows are independent: the threads' split does not change a bit. */
+ * the weight again). Built with -ffp-contract=off. Rows are independent: the threads' split does not change a bit.
+ * The AVX-512 build (native.py's AVX512_VNNI) decodes 16 codes a vector with the same operations: the same bits. */
 
 #include <immintrin.h>
 #include <stdint.h>
@@ -32,6 +33,22 @@ static inline __m256 decode8(const uint8_t* p, int kind) {
     return _mm256_blendv_ps(v, _mm256_castsi256_ps(bits), _mm256_castsi256_ps(nan));
 }
 
+#if defined(__AVX512F__)
+/* decode8 on 16 codes (the same operations lane for lane: the same bits) */
+static inline __m512 decode16(const uint8_t* p, int kind) {
+    const __m128i c = _mm_loadu_si128((const __m128i*)p);
+    if (kind == 3) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c));
+    const __m256i b = _mm256_cvtepu8_epi16(c);
+    if (kind == 2) return _mm512_cvtph_ps(_mm256_slli_epi16(b, 8));
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
+    const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi16(0x7f));
+    const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, _mm256_slli_epi16(mag, 7))), _mm512_set1_ps(256.0f));
+    const __mmask16 nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7f));
+    const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_cvtepi16_epi32(sign), 16), _mm512_set1_epi32(0x7ff00000));
+    return _mm512_mask_mov_ps(v, nan, _mm512_castsi512_ps(bits));
+}
+#endif
+
 /* Row n of the codes q [N, K] (row stride K) of `kind` (decode8; lut [256]: each code's fp32 value as torch converts
  * it, for the scalar tail), scales s: column k takes sr[k / b1] -> o [K]: bf16 (bf16 != 0) or fp32. Returns how many of
  * the row's outputs are NaN or +-Inf (what the loader's check of the weight would count: it need not read it again). */
@@ -43,6 +60,21 @@ static int64_t decode_row(int64_t K, const uint8_t* qr, int kind, const float* l
         const float sc = sr[k0 / b1];
         const __m256 sv = _mm256_set1_ps(sc);
         int64_t k = k0;
+#if defined(__AVX512F__)
+        for (; k + 16 <= k1; k += 16) {
+            const __m512 v = _mm512_mul_ps(decode16(qr + k, kind), _mm512_set1_ps(sc));
+            if (bf16) {
+                uint16_t* ob = (uint16_t*)o + k;
+                f_to_bf16x16(ob, v, 0xffff);
+                const __m256i e = _mm256_and_si256(_mm256_loadu_si256((const __m256i*)ob), _mm256_set1_epi16(0x7f80));
+                nonfinite += __builtin_popcount(_mm256_cmpeq_epi16_mask(e, _mm256_set1_epi16(0x7f80)));
+            } else {
+                _mm512_storeu_ps((float*)o + k, v);
+                const __m512 d = _mm512_sub_ps(v, v);
+                nonfinite += __builtin_popcount(_mm512_cmp_ps_mask(d, d, _CMP_UNORD_Q));
+            }
+        }
+#endif
         for (; k + 8 <= k1; k += 8) {
             const __m256 v = _mm256_mul_ps(decode8(qr + k, kind), sv);
             if (bf16) {  /* (counted on the rounded values: a finite float can round to a bf16 infinity) */
@@ -71,30 +103,70 @@ static int64_t decode_row(int64_t K, const uint8_t* qr, int kind, const float* l
     return nonfinite;
 }
 
+/* 8 rows of 8 4-byte words -> their transpose (the words' bits moved as they are). */
+static inline void transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+/* words src[j * stride + i] for j, i < 8 -> dst[i * dstride + j] */
+static inline void move8x8(const uint32_t* src, int64_t stride, uint32_t* dst, int64_t dstride) {
+    __m256 r[8];
+    for (int j = 0; j < 8; j++) r[j] = _mm256_loadu_ps((const float*)(src + j * stride));
+    transpose8(r);
+    for (int i = 0; i < 8; i++) _mm256_storeu_ps((float*)(dst + i * dstride), r[i]);
+}
+
 /* codes q [N, K], scales s (row n, column k takes s[(n / b0) * ss + k / b1]) -> out: group 0, [N, K] bf16 (bf16 != 0)
  * or fp32; group 8 / 16, bf16 in qmatmul.py's pack_bf16 layout of that output group ([ceil(N/8)][ceil(K/2)][8][2], or
- * the AMX tiles' [ceil(N/16)][ceil(K/32)][16][16][2]; the caller zeroes out where it has pads): each row is decoded
- * to a scratch row, then its input pairs move as 4-byte words to their places. bad [N]: each row's NaN / Inf count. */
+ * the AMX tiles' [ceil(N/16)][ceil(K/32)][16][16][2], pads zero): a group's rows are decoded to a scratch block (rows
+ * past N and inputs past K zero), whose input pairs then move as 4-byte words, 8 x 8 transposes of them. bad [N]: each
+ * row's NaN / Inf count. */
 void scaled_decode(int64_t N, int64_t K, const uint8_t* q, int kind, const float* lut, const float* s, int64_t b0,
                    int64_t b1, int64_t ss, int bf16, void* out, int64_t* bad, int group, int nthreads) {
-    const int64_t pairs = group == 16 ? (K + 31) / 32 * 16 : (K + 1) / 2;  /* input pairs a packed row holds */
-    PARALLEL_FOR(N * K >= (1 << 20), n, N, {
-        const uint8_t* qr = q + n * K;
-        const float* sr = s + (n / b0) * ss;
-        if (group == 0) {
-            bad[n] = decode_row(K, qr, kind, lut, sr, b1, bf16, bf16 ? (void*)((uint16_t*)out + n * K) : (void*)((float*)out + n * K));
-        } else {
-            uint32_t* row = (uint32_t*)calloc(pairs, 4);  /* (zeros past K: the pad inputs) */
-            bad[n] = decode_row(K, qr, kind, lut, sr, b1, 1, row);
-            uint32_t* o = (uint32_t*)out;
-            if (group == 16) {  /* pair p of output j = n % 16: tile p / 16, its row p % 16, column j */
-                uint32_t* d = o + (n / 16) * pairs * 16 + n % 16;
-                for (int64_t p = 0; p < pairs; p++) d[(p >> 4) * 256 + (p & 15) * 16] = row[p];
-            } else {  /* pair p of output j = n % 8: [n / 8][p][j] */
-                uint32_t* d = o + (n / 8) * pairs * 8 + n % 8;
-                for (int64_t p = 0; p < pairs; p++) d[p * 8] = row[p];
-            }
-            free(row);
+    if (group == 0) {
+        PARALLEL_FOR(N * K >= (1 << 20), n, N, {
+            void* o = bf16 ? (void*)((uint16_t*)out + n * K) : (void*)((float*)out + n * K);
+            bad[n] = decode_row(K, q + n * K, kind, lut, s + (n / b0) * ss, b1, bf16, o);
+        });
+        return;
+    }
+    /* input pairs a packed row holds (whole tiles in the AMX layout), and the scratch's row stride in words (whole
+     * 8-word chunks: the transposes' tails read zeros) */
+    const int64_t pairs = group == 16 ? (K + 31) / 32 * 16 : (K + 1) / 2;
+    const int64_t stride = (pairs + 7) / 8 * 8;
+    const int64_t blocks = (N + group - 1) / group;
+    PARALLEL_FOR(N * K >= (1 << 20), b, blocks, {
+        uint32_t* scr = (uint32_t*)calloc(group * stride, 4);
+        uint32_t* o = (uint32_t*)out + b * group * pairs;
+        for (int64_t j = 0; j < group && b * group + j < N; j++) {
+            const int64_t n = b * group + j;
+            bad[n] = decode_row(K, q + n * K, kind, lut, s + (n / b0) * ss, b1, 1, scr + j * stride);
         }
+        if (group == 16) {  /* tile c, its row p (pair c * 16 + p), column j: o[c * 256 + p * 16 + j] */
+            for (int64_t c = 0; c < pairs / 16; c++)
+                for (int pb = 0; pb < 2; pb++)
+                    for (int jb = 0; jb < 2; jb++)
+                        move8x8(scr + jb * 8 * stride + c * 16 + pb * 8, stride, o + c * 256 + pb * 8 * 16 + jb * 8, 16);
+        } else {  /* pair p of output j: o[p * 8 + j] */
+            int64_t p = 0;
+            for (; p + 8 <= pairs; p += 8) move8x8(scr + p, stride, o + p * 8, 8);
+            for (; p < pairs; p++)
+                for (int j = 0; j < 8; j++) o[p * 8 + j] = scr[j * stride + p];
+        }
+        free(scr);
     });
 }

@@ -18,7 +18,7 @@ import ctypes
 import torch
 
 from . import qmatmul
-from .native import NativeLibrary
+from .native import AVX512_VNNI, NativeLibrary
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -27,7 +27,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.scaled_decode.restype = None
 
 
-LIBRARY = NativeLibrary("dequant.c", None, "decoding scaled codes runs in torch ops", _declare)
+LIBRARY = NativeLibrary("dequant.c", None, "decoding scaled codes runs in torch ops", _declare, isas=(AVX512_VNNI,))
 KINDS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.int8: 3}  # the codes dequant.c's decode8 takes
 _tables: dict[torch.dtype, torch.Tensor] = {}
 
@@ -107,10 +107,8 @@ def scaled_packed(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] |
         out = torch.empty(shape, dtype=torch.bfloat16)
     elif tuple(out.shape) != shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
         raise ValueError(f"scaled_packed: out must be contiguous bf16 {list(shape)}, got {out.dtype} {list(out.shape)}")
-    if N % group or K % (32 if group == 16 else 2):  # the pads are zeros; the codes fill the rest
-        out.zero_()
     if N == 0 or K == 0:
-        return out, 0
+        return out.zero_(), 0
     s = scale.float()
     s = s.reshape(s.shape[-2:]) if block is not None else s.reshape(1) if s.numel() == 1 else s.reshape(N)
     t, b0, b1, stride = _tiles(s, N, K, block)
