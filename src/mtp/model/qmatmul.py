@@ -99,7 +99,8 @@ def unpack_int8(packed: torch.Tensor, out_features: int) -> torch.Tensor:
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """int4 codes uint8 [N, K] in 0..15 (K % 8 == 0) -> uint8 [ceil(N/8), 4K], the q4 kernel's interleaved layout: per
     group of 8 outputs (the last padded with zero codes), per 8 inputs, 32 bytes, byte (j, i) = q[j, i] | q[j, 4 + i] << 4."""
-    codes = F.pad(codes, (0, 0, 0, -codes.shape[0] % 8))
+    if codes.shape[0] % 8:  # (only then: F.pad copies even when it pads nothing)
+        codes = F.pad(codes, (0, 0, 0, -codes.shape[0] % 8))
     N, K = codes.shape
     # [N/8, K/8, 8 outputs, 2 halves] of int32 words, 4 inputs a word (codes < 16: a byte shifted by 4 stays in its
     # byte): one pass of 4-byte elements instead of torch's byte-wise permutes (1.6 s of a 0.8B-shape int4 load)
@@ -112,7 +113,8 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
 def pack_int4_groups(t: torch.Tensor) -> torch.Tensor:
     """Per-(output, group) fp32 values [N, K/G] (int4 scales, offsets) -> [ceil(N/8), K/G * 8], interleaved as the
     codes (zeros for the pad outputs)."""
-    t = F.pad(t, (0, 0, 0, -t.shape[0] % 8))
+    if t.shape[0] % 8:
+        t = F.pad(t, (0, 0, 0, -t.shape[0] % 8))
     N, ng = t.shape
     return t.reshape(N // 8, 8, ng).transpose(1, 2).reshape(N // 8, ng * 8).contiguous()
 
