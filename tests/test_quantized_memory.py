@@ -266,3 +266,49 @@ def test_a_released_fp8_load_decodes_straight_into_the_packed_copies(tmp_path, m
     plain = mtp.generate(kept, prompt, max_new_tokens=24, draft_tokens=0).tokens
     assert mtp.generate(released, prompt, max_new_tokens=24, draft_tokens=0).tokens == plain
     assert mtp.generate(released, prompt, max_new_tokens=24, draft_tokens=2).tokens == plain
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_released_gptq_or_awq_load_decodes_each_weight_as_it_packs_it(tmp_path, monkeypatch, method):
+    """release=True on a 4-bit release decoded to bf16 (`--quantize none`): each layer's weight is decoded by the
+    format's decoder as the layer is packed, one at a time (never the whole model's [out, in] weights at once); the
+    packed copies and tokens are the unreleased load's, and a NaN scale is named with the count the unreleased load
+    gives (read from the packed copy), or refused under strict."""
+    from safetensors.torch import load_file, save_file
+
+    from mtp.model.checkpoint import NonFiniteWeightsWarning
+    from mtp.model.quantized import DecodedTensor
+    from test_quantized import release_int
+
+    kernels(monkeypatch, "native")
+    monkeypatch.setenv("MTP_BF16", "native")
+    mtp.save_model(bf16_model(), tmp_path / "m")
+    release_int(tmp_path / "m", method, 4, 16)
+    kept = mtp.load_model(tmp_path / "m")
+    calls = []
+    whole = DecodedTensor.packed_bf16
+    monkeypatch.setattr(DecodedTensor, "packed_bf16", lambda self, out=None: calls.append(1) or whole(self, out))
+    released = mtp.load_model(tmp_path / "m", release=True)
+    qweights = [k for k in load_file(tmp_path / "m" / "model.safetensors") if k.endswith(".qweight")]
+    assert qweights and len(calls) == len(qweights)  # every quantized weight (all are linear layers' here)
+    packed = {n: m for n, m in released.named_modules() if isinstance(m, FastLinear) and m.kernel == "bf16-native"}
+    assert sum(m.released for m in packed.values()) >= len(qweights)
+    for n, m in packed.items():
+        assert torch.equal(m._packed.view(torch.int16), kept.get_submodule(n)._packed.view(torch.int16)), n
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    plain = mtp.generate(kept, prompt, max_new_tokens=16, draft_tokens=0).tokens
+    assert mtp.generate(released, prompt, max_new_tokens=16, draft_tokens=2).tokens == plain
+    tensors = load_file(tmp_path / "m" / "model.safetensors")
+    scales = "model.layers.0.mlp.down_proj.scales"
+    tensors[scales] = tensors[scales].clone()
+    tensors[scales][0, 0] = float("nan")
+    save_file(tensors, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.warns(NonFiniteWeightsWarning) as unreleased:
+        mtp.load_model(tmp_path / "m")
+    message = str(unreleased[0].message)
+    assert "down_proj" in message and "values)" in message
+    with pytest.warns(NonFiniteWeightsWarning) as got:
+        mtp.load_model(tmp_path / "m", release=True)
+    assert str(got[0].message) == message
+    with pytest.raises(mtp.CheckpointError, match="NaN or Inf in tensor"):
+        mtp.load_model(tmp_path / "m", release=True, strict=True)

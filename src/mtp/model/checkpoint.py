@@ -164,8 +164,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
         expected = {n: p for n, p in model.state_dict(keep_vars=True).items() if not _is_tied(model, n)}
         # int4 from an int4 checkpoint: the layers that can run its codes as stored; released, they are never decoded
         int4 = _int4_sources(model, files, sources) if quantize == "int4" and torch.device(device).type == "cpu" else {}
-        # FP8 weights that the model runs packed for qmatmul's bf16 product and lets go of: decoded at prepare, straight
-        # into their packing, never held as [out, in] weights (a copy of the model: ~1 s of a 0.8B-shape load)
+        # decoded weights that the model runs packed for qmatmul's bf16 product and lets go of: decoded at prepare, one
+        # at a time (FP8 straight into its packing), never all held as [out, in] weights (a copy of the model)
         cpu_bf16 = dtype_ == torch.bfloat16 and torch.device(device).type == "cpu"
         packs = _packed_sources(model, files, sources) if release and quantize is None and cpu_bf16 else {}
         coded = ({f"{m}.weight" for m in int4} if release else set()) | {f"{m}.weight" for m in packs}
@@ -189,13 +189,15 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
         del state  # the model holds the weights now: a released one is freed at once
         model.prepare_for_inference(quantize, release=release, on_quantized=drop, int4={m: d.int4 for m, d in int4.items()},
                                     packed={m: d.packed_bf16 for m, d in packs.items()})
-        for m in packs:  # (`packed_bf16_layers` names what this prepare packs: a layer left holding no weight is a bug)
-            layer = model.get_submodule(m)
+        for m, d in packs.items():  # their NaN / Inf as the decoder counted them (or read from the packed copy: the
+            layer = model.get_submodule(m)  # weight's values and zeros), reported with the others'
             if not (isinstance(layer, FastLinear) and layer.kernel == "bf16-native" and layer._native):
+                # (`packed_bf16_layers` names what this prepare packs: a layer left holding no weight is a bug)
                 raise RuntimeError(f"{m}: loaded with no weight for a packed copy that was not built")
-        if packs:  # their NaN / Inf as the decoder counted them, reported with the others'
-            report_non_finite(files, sources, bad + [(f"{m}.weight", d.non_finite) for m, d in packs.items() if d.non_finite],
-                              strict)
+            if n := d.non_finite if d.non_finite is not None else non_finite(layer._packed):
+                bad.append((f"{m}.weight", n))
+        if packs:
+            report_non_finite(files, sources, bad, strict)
     model.source_path = str(path)
     model.checkpoint_layout = layout
     model.tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
@@ -220,14 +222,13 @@ def _int4_sources(model: CausalLM, files, sources: dict) -> dict[str, DecodedTen
 
 def _packed_sources(model: CausalLM, files, sources: dict) -> dict[str, DecodedTensor]:
     """module name -> the checkpoint entry of each layer that a released load packs for qmatmul's bf16 product
-    (`packed_bf16_layers`) and whose weight its format decodes straight into that packing (`DecodedTensor.pack`: FP8)."""
+    (`packed_bf16_layers`) and whose weight is decoded from a quantized checkpoint: decoded as it is packed, one at a
+    time (`DecodedTensor.packed_bf16`; scaled FP8 / int8 codes straight into the packing)."""
     out = {}
     for m in model.packed_bf16_layers():
         src = sources.get(f"{m}.weight")
-        if isinstance(src, str):
-            st, _ = files[src]
-            if isinstance(st, DecodedTensor) and st.pack is not None:
-                out[m] = st
+        if isinstance(src, str) and isinstance(files[src][0], DecodedTensor):
+            out[m] = files[src][0]
     return out
 
 

@@ -84,8 +84,9 @@ class DecodedTensor:
 
     def packed_bf16(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """`qmatmul.pack_bf16(tensor(name), out)`, the weight decoded in bf16: where the format can (`pack`, the C
-        pass), straight into that layout with no [N, K] weight between; `non_finite` as `tensor` sets it. A load that
-        runs the weight on qmatmul's bf16 product and lets go of it asks for this (model/checkpoint.py)."""
+        pass), straight into that layout with no [N, K] weight between; `non_finite` as `tensor` sets it (None: not
+        counted; the packing holds the weight's values and zeros). A load that runs the weight on qmatmul's bf16
+        product and lets go of it asks for this (model/checkpoint.py), one weight at a time."""
         if self.index.dtype != torch.bfloat16:
             raise ValueError(f"packed_bf16: the weight decodes to {self.index.dtype}, not bfloat16")
         got = None
@@ -96,11 +97,8 @@ class DecodedTensor:
                 for key in self.parts.values():
                     st, k = self.index.raw[key]
                     st.release(k)
-        if got is None:  # (the torch decoder, then the packing)
-            w = self.tensor("")
-            if self.non_finite is None:
-                self.non_finite = int((~torch.isfinite(w)).sum())
-            return qmatmul.pack_bf16(w, out)
+        if got is None:  # the format's decoder, then the packing (`non_finite` as the decoder set it: maybe None)
+            return qmatmul.pack_bf16(self.tensor(""), out)
         out, self.non_finite = got
         return out
 
