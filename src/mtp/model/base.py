@@ -247,7 +247,7 @@ class CausalLM(nn.Module, ABC):
         `int4` (quantize "int4"): the layers, by module name, that run their int4 checkpoint's own codes instead of
         quantizing their weights (`int4_checkpoint_layers`). `packed` (unquantized): the layers, by module name, whose
         packed copy for qmatmul's bf16 product comes from their source (`packed_bf16_layers`; their weights are meta,
-        never loaded): an FP8 release's weight decoded straight into its packing."""
+        never loaded): a quantized checkpoint's weight decoded as its layer is packed (FP8 straight into the packing)."""
         self.prepared = True
         if self.device.type != "cpu":
             return

@@ -227,7 +227,8 @@ def _packed_sources(model: CausalLM, files, sources: dict) -> dict[str, DecodedT
     out = {}
     for m in model.packed_bf16_layers():
         src = sources.get(f"{m}.weight")
-        if isinstance(src, str) and isinstance(files[src][0], DecodedTensor):
+        # (a parameter kept in fp32 is loaded as such: its decode is not the bf16 one)
+        if isinstance(src, str) and isinstance(files[src][0], DecodedTensor) and not model.keeps_fp32(f"{m}.weight"):
             out[m] = files[src][0]
     return out
 

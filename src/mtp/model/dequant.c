@@ -134,23 +134,28 @@ static inline void move8x8(const uint32_t* src, int64_t stride, uint32_t* dst, i
  * or fp32; group 8 / 16, bf16 in qmatmul.py's pack_bf16 layout of that output group ([ceil(N/8)][ceil(K/2)][8][2], or
  * the AMX tiles' [ceil(N/16)][ceil(K/32)][16][16][2], pads zero): a group's rows are decoded to a scratch block (rows
  * past N and inputs past K zero), whose input pairs then move as 4-byte words, 8 x 8 transposes of them. bad [N]: each
- * row's NaN / Inf count. */
-void scaled_decode(int64_t N, int64_t K, const uint8_t* q, int kind, const float* lut, const float* s, int64_t b0,
+ * row's NaN / Inf count. Returns 0, or -1 where a scratch block could not be allocated (nothing is then complete). */
+int scaled_decode(int64_t N, int64_t K, const uint8_t* q, int kind, const float* lut, const float* s, int64_t b0,
                    int64_t b1, int64_t ss, int bf16, void* out, int64_t* bad, int group, int nthreads) {
     if (group == 0) {
         PARALLEL_FOR(N * K >= (1 << 20), n, N, {
             void* o = bf16 ? (void*)((uint16_t*)out + n * K) : (void*)((float*)out + n * K);
             bad[n] = decode_row(K, q + n * K, kind, lut, s + (n / b0) * ss, b1, bf16, o);
         });
-        return;
+        return 0;
     }
     /* input pairs a packed row holds (whole tiles in the AMX layout), and the scratch's row stride in words (whole
      * 8-word chunks: the transposes' tails read zeros) */
     const int64_t pairs = group == 16 ? (K + 31) / 32 * 16 : (K + 1) / 2;
     const int64_t stride = (pairs + 7) / 8 * 8;
     const int64_t blocks = (N + group - 1) / group;
+    int failed = 0;
     PARALLEL_FOR(N * K >= (1 << 20), b, blocks, {
         uint32_t* scr = (uint32_t*)calloc(group * stride, 4);
+        if (!scr) {
+            failed = 1;
+            continue;
+        }
         uint32_t* o = (uint32_t*)out + b * group * pairs;
         for (int64_t j = 0; j < group && b * group + j < N; j++) {
             const int64_t n = b * group + j;
@@ -169,4 +174,5 @@ void scaled_decode(int64_t N, int64_t K, const uint8_t* q, int kind, const float
         }
         free(scr);
     });
+    return failed ? -1 : 0;
 }

@@ -24,7 +24,7 @@ from .native import AVX512_VNNI, NativeLibrary
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.scaled_decode.argtypes = [i64, i64, p, i32, p, p, i64, i64, i64, i32, p, p, i32, i32]
-    lib.scaled_decode.restype = None
+    lib.scaled_decode.restype = ctypes.c_int
 
 
 LIBRARY = NativeLibrary("dequant.c", None, "decoding scaled codes runs in torch ops", _declare, isas=(AVX512_VNNI,))
@@ -113,6 +113,7 @@ def scaled_packed(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] |
     s = s.reshape(s.shape[-2:]) if block is not None else s.reshape(1) if s.numel() == 1 else s.reshape(N)
     t, b0, b1, stride = _tiles(s, N, K, block)
     bad, codes, lut = torch.empty(N, dtype=torch.int64), w.contiguous().view(torch.uint8), _table(w.dtype)
-    LIBRARY.lib().scaled_decode(N, K, codes.data_ptr(), KINDS[w.dtype], lut.data_ptr(), t.data_ptr(), b0, b1, stride, 1,
-                                out.data_ptr(), bad.data_ptr(), group, torch.get_num_threads())
+    if LIBRARY.lib().scaled_decode(N, K, codes.data_ptr(), KINDS[w.dtype], lut.data_ptr(), t.data_ptr(), b0, b1, stride,
+                                   1, out.data_ptr(), bad.data_ptr(), group, torch.get_num_threads()):
+        raise MemoryError(f"scaled_packed: no memory for a scratch block of {group} rows x {K} inputs")
     return out, int(bad.sum())
