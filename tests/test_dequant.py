@@ -132,6 +132,24 @@ def test_a_packed_decode_is_the_packing_of_the_decode(monkeypatch, group, layout
             torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("R, N", [(16, 64), (4, 24), (6, 13), (2, 17), (3, 1)])
+def test_gptq_words_go_straight_to_the_q4_kernels_layout(R, N):
+    """`gptq_int4_packed` (GPTQ's words [K/8, N], input 8r+i of output n in nibble i of word (r, n)) is
+    `qmatmul.pack_int4` of the codes those words hold, every bit pattern of the words, zero codes past N; and
+    `gptq_int4` gives the same Int4Weight as from the unpacked codes (`codes` unpacks them on demand)."""
+    from mtp.model.quantized import gptq_int4
+
+    g = torch.Generator().manual_seed(R * 100 + N)
+    words = torch.randint(-(2**31), 2**31 - 1, (R, N), generator=g, dtype=torch.int64).to(torch.int32)
+    codes = torch.stack([(words.t().long() >> (4 * i)) & 15 for i in range(8)], dim=-1).reshape(N, R * 8).to(torch.uint8)
+    assert torch.equal(dequant.gptq_int4_packed(words), qmatmul.pack_int4(codes))
+    zeros = torch.randint(-(2**31), 2**31 - 1, (1, -(-N // 8)), generator=g, dtype=torch.int64).to(torch.int32)
+    scales = torch.rand(1, N, generator=g).half()
+    wq = gptq_int4(words, zeros, scales, None, R * 8, 1)
+    assert wq.packed is not None and wq.shape == (N, R * 8)
+    assert torch.equal(wq.codes, codes) and torch.equal(wq.packed_codes(), qmatmul.pack_int4(codes))
+
+
 def test_the_count_of_non_finite_weights_includes_overflow():
     """NaN codes, e5m2 infinities, and finite products that overflow (fp32, or only when rounded to bf16): counted as
     the loader's check counts the weight it was given."""

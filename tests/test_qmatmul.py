@@ -124,6 +124,7 @@ def test_pack_int8_and_int4_put_every_code_where_their_layouts_say(monkeypatch, 
             assert int(p8[n // 8, k // 4, n % 8, k % 4]) == (code8 + (0 if isa == "avx2" else 128)) % 256
             byte = int(p4[n // 8, k // 8, n % 8, k % 4])
             assert (byte >> 4 if k % 8 >= 4 else byte & 15) == (int(q4[n, k]) if n < N else 0)
+    assert torch.equal(qmatmul.unpack_int4(qmatmul.pack_int4(q4), N), q4)  # the inverse
 
 
 @pytest.mark.parametrize("group", [8, 16])

@@ -176,3 +176,40 @@ int scaled_decode(int64_t N, int64_t K, const uint8_t* q, int kind, const float*
     });
     return failed ? -1 : 0;
 }
+
+/* GPTQ's 4-bit words qweight [R][N] (word r of output n: its inputs 8r..8r+7, input 8r+i in bits 4i..4i+3) -> the q4
+ * kernel's codes (qmatmul.py's pack_int4) as words out [ceil(N/8)][R][8]: word (g, r, j) holds output 8g+j's inputs
+ * 8r..8r+7 as bytes i = q[8r+i] | q[8r+4+i] << 4, a permutation of the stored word's nibbles (0,4,1,5,2,6,3,7 from
+ * 0..7); outputs past N are zero codes. */
+static inline uint32_t q4_word(uint32_t w) {
+    return (w & 0xF000000Fu) | ((w << 4) & 0x00000F00u) | ((w << 8) & 0x000F0000u) | ((w << 12) & 0x0F000000u) |
+           ((w >> 12) & 0x000000F0u) | ((w >> 8) & 0x0000F000u) | ((w >> 4) & 0x00F00000u);
+}
+
+/* q4_word on 8 words */
+static inline __m256i q4_words8(__m256i x) {
+#define Q4_TERM(op, s, m) _mm256_and_si256(op(x, s), _mm256_set1_epi32((int)(m)))
+    return _mm256_or_si256(
+        _mm256_or_si256(_mm256_or_si256(_mm256_and_si256(x, _mm256_set1_epi32((int)0xF000000Fu)),
+                                        Q4_TERM(_mm256_slli_epi32, 4, 0x00000F00u)),
+                        _mm256_or_si256(Q4_TERM(_mm256_slli_epi32, 8, 0x000F0000u), Q4_TERM(_mm256_slli_epi32, 12, 0x0F000000u))),
+        _mm256_or_si256(_mm256_or_si256(Q4_TERM(_mm256_srli_epi32, 12, 0x000000F0u), Q4_TERM(_mm256_srli_epi32, 8, 0x0000F000u)),
+                        Q4_TERM(_mm256_srli_epi32, 4, 0x00F00000u)));
+#undef Q4_TERM
+}
+
+void gptq_int4_pack(int64_t R, int64_t N, const uint32_t* w, uint32_t* out, int nthreads) {
+    const int64_t groups = (N + 7) / 8;
+    PARALLEL_FOR(R * N >= (1 << 18), g, groups, {
+        uint32_t* o = out + g * R * 8;
+        const int64_t n0 = g * 8, n = N - n0 < 8 ? N - n0 : 8;
+        for (int64_t r = 0; r < R; r++) {
+            const uint32_t* src = w + r * N + n0;
+            if (n == 8) {
+                _mm256_storeu_si256((__m256i*)(o + r * 8), q4_words8(_mm256_loadu_si256((const __m256i*)src)));
+            } else {
+                for (int64_t j = 0; j < 8; j++) o[r * 8 + j] = j < n ? q4_word(src[j]) : 0;
+            }
+        }
+    });
+}

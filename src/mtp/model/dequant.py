@@ -1,5 +1,6 @@
 """A checkpoint's scaled 8-bit codes (FP8 e4m3fn / e5m2, symmetric int8) decoded to float weights in one C pass
-(`dequant.c`): what an FP8 release spends its load on beyond a bf16 one.
+(`dequant.c`): what an FP8 release spends its load on beyond a bf16 one. `scaled_packed` decodes straight into
+qmatmul's bf16 packing; `gptq_int4_packed` moves GPTQ's int4 words to the q4 kernel's layout.
 
 The torch form, `packed.dequantize_scaled`, converts the codes to fp32, multiplies by the scales and casts, 128 rows
 at a time: ~4 s of a 10 s FP8 load at the Qwen3.5-0.8B shape on one core (docs/decisions.md, 2026-12-06 eleventh
@@ -25,6 +26,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.scaled_decode.argtypes = [i64, i64, p, i32, p, p, i64, i64, i64, i32, p, p, i32, i32]
     lib.scaled_decode.restype = ctypes.c_int
+    lib.gptq_int4_pack.argtypes = [i64, i64, p, p, i32]
+    lib.gptq_int4_pack.restype = None
 
 
 LIBRARY = NativeLibrary("dequant.c", None, "decoding scaled codes runs in torch ops", _declare, isas=(AVX512_VNNI,))
@@ -117,3 +120,19 @@ def scaled_packed(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] |
                                    1, out.data_ptr(), bad.data_ptr(), group, torch.get_num_threads()):
         raise MemoryError(f"scaled_packed: no memory for a scratch block of {group} rows x {K} inputs")
     return out, int(bad.sum())
+
+
+@torch.no_grad()
+def gptq_int4_packed(qweight: torch.Tensor) -> torch.Tensor | None:
+    """GPTQ's 4-bit words qweight int32 [K/8, N] (8 inputs of one output a word) -> the q4 kernel's codes in
+    `qmatmul.pack_int4`'s layout, uint8 [ceil(N/8), 4K] (outputs past N zero codes): one pass over the words, each a
+    permutation of its nibbles, where unpacking to one code a byte and packing again took two (~1 s of a 0.8B-shape
+    GPTQ int4 load). Bit for bit `qmatmul.pack_int4` of the codes; None where the library is not available."""
+    if qweight.device.type != "cpu" or qweight.dtype != torch.int32 or qweight.dim() != 2 or not LIBRARY.available():
+        return None
+    R, N = qweight.shape
+    words = qweight.contiguous()
+    out = torch.empty(-(-N // 8), R, 8, dtype=torch.int32)
+    if out.numel():
+        LIBRARY.lib().gptq_int4_pack(R, N, words.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out.view(torch.uint8).reshape(out.shape[0], R * 32)

@@ -100,17 +100,30 @@ class Int4Weight:
     w[n, perm[j]] = (codes[n, j] - zero[n, j // group]) * scale[n, j // group], with perm the identity when None
     (act-order checkpoints store the input features permuted so that each group is contiguous).
 
-    codes uint8 [N, K] in 0..15; scale float [N, K / group]; zero uint8 [N, K / group] in 0..15; perm long [K]."""
+    codes uint8 [N, K] in 0..15; scale float [N, K / group]; zero uint8 [N, K / group] in 0..15; perm long [K]. A
+    format whose stored words are a permutation away from the q4 kernel's gives `packed` (`qmatmul.pack_int4`'s layout
+    of the codes) and codes None: `codes` then unpacks them when something reads them (not the q4 kernel)."""
 
-    codes: torch.Tensor
+    _codes: torch.Tensor | None
     scale: torch.Tensor
     zero: torch.Tensor
     group: int
     perm: torch.Tensor | None = None
+    packed: torch.Tensor | None = None
+
+    @property
+    def codes(self) -> torch.Tensor:
+        if self._codes is None:
+            self._codes = qmatmul.unpack_int4(self.packed, self.scale.shape[0])
+        return self._codes
+
+    def packed_codes(self) -> torch.Tensor:
+        """The codes in `qmatmul.pack_int4`'s layout (the q4 kernel's), uint8 [ceil(N/8), 4K]."""
+        return self.packed if self.packed is not None else qmatmul.pack_int4(self.codes)
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.codes.shape)
+        return (self.scale.shape[0], self.scale.shape[1] * self.group)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [N, K] in `dtype`, input features in their natural order (computed in fp32)."""
@@ -231,7 +244,7 @@ def _native_int4(wq: Int4Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     uint8 [N/8, 4K], scale and offset fp32 [N/8, K/group * 8], with w = (q - zero) * scale = q * scale + low."""
     scale = wq.scale.float()
     low = -wq.zero.float() * scale
-    return qmatmul.pack_int4(wq.codes), qmatmul.pack_int4_groups(scale), qmatmul.pack_int4_groups(low)
+    return wq.packed_codes(), qmatmul.pack_int4_groups(scale), qmatmul.pack_int4_groups(low)
 
 
 class ReleasedWeightError(RuntimeError):

@@ -110,6 +110,14 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     return out.view(torch.uint8).reshape(N // 8, 4 * K)
 
 
+def unpack_int4(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """`pack_int4`'s inverse: uint8 [ceil(N/8), 4K] -> int4 codes uint8 [N, K] (N = out_features)."""
+    G, K = packed.shape[0], packed.shape[1] // 4
+    w = packed.view(torch.int32).reshape(G, K // 8, 8, 1)  # byte i of word (g, c, j): inputs 8c+i (low), 8c+4+i (high)
+    halves = torch.cat([w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F], dim=-1)  # [G, K/8, 8, 2]: inputs 8c..8c+3, 8c+4..8c+7
+    return halves.permute(0, 2, 1, 3).contiguous().view(torch.uint8).reshape(G * 8, K)[:out_features].contiguous()
+
+
 def pack_int4_groups(t: torch.Tensor) -> torch.Tensor:
     """Per-(output, group) fp32 values [N, K/G] (int4 scales, offsets) -> [ceil(N/8), K/G * 8], interleaved as the
     codes (zeros for the pad outputs)."""

@@ -334,16 +334,20 @@ def gptq_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
     that each group is contiguous, `perm`), exactly `gptq_weight`'s weight when dequantized. K % group == 0, and with
     g_idx every group holds `group` inputs."""
     R, N = qweight.shape
-    # transposed as words (an eighth of the elements a transpose of the codes moves), then input k = 8 r + i is
-    # nibble i of word r of each row
-    codes = int4_nibbles(qweight.t().contiguous()).reshape(N, R * 8)
-    K = codes.shape[1]
+    K = R * 8
     zero = (int4_nibbles(qzeros).reshape(qzeros.shape[0], -1)[:, :N] + zero_offset) & 15  # [G, N]
+    scale = scales.float().t().contiguous()
     perm = None
     if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(K) // group):
         perm = torch.argsort(g_idx.long(), stable=True)  # group g's inputs contiguous, in order
+    elif (packed := dequant.gptq_int4_packed(qweight)) is not None:  # the stored words straight to the kernel's
+        return Int4Weight(None, scale, zero.t().contiguous(), group, None, packed)
+    # transposed as words (an eighth of the elements a transpose of the codes moves), then input k = 8 r + i is
+    # nibble i of word r of each row
+    codes = int4_nibbles(qweight.t().contiguous()).reshape(N, K)
+    if perm is not None:
         codes = codes[:, perm]
-    return Int4Weight(codes.contiguous(), scales.float().t().contiguous(), zero.t().contiguous(), group, perm)
+    return Int4Weight(codes.contiguous(), scale, zero.t().contiguous(), group, perm)
 
 
 def awq_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group: int) -> Int4Weight:
