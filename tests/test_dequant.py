@@ -132,11 +132,12 @@ def test_a_packed_decode_is_the_packing_of_the_decode(monkeypatch, group, layout
             torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("R, N", [(16, 64), (4, 24), (6, 13), (2, 17), (3, 1)])
+@pytest.mark.parametrize("R, N", [(16, 64), (4, 24), (6, 13), (2, 17), (3, 1), (1, 7)])
 def test_gptq_words_go_straight_to_the_q4_kernels_layout(R, N):
     """`gptq_int4_packed` (GPTQ's words [K/8, N], input 8r+i of output n in nibble i of word (r, n)) is
     `qmatmul.pack_int4` of the codes those words hold, every bit pattern of the words, zero codes past N; and
     `gptq_int4` gives the same Int4Weight as from the unpacked codes (`codes` unpacks them on demand)."""
+    from mtp.model.packed import int4_nibbles
     from mtp.model.quantized import gptq_int4
 
     g = torch.Generator().manual_seed(R * 100 + N)
@@ -148,6 +149,7 @@ def test_gptq_words_go_straight_to_the_q4_kernels_layout(R, N):
     wq = gptq_int4(words, zeros, scales, None, R * 8, 1)
     assert wq.packed is not None and wq.shape == (N, R * 8)
     assert torch.equal(wq.codes, codes) and torch.equal(wq.packed_codes(), qmatmul.pack_int4(codes))
+    assert torch.equal(int4_nibbles(words.t().contiguous()).reshape(N, R * 8), codes)  # (the unpacked form's reader)
 
 
 def test_the_count_of_non_finite_weights_includes_overflow():

@@ -39,7 +39,8 @@ def int4_nibbles(words: torch.Tensor) -> torch.Tensor:
     `unpack_rows` / `unpack_cols` read), computed on the bytes: a quarter of the int32 unpacking's memory traffic."""
     if sys.byteorder != "little":  # byte j of a word holds codes 2j, 2j + 1 only in little-endian order
         return unpack_cols(words.reshape(-1, 1), 4).reshape(*words.shape, 8).to(torch.uint8)
-    b = words.contiguous().view(torch.uint8).view(*words.shape, 4)
+    # (flattened first: a contiguous [R, 1] may keep a stride that a view as bytes refuses)
+    b = words.contiguous().reshape(-1).view(torch.uint8).view(*words.shape, 4)
     return torch.stack([b & 15, b >> 4], dim=-1).view(*words.shape, 8)
 
 
