@@ -53,6 +53,19 @@ def _tiles(scale: torch.Tensor, N: int, K: int, block: tuple[int, int] | None) -
     return s.reshape(N), 1, K, 1
 
 
+def _by_matrix(scale: torch.Tensor, E: int, N: int, block: tuple[int, int] | None) -> torch.Tensor:
+    """A scale for E matrices of N rows (`quantized.expected_scale_shapes`) -> fp32, one entry per matrix: [E, tiles
+    down, tiles across] for blocks, else [E, N] per row or [E, 1] per matrix (per tensor: the one value for each)."""
+    s = scale.float()
+    if block is not None:
+        return s.reshape(E, *s.shape[-2:])
+    if s.numel() == 1:
+        return s.reshape(1, 1).expand(E, 1)
+    if s.numel() == E * N:
+        return s.reshape(E, N)
+    return s.reshape(E, 1)  # one per expert
+
+
 def scaled(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, dtype: torch.dtype) -> torch.Tensor | None:
     """`packed.dequantize_scaled(w, scale, block, dtype)` in C, or None (module docstring). w [..., N, K] 8-bit codes;
     scale as `quantized.expected_scale_shapes` allows for w's shape."""
@@ -73,15 +86,7 @@ def scaled_counted(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] 
     for d in lead:
         E *= d
     codes = w.contiguous().view(torch.uint8).reshape(E, N, K)
-    s = scale.float()
-    if block is not None:
-        s = s.reshape(E, *s.shape[-2:])
-    elif s.numel() == 1:
-        s = s.reshape(1, 1).expand(E, 1)
-    elif s.numel() == E * N:
-        s = s.reshape(E, N)
-    else:  # one per expert
-        s = s.reshape(E, 1)
+    s = _by_matrix(scale, E, N, block)
     out = torch.empty(E, N, K, dtype=dtype)
     if out.numel() == 0:
         return out.reshape(w.shape), 0
@@ -112,9 +117,7 @@ def scaled_packed(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] |
         raise ValueError(f"scaled_packed: out must be contiguous bf16 {list(shape)}, got {out.dtype} {list(out.shape)}")
     if N == 0 or K == 0:
         return out.zero_(), 0
-    s = scale.float()
-    s = s.reshape(s.shape[-2:]) if block is not None else s.reshape(1) if s.numel() == 1 else s.reshape(N)
-    t, b0, b1, stride = _tiles(s, N, K, block)
+    t, b0, b1, stride = _tiles(_by_matrix(scale, 1, N, block)[0], N, K, block)
     bad, codes, lut = torch.empty(N, dtype=torch.int64), w.contiguous().view(torch.uint8), _table(w.dtype)
     if LIBRARY.lib().scaled_decode(N, K, codes.data_ptr(), KINDS[w.dtype], lut.data_ptr(), t.data_ptr(), b0, b1, stride,
                                    1, out.data_ptr(), bad.data_ptr(), group, torch.get_num_threads()):

@@ -68,15 +68,19 @@ class DecodedTensor:
     def nbytes(self, name: str) -> int:
         return _prod(self._shape) * self.index.dtype.itemsize
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """The decoded weight (the file pages of its stored parts are dropped once read). A decoder gives the weight,
-        or (the weight, how many of its values are NaN / Inf): then `non_finite`."""
-        stored = {role: self.index.raw.tensor(key) for role, key in self.parts.items()}
-        out = self.decode(stored, self.index.dtype)
-        out, self.non_finite = out if isinstance(out, tuple) else (out, None)
+    def _from_stored(self, fn):
+        """fn(the stored parts, role -> tensor); their file pages are dropped once it has read them."""
+        out = fn({role: self.index.raw.tensor(key) for role, key in self.parts.items()})
         for key in self.parts.values():
             st, k = self.index.raw[key]
             st.release(k)
+        return out
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The decoded weight (the file pages of its stored parts are dropped once read). A decoder gives the weight,
+        or (the weight, how many of its values are NaN / Inf): then `non_finite`."""
+        out = self._from_stored(lambda t: self.decode(t, self.index.dtype))
+        out, self.non_finite = out if isinstance(out, tuple) else (out, None)
         return out
 
     def release(self, name: str) -> None:
@@ -89,14 +93,7 @@ class DecodedTensor:
         product and lets go of it asks for this (model/checkpoint.py), one weight at a time."""
         if self.index.dtype != torch.bfloat16:
             raise ValueError(f"packed_bf16: the weight decodes to {self.index.dtype}, not bfloat16")
-        got = None
-        if self.pack is not None:
-            stored = {role: self.index.raw.tensor(key) for role, key in self.parts.items()}
-            got = self.pack(stored, out)
-            if got is not None:
-                for key in self.parts.values():
-                    st, k = self.index.raw[key]
-                    st.release(k)
+        got = None if self.pack is None else self._from_stored(lambda t: self.pack(t, out))
         if got is None:  # the format's decoder, then the packing (`non_finite` as the decoder set it: maybe None)
             return qmatmul.pack_bf16(self.tensor(""), out)
         out, self.non_finite = got
@@ -106,12 +103,7 @@ class DecodedTensor:
         """The stored int4 codes, scales and zero points as they are (`int4_codes` not None), in the int4 kernel's
         form: `Int4Weight.dequantize()` is exactly the weight `tensor()` decodes, in fp32 (the file pages of the stored
         parts are dropped once read)."""
-        stored = {role: self.index.raw.tensor(key) for role, key in self.parts.items()}
-        out = self.int4_codes.build(stored)
-        for key in self.parts.values():
-            st, k = self.index.raw[key]
-            st.release(k)
-        return out
+        return self._from_stored(self.int4_codes.build)
 
     def scale_names(self) -> list[str]:
         """The stored float tensors among the parts (the scales): what a NaN / Inf check of the codes reads."""
