@@ -268,6 +268,63 @@ def test_a_released_fp8_load_decodes_straight_into_the_packed_copies(tmp_path, m
     assert mtp.generate(released, prompt, max_new_tokens=24, draft_tokens=2).tokens == plain
 
 
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_a_released_fp8_load_quantizes_each_weight_from_one_scratch(tmp_path, monkeypatch, quantize):
+    """release=True with `quantize` on an FP8 release: each quantized layer's weight is decoded as the layer is
+    quantized, every one into the same scratch (`DecodedTensor.tensor_into`), never all held as [out, in] weights; the
+    codes, scales and tokens are the unreleased load's; int8 fusions run the one buffer their parts were quantized
+    into; a NaN scale is named as the unreleased load names it, or refused under strict."""
+    from safetensors.torch import load_file, save_file
+
+    from mtp.model import dequant
+    from mtp.model.checkpoint import NonFiniteWeightsWarning
+    from mtp.model.quantized import DecodedTensor
+    from test_quantized import release_fp8
+
+    kernels(monkeypatch, "native")
+    if not dequant.LIBRARY.available():
+        pytest.skip(f"dequant.c unavailable: {dequant.LIBRARY.reason()}")
+    mtp.save_model(bf16_model(), tmp_path / "m")
+    release_fp8(tmp_path / "m")
+    kept = mtp.load_model(tmp_path / "m", quantize=quantize)
+    into = []
+    whole = DecodedTensor.tensor_into
+    monkeypatch.setattr(DecodedTensor, "tensor_into", lambda self, out: into.append(out.data_ptr()) or whole(self, out))
+    released = mtp.load_model(tmp_path / "m", quantize=quantize, release=True)
+    quantized = {n: m for n, m in released.named_modules() if isinstance(m, FastLinear) and m.kernel in ("int8", "int4")}
+    planned = {n for n, m in quantized.items() if not any(m is h for h in released._output_heads())}
+    assert planned and len(into) == len(planned) and len(set(into)) == 1  # (every FP8 weight here: a linear layer's)
+    for n, m in quantized.items():
+        assert m.released == (n in planned), n
+        theirs = kept.get_submodule(n)
+        assert m.kernel == theirs.kernel and torch.equal(m._packed, theirs._packed), n
+        for attr in ("_scale", "_sz", "_low"):
+            if hasattr(theirs, attr):
+                assert torch.equal(getattr(m, attr), getattr(theirs, attr)), (n, attr)
+    if quantize == "int8":
+        assert fusions(released) and fusions(kept)
+        for n, f in fusions(released) + fusions(kept):
+            assert f.fused._packed.data_ptr() == f.parts[0]._packed.data_ptr(), n
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    plain = mtp.generate(kept, prompt, max_new_tokens=16, draft_tokens=0).tokens
+    assert mtp.generate(released, prompt, max_new_tokens=16, draft_tokens=0).tokens == plain
+    assert mtp.generate(released, prompt, max_new_tokens=16, draft_tokens=2).tokens == plain
+    tensors = load_file(tmp_path / "m" / "model.safetensors")
+    scale = "model.layers.0.mlp.down_proj.weight_scale_inv"
+    tensors[scale] = tensors[scale].clone()
+    tensors[scale][0, 0] = float("nan")
+    save_file(tensors, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.warns(NonFiniteWeightsWarning) as unreleased:
+        mtp.load_model(tmp_path / "m", quantize=quantize)
+    message = str(unreleased[0].message)
+    assert "down_proj" in message and "values)" in message
+    with pytest.warns(NonFiniteWeightsWarning) as got:
+        mtp.load_model(tmp_path / "m", quantize=quantize, release=True)
+    assert str(got[0].message) == message
+    with pytest.raises(mtp.CheckpointError, match="NaN or Inf in tensor"):
+        mtp.load_model(tmp_path / "m", quantize=quantize, release=True, strict=True)
+
+
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_a_released_gptq_or_awq_load_decodes_each_weight_as_it_packs_it(tmp_path, monkeypatch, method):
     """release=True on a 4-bit release decoded to bf16 (`--quantize none`): each layer's weight is decoded by the

@@ -68,6 +68,32 @@ def test_int8_codes_are_the_torch_forms(dtype, shape):
     assert same_bits(got[0], ref[0]) and same_bits(got[1], ref[1])
 
 
+def packed_int8_reference(w: torch.Tensor, in_padded: int, flip: bool) -> torch.Tensor:
+    """The torch form's codes, padded to `in_padded` inputs, in `qmatmul.pack_int8`'s layout (+ 128 where `flip`)."""
+    codes = torch.nn.functional.pad(_quantize_int8_torch(w)[0], (0, in_padded - w.shape[1]))
+    N, K = codes.shape
+    codes = torch.nn.functional.pad(codes, (0, 0, 0, -N % 8)).view(-1, 8, K // 4, 4).permute(0, 2, 1, 3)
+    return (codes.to(torch.int16) + (128 if flip else 0)).to(torch.uint8).contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES + [(5, 7), (2, 33), (9, 1000)])
+@pytest.mark.parametrize("flip", [False, True])
+def test_int8_codes_straight_into_the_kernels_layout(dtype, shape, flip):
+    """`quantize_int8_packed` == the torch form's codes padded and interleaved by groups of 8 rows (rows past N and
+    inputs past K zero codes), its scales the torch form's; into a given buffer too."""
+    w = weight(*shape, dtype, seed=shape[0] * 7 + shape[1])
+    in_padded = -(-shape[1] // 32) * 32 + (32 if shape[0] == 5 else 0)  # (a whole block of pad inputs once)
+    packed, scale = rtn.quantize_int8_packed(w, in_padded, flip)
+    assert same_bits(packed, packed_int8_reference(w, in_padded, flip))
+    assert same_bits(scale, _quantize_int8_torch(w)[1])
+    out = torch.full_like(packed, 7)
+    assert rtn.quantize_int8_packed(w, in_padded, flip, out)[0] is out and same_bits(out, packed)
+    with pytest.raises(ValueError, match="contiguous uint8"):
+        rtn.quantize_int8_packed(w, in_padded, flip, out[:, :0])
+    assert rtn.quantize_int8_packed(w, -(-shape[1] // 32) * 32 - 32, flip) is None  # fewer inputs than the weight's
+
+
 def test_many_rows_and_a_strided_view_are_the_torch_forms():
     """More rows than the torch form's chunk (QUANT_ROWS), and a row-strided view (a slice of a wider matrix)."""
     w = weight(QUANT_ROWS + 37, 64, torch.bfloat16, seed=3)
@@ -79,6 +105,7 @@ def test_many_rows_and_a_strided_view_are_the_torch_forms():
     ref, got = _quantize_int4_torch(view, 128, False), Int4Weight.quantize(view, 128)
     assert same_bits(got.codes, ref.codes) and same_bits(got.scale, ref.scale)
     assert all(same_bits(a, b) for a, b in zip(linear.quantize_int8(view), _quantize_int8_torch(view)))
+    assert same_bits(rtn.quantize_int8_packed(view, 256, False)[0], packed_int8_reference(view, 256, False))
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
@@ -86,6 +113,7 @@ def test_non_finite_rows_take_the_torch_form(bad):
     w = weight(32, 256, torch.bfloat16, seed=5)
     w[9, 200] = bad
     assert rtn.quantize_int4(w, 128) is None and rtn.quantize_int8(w) is None
+    assert rtn.quantize_int8_packed(w, 256, True) is None
     ref, got = _quantize_int4_torch(w, 128, False), Int4Weight.quantize(w, 128)
     assert same_bits(got.codes, ref.codes) and same_bits(got.scale, ref.scale) and same_bits(got.zero, ref.zero)
     ref8, got8 = _quantize_int8_torch(w), linear.quantize_int8(w)
@@ -97,9 +125,9 @@ def test_threads_do_not_change_a_bit():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = rtn.quantize_int4(w, 128), rtn.quantize_int8(w)
+        one = rtn.quantize_int4(w, 128), rtn.quantize_int8(w), rtn.quantize_int8_packed(w, 1024, True)
         torch.set_num_threads(2)
-        two = rtn.quantize_int4(w, 128), rtn.quantize_int8(w)
+        two = rtn.quantize_int4(w, 128), rtn.quantize_int8(w), rtn.quantize_int8_packed(w, 1024, True)
     finally:
         torch.set_num_threads(before)
     assert all(same_bits(a, b) for x, y in zip(one, two) for a, b in zip(x, y))

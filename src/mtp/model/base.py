@@ -40,6 +40,7 @@ from .linear import (
     FusedProjections,
     Int4Sources,
     PackedSources,
+    WeightSources,
     bf16_kernel,
     fusable,
     int4_fits,
@@ -227,7 +228,8 @@ class CausalLM(nn.Module, ABC):
 
     def prepare_for_inference(self, quantize: str | None = None, release: bool = False,
                               on_quantized: Callable[[torch.Tensor], None] | None = None,
-                              int4: Int4Sources | None = None, packed: PackedSources | None = None) -> None:
+                              int4: Int4Sources | None = None, packed: PackedSources | None = None,
+                              weights: WeightSources | None = None) -> None:
         """Swap the linear layers for row-invariant CPU inference kernels (`model/linear.py`): bf16 weights use
         qmatmul's bf16 product (or, where it cannot run, oneDNN's packed layout: `linear.bf16_kernel`), fp32
         weights a row-by-row product; `quantize` "int8" (weight-only, per-channel scales)
@@ -247,7 +249,10 @@ class CausalLM(nn.Module, ABC):
         `int4` (quantize "int4"): the layers, by module name, that run their int4 checkpoint's own codes instead of
         quantizing their weights (`int4_checkpoint_layers`). `packed` (unquantized): the layers, by module name, whose
         packed copy for qmatmul's bf16 product comes from their source (`packed_bf16_layers`; their weights are meta,
-        never loaded): a quantized checkpoint's weight decoded as its layer is packed (FP8 straight into the packing)."""
+        never loaded): a quantized checkpoint's weight decoded as its layer is packed (FP8 straight into the packing).
+        `weights` (quantized, `release`): the layers, by module name, whose float weight comes from their source as
+        they are quantized (`quantized_layers`; their weights are meta, never loaded): a quantized checkpoint's weight
+        decoded one layer at a time."""
         self.prepared = True
         if self.device.type != "cpu":
             return
@@ -281,11 +286,11 @@ class CausalLM(nn.Module, ABC):
         if quantize == "int4":
             unfit = [n for n, m in self.named_modules() if isinstance(m, nn.Linear) and not int4_fits(m)
                      and not any(n.endswith(s) for s in keep)]
-            prepare_linears(self, "int4", skip=keep + tuple(unfit), prepared=quantized, int4=int4)
+            prepare_linears(self, "int4", skip=keep + tuple(unfit), prepared=quantized, int4=int4, weights=weights)
             for name in unfit:
-                prepare_linears(self.get_submodule(name), "int8", prepared=quantized)
+                prepare_linears(self.get_submodule(name), "int8", prepared=quantized, prefix=name, weights=weights)
         else:
-            prepare_linears(self, quantize, skip=keep, prepared=quantized)
+            prepare_linears(self, quantize, skip=keep, prepared=quantized, weights=weights)
         for name, m in self.named_modules():
             if any(name.endswith(s) for s in keep) and isinstance(m, nn.Linear):
                 prepare_linears(m, "bf16-native" if any(name.endswith(s) for s in self.native_bf16) else "bf16")
@@ -395,6 +400,16 @@ class CausalLM(nn.Module, ABC):
             return []
         heads = {id(h) for h in self._output_heads()}
         return [n for n, m in self.named_modules() if type(m) is nn.Linear and id(m) not in heads]
+
+    def quantized_layers(self) -> list[str]:
+        """The linear layers (module names) that `prepare_for_inference(quantize, release=True)` of this model, on the
+        CPU, quantizes ("int8" / "int4") and then lets go of: every one but `precise_layers` and the output heads
+        (kept: the reduced draft vocabulary reads their rows). A load (of a model still on the meta device) may hand
+        their float weights to `prepare_for_inference` one at a time (`weights`) instead of holding them all."""
+        keep = self.precise_layers()
+        heads = {id(h) for h in self._output_heads()}
+        return [n for n, m in self.named_modules()
+                if type(m) is nn.Linear and id(m) not in heads and not any(n.endswith(s) for s in keep)]
 
     def int4_checkpoint_layers(self, int4_groups: dict[str, int]) -> list[str]:
         """Of the linear layers (module name -> the group size of their int4 checkpoint codes), those that

@@ -17,6 +17,7 @@ import functools
 import gc
 import json
 import logging
+import math
 import re
 import warnings
 from pathlib import Path
@@ -27,6 +28,7 @@ from ..io.files import FolderWriter, TensorIndex, save_tensors
 from ..io.hub import resolve_checkpoint
 from ..io.safetensors_mmap import CheckpointError, SafetensorsFile
 from ..io.tokenizer import Tokenizer
+from . import qmatmul
 from .base import MTP_LAYER, CausalLM
 from .budget import BUILD_ERRORS, TooLargeError, build_on_meta
 from .families import config_from_json, model_class_for
@@ -168,7 +170,11 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
         # at a time (FP8 straight into its packing), never all held as [out, in] weights (a copy of the model)
         cpu_bf16 = dtype_ == torch.bfloat16 and torch.device(device).type == "cpu"
         packs = _packed_sources(model, files, sources) if release and quantize is None and cpu_bf16 else {}
-        coded = ({f"{m}.weight" for m in int4} if release else set()) | {f"{m}.weight" for m in packs}
+        # decoded weights that a released load quantizes and lets go of: decoded at prepare, one at a time, into one
+        # reused scratch (never all held as bf16 weights: a copy of the model, in fresh pages)
+        decoded = _quantized_sources(model, files, sources, set(int4)) if release and quantize is not None and cpu_bf16 else {}
+        deferred = {**packs, **decoded}
+        coded = ({f"{m}.weight" for m in int4} if release else set()) | {f"{m}.weight" for m in deferred}
         state = {name: torch.empty(p.shape, dtype=dtype_, device="meta") if name in coded else
                  materialize(files, sources[name], tuple(p.shape), torch.float32 if cls.keeps_fp32(name) else dtype_, device)
                  for name, p in expected.items()}
@@ -177,7 +183,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
         # drops the pages of the bf16 weights it packs for qmatmul's product (the others it runs in place)
         drop = _page_dropper(files, sources, state) if quantize is not None or cpu_bf16 else None
         bad = check_finite(files, sources, state, drop if quantize is not None else None)
-        if not packs:
+        if not deferred:
             report_non_finite(files, sources, bad, strict)
         if int4 and release:  # the codes are integers: their scales are what could be NaN / Inf
             scales = {key: files.raw.tensor(key) for m in int4 for key in int4[m].scale_names()}
@@ -188,7 +194,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
         model.eval()
         del state  # the model holds the weights now: a released one is freed at once
         model.prepare_for_inference(quantize, release=release, on_quantized=drop, int4={m: d.int4 for m, d in int4.items()},
-                                    packed={m: d.packed_bf16 for m, d in packs.items()})
+                                    packed={m: d.packed_bf16 for m, d in packs.items()},
+                                    weights={m: src.weight for m, src in decoded.items()})
         for m, d in packs.items():  # their NaN / Inf as the decoder counted them (or read from the packed copy: the
             layer = model.get_submodule(m)  # weight's values and zeros), reported with the others'
             if not (isinstance(layer, FastLinear) and layer.kernel == "bf16-native" and layer._native):
@@ -196,7 +203,13 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
                 raise RuntimeError(f"{m}: loaded with no weight for a packed copy that was not built")
             if n := d.non_finite if d.non_finite is not None else non_finite(layer._packed):
                 bad.append((f"{m}.weight", n))
-        if packs:
+        for m, src in decoded.items():  # (`quantized_layers` names what this prepare quantizes: as above)
+            layer = model.get_submodule(m)
+            if not (isinstance(layer, FastLinear) and layer.kernel in ("int8", "int4")) or src.non_finite is None:
+                raise RuntimeError(f"{m}: loaded with no weight for quantized codes that were not built")
+            if src.non_finite:
+                bad.append((f"{m}.weight", src.non_finite))
+        if deferred:
             report_non_finite(files, sources, bad, strict)
     model.source_path = str(path)
     model.checkpoint_layout = layout
@@ -231,6 +244,41 @@ def _packed_sources(model: CausalLM, files, sources: dict) -> dict[str, DecodedT
         if isinstance(src, str) and isinstance(files[src][0], DecodedTensor) and not model.keeps_fp32(f"{m}.weight"):
             out[m] = files[src][0]
     return out
+
+
+class _ScratchDecode:
+    """A quantized checkpoint's weight given on demand to the layer that quantizes it (`linear.WeightSources`),
+    decoded into a scratch that every weight of one load shares (`DecodedTensor.tensor_into`): valid until the next
+    one is decoded; `non_finite` its NaN / Inf count once given (from the decoder, or read from the scratch)."""
+
+    def __init__(self, entry: DecodedTensor, scratch: list[torch.Tensor], size: int):
+        self.entry, self.scratch, self.size = entry, scratch, size  # (size: the load's largest weight, in elements)
+        self.non_finite: int | None = None
+
+    def weight(self) -> torch.Tensor:
+        if not self.scratch:  # (allocated at the first decode: a load that fails before quantizing never holds it)
+            self.scratch.append(torch.empty(self.size, dtype=torch.bfloat16))
+        shape = self.entry.shape("")
+        w = self.entry.tensor_into(self.scratch[0][: math.prod(shape)].view(shape))
+        self.non_finite = self.entry.non_finite if self.entry.non_finite is not None else non_finite(w)
+        return w
+
+
+def _quantized_sources(model: CausalLM, files, sources: dict, coded: set[str]) -> dict[str, _ScratchDecode]:
+    """module name -> the scratch decode of each layer that a released, quantized load quantizes and lets go of
+    (`quantized_layers`, but those in `coded`: run on their checkpoint's int4 codes) and whose weight is decoded from
+    a quantized checkpoint, where the one-pass kernels quantize (qmatmul: the quantizing reads the weight once)."""
+    if not qmatmul.available():
+        return {}
+    entries = {}
+    for m in model.quantized_layers():
+        src = sources.get(f"{m}.weight")
+        if (m not in coded and isinstance(src, str) and isinstance(files[src][0], DecodedTensor)
+                and not model.keeps_fp32(f"{m}.weight")):
+            entries[m] = files[src][0]
+    scratch: list[torch.Tensor] = []
+    size = max((math.prod(e.shape("")) for e in entries.values()), default=0)
+    return {m: _ScratchDecode(e, scratch, size) for m, e in entries.items()}
 
 
 def _page_dropper(files: TensorIndex, sources: dict, state: dict[str, torch.Tensor]):

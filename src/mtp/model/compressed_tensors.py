@@ -204,10 +204,13 @@ def _entry(raw, ct: CompressedTensors, base: str, parts: dict[str, str]):
     if packed and s.kind == "int" and s.bits == 4 and s.strategy in ("group", "channel"):
         group = s.group if s.strategy == "group" else K
         int4 = Int4Codes(group, lambda t, N=N, K=K, s=s, group=group: int4_weight(t, s, N, K, group))
-    pack = None  # (one scale per tensor, row or tile: FP8 and symmetric int8 decode straight into qmatmul's bf16 packing)
+    pack = into = None  # (one scale per tensor, row or tile: FP8 and symmetric int8 decode in one C pass, straight
+    # into qmatmul's bf16 packing or into a given tensor)
     if not packed and "weight_zero_point" not in parts and s.strategy != "group":
         pack = lambda t, out, s=s: dequant.scaled_packed(t["weight"], t["weight_scale"], s.block, out)  # noqa: E731
-    return {role: parts[role] for role in parts if role != "weight_shape"}, (N, K), decode, int4, pack
+        into = lambda t, out, s=s: dequant.scaled_counted(t["weight"], t["weight_scale"], s.block,  # noqa: E731
+                                                          torch.bfloat16, out)
+    return {role: parts[role] for role in parts if role != "weight_shape"}, (N, K), decode, int4, pack, into
 
 
 def int4_weight(t: dict[str, torch.Tensor], s: Scheme, N: int, K: int, group: int) -> Int4Weight:

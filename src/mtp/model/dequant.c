@@ -103,30 +103,11 @@ static int64_t decode_row(int64_t K, const uint8_t* qr, int kind, const float* l
     return nonfinite;
 }
 
-/* 8 rows of 8 4-byte words -> their transpose (the words' bits moved as they are). */
-static inline void transpose8(__m256 r[8]) {
-    __m256 t[8], u[8];
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-    }
-    for (int i = 0; i < 4; i++) {
-        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
-        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
-    }
-}
-
 /* words src[j * stride + i] for j, i < 8 -> dst[i * dstride + j] */
 static inline void move8x8(const uint32_t* src, int64_t stride, uint32_t* dst, int64_t dstride) {
     __m256 r[8];
     for (int j = 0; j < 8; j++) r[j] = _mm256_loadu_ps((const float*)(src + j * stride));
-    transpose8(r);
+    transpose_words8(r);
     for (int i = 0; i < 8; i++) _mm256_storeu_ps((float*)(dst + i * dstride), r[i]);
 }
 

@@ -74,10 +74,11 @@ def scaled(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, 
 
 
 @torch.no_grad()
-def scaled_counted(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, dtype: torch.dtype
-                   ) -> tuple[torch.Tensor, int] | None:
+def scaled_counted(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, dtype: torch.dtype,
+                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, int] | None:
     """`scaled`, and how many of the weights it gives are NaN or +-Inf (counted as they are written: what the loader's
-    check would count by reading them again), or None."""
+    check would count by reading them again), or None. `out`: a contiguous `dtype` tensor of w's shape to decode
+    into (a load's reused scratch) instead of a new one."""
     if (w.device.type != "cpu" or w.dtype not in KINDS or w.dim() < 2 or dtype not in (torch.bfloat16, torch.float32)
             or not LIBRARY.available()):
         return None
@@ -87,7 +88,11 @@ def scaled_counted(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] 
         E *= d
     codes = w.contiguous().view(torch.uint8).reshape(E, N, K)
     s = _by_matrix(scale, E, N, block)
-    out = torch.empty(E, N, K, dtype=dtype)
+    if out is None:
+        out = torch.empty(E, N, K, dtype=dtype)
+    elif out.shape != w.shape or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"scaled_counted: out must be contiguous {dtype} {list(w.shape)}, got {out.dtype} {list(out.shape)}")
+    out = out.view(E, N, K)
     if out.numel() == 0:
         return out.reshape(w.shape), 0
     bad = torch.empty(E, N, dtype=torch.int64)

@@ -268,23 +268,26 @@ class FastLinear(nn.Linear):
 
     @classmethod
     def wrap(cls, linear: nn.Linear, kernel: str, int4: Int4Weight | None = None, from_checkpoint: bool = False,
-             packed_into: torch.Tensor | None = None, pack: Callable[[torch.Tensor | None], torch.Tensor] | None = None
-             ) -> FastLinear:
+             packed_into: torch.Tensor | None = None, pack: Callable[[torch.Tensor | None], torch.Tensor] | None = None,
+             weight: Callable[[], torch.Tensor] | None = None) -> FastLinear:
         """The same module (same parameters) with a prepared copy for `kernel` (int4: from `int4`'s codes when given;
-        `packed_into`, `pack`: `prepare`'s)."""
+        `packed_into`, `pack`, `weight`: `prepare`'s)."""
         linear.__class__ = cls
-        linear.prepare(kernel, int4, from_checkpoint, packed_into, pack)
+        linear.prepare(kernel, int4, from_checkpoint, packed_into, pack, weight)
         return linear
 
     @torch.no_grad()
     def prepare(self, kernel: str, int4: Int4Weight | None = None, from_checkpoint: bool = False,
-                packed_into: torch.Tensor | None = None, pack: Callable[[torch.Tensor | None], torch.Tensor] | None = None
-                ) -> None:
+                packed_into: torch.Tensor | None = None, pack: Callable[[torch.Tensor | None], torch.Tensor] | None = None,
+                weight: Callable[[], torch.Tensor] | None = None) -> None:
         """Build the prepared copy of the weight for `kernel`; "int4" from `int4` when given (the codes of this weight,
         `Int4Weight.quantize` of it, or `from_checkpoint`: an int4 checkpoint's own codes, any kernel group size and
         act order, which the weight - when the layer holds one - is only their decode of), else quantized here.
-        `packed_into`: where a "bf16-native" packing goes (this part's rows of its fusion's buffer: `prepare_parts`);
-        `pack`: what gives that packing instead of the weight (`PackedSources`: a layer loaded with no weight)."""
+        `packed_into`: where a "bf16-native" packing or qmatmul's int8 codes go (this part's rows of its fusion's
+        buffer: `prepare_parts`);
+        `pack`: what gives that packing instead of the weight (`PackedSources`: a layer loaded with no weight);
+        `weight`: what gives the weight to quantize, "int8" / "int4" (`WeightSources`: a layer loaded with no weight;
+        only read here, so it may be a scratch the next call overwrites)."""
         if kernel not in KERNELS:
             raise ValueError(f"unknown linear kernel {kernel!r}; expected one of {KERNELS}")
         if self._released is not None:
@@ -293,7 +296,9 @@ class FastLinear(nn.Linear):
             kernel = bf16_kernel()
         if pack is not None and not (kernel == "bf16-native" and qmatmul.available()):
             raise ValueError(f"a packed bf16 source needs qmatmul's bf16 product (kernel {kernel})")
-        w = self.weight.detach()
+        if weight is not None and kernel not in ("int8", "int4"):
+            raise ValueError(f"a weight source is for quantizing (kernel int8 / int4), not {kernel}")
+        w = self.weight.detach() if weight is None or int4 is not None else weight()
         self.kernel = kernel
         self._native = False
         self._version = self.weight._version
@@ -319,8 +324,7 @@ class FastLinear(nn.Linear):
             else:
                 self._set_int4(int4 if int4 is not None else Int4Weight.quantize(w, group))
         else:
-            packed, scale = quantize_int8(w)
-            self._set_int8(packed, scale)
+            self._set_int8_from(w, packed_into)
         if not hasattr(self, "_slot"):
             self._slot = _register(self)
 
@@ -334,6 +338,21 @@ class FastLinear(nn.Linear):
         self._native = qmatmul.available() and qmatmul.supports(self.in_features + self._pad)
         self._packed = qmatmul.pack_int8(codes) if self._native else codes
         self._scale = scale if self._native else scale.to(torch.bfloat16)
+
+    def _set_int8_from(self, w: torch.Tensor, into: torch.Tensor | None = None) -> None:
+        """`_set_int8(*quantize_int8(w))`; for qmatmul's kernel the codes go straight into its layout in one C pass
+        (`rtn.quantize_int8_packed`: no [N, K] codes, no separate packing), into `into` when given (this part's
+        groups of its fusion's buffer: `prepare_parts`)."""
+        pad = -self.in_features % qmatmul.BLOCK
+        fast = rtn.quantize_int8_packed(w, self.in_features + pad, qmatmul.isa() != "avx2", into) \
+            if qmatmul.available() else None
+        if fast is None:
+            self._set_int8(*quantize_int8(w))
+            if into is not None and self._native:  # (a row holding NaN / Inf: the torch form, then into its rows)
+                self._packed = into.copy_(self._packed)
+            return
+        self._packed, self._scale = fast
+        self._pad, self._native = pad, True
 
     def _set_int4(self, wq: Int4Weight) -> None:
         self._perm = wq.perm
@@ -694,35 +713,50 @@ Int4Sources = dict[str, Callable[[], Int4Weight]]
 # module name -> its weight in `qmatmul.pack_bf16`'s layout, built on demand into the given buffer (or a new one when
 # None) and returned (`DecodedTensor.packed_bf16`): the layer holds no weight (meta) and runs that packing
 PackedSources = dict[str, Callable[[torch.Tensor | None], torch.Tensor]]
+# module name -> its float weight [out, in], built on demand for an "int8" / "int4" layer to quantize (valid until the
+# next call: a load decodes each into one reused scratch): the layer holds no weight (meta) and runs the codes
+WeightSources = dict[str, Callable[[], torch.Tensor]]
 
 
 def prepare_parts(parts: list[nn.Linear], kernel: str, given: list[Callable[[], Int4Weight] | None] | None = None,
-                  packed: list[Callable[[torch.Tensor | None], torch.Tensor] | None] | None = None
-                  ) -> list[Int4Weight] | None:
+                  packed: list[Callable[[torch.Tensor | None], torch.Tensor] | None] | None = None,
+                  weights: list[Callable[[], torch.Tensor] | None] | None = None) -> list[Int4Weight] | None:
     """Prepare the layers of one fusion for `kernel` ("int4": from a part's checkpoint codes where `given` has them;
-    bf16 on qmatmul's product: from a part's packing source where `packed` has one, `PackedSources`); for "int4" on
-    torch's kernel also return their Int4Weights (what `FusedProjections` builds the fused packing from), else None."""
+    bf16 on qmatmul's product: from a part's packing source where `packed` has one, `PackedSources`; int8 / int4: the
+    weight from a part's source where `weights` has one, `WeightSources`); for "int4" on torch's kernel also return
+    their Int4Weights (what `FusedProjections` builds the fused packing from), else None."""
     int4 = None
     groups = [int4_group_for(p.in_features) for p in parts]
     codes = [None if g is None else g() for g in (given or [None] * len(parts))] if kernel == "int4" else [None] * len(parts)
+    weights = weights or [None] * len(parts)
     if (kernel == "int4" and None not in groups
             and not all(qmatmul.available() and qmatmul.supports(p.in_features, q.group if q is not None else g)
                         for p, g, q in zip(parts, groups, codes))):
-        int4 = [q if q is not None else Int4Weight.quantize(p.weight.detach(), g) for p, g, q in zip(parts, groups, codes)]
-    # bf16 on qmatmul's product: each part packs into its rows of one buffer, which the fusion then runs as it is
-    # (`_joined`) instead of concatenating the packings (a copy of most of the model's weights at load)
+        int4 = [q if q is not None else Int4Weight.quantize(p.weight.detach() if s is None else s(), g)
+                for p, g, q, s in zip(parts, groups, codes, weights)]
+        weights = [None] * len(parts)  # (quantized already)
+    # bf16 and int8 on qmatmul's products: each part packs into its rows of one buffer, which the fusion then runs as
+    # it is (`_joined`) instead of concatenating the packings (a copy of most of the model's weights at load)
     into: list[torch.Tensor | None] = [None] * len(parts)
-    if (kernel == "bf16-native" or kernel == "bf16" and bf16_kernel() == "bf16-native") and qmatmul.available() \
-            and len(parts) > 1 and len({p.in_features for p in parts}) == 1:
-        shapes = [qmatmul.bf16_packed_shape(p.out_features, p.in_features) for p in parts]
-        into = list(torch.empty(sum(s[0] for s in shapes), *shapes[0][1:], dtype=torch.bfloat16).split([s[0] for s in shapes]))
+    if qmatmul.available() and len(parts) > 1 and len({p.in_features for p in parts}) == 1:
+        K = parts[0].in_features
+        if kernel == "bf16-native" or kernel == "bf16" and bf16_kernel() == "bf16-native":
+            shapes = [qmatmul.bf16_packed_shape(p.out_features, K) for p in parts]
+            dtype = torch.bfloat16
+        elif kernel == "int8":
+            shapes = [(-(-p.out_features // 8), -(-K // qmatmul.BLOCK) * qmatmul.BLOCK // 4, 8, 4) for p in parts]
+            dtype = torch.uint8
+        else:
+            shapes = []
+        if shapes:
+            into = list(torch.empty(sum(s[0] for s in shapes), *shapes[0][1:], dtype=dtype).split([s[0] for s in shapes]))
     packed = packed or [None] * len(parts)
     for i, p in enumerate(parts):
         wq = int4[i] if int4 is not None else codes[i]
         if isinstance(p, FastLinear):
-            p.prepare(kernel, wq, codes[i] is not None, into[i], packed[i])
+            p.prepare(kernel, wq, codes[i] is not None, into[i], packed[i], weights[i])
         else:
-            FastLinear.wrap(p, kernel, wq, codes[i] is not None, into[i], packed[i])
+            FastLinear.wrap(p, kernel, wq, codes[i] is not None, into[i], packed[i], weights[i])
     return int4
 
 
@@ -754,16 +788,19 @@ def fusable(parts: list[FastLinear], int4: list[Int4Weight] | None = None) -> bo
 
 def prepare_for_inference(model: nn.Module, kernel: str, skip: tuple[str, ...] = (),
                           prepared: Callable[[FastLinear], None] | None = None, int4: Int4Sources | None = None,
-                          prefix: str = "", packed: PackedSources | None = None) -> int:
+                          prefix: str = "", packed: PackedSources | None = None, weights: WeightSources | None = None
+                          ) -> int:
     """Swap every nn.Linear of `model` (but those whose name ends with one of `skip`) for a FastLinear prepared for
     `kernel`, and fuse each module's `fused_projections` (unless their prepared forms differ: `fusable`). Returns how
     many layers were prepared. Parameters, names and the state dict do not change. `prepared(layer)` is called for
     each layer once its prepared form (and its fusion's) exists, layer by layer: the caller may let go of its float
     weight there (`FastLinear.release`). "int4": a layer named in `int4` runs its checkpoint's codes. `prefix`: the
     name of `model` inside the model the names in `skip` and `int4` are from (a submodule's layers by their full names).
-    "bf16" / "bf16-native": a layer named in `packed` gets its packed copy from there (it holds no weight)."""
+    "bf16" / "bf16-native": a layer named in `packed` gets its packed copy from there (it holds no weight); "int8" /
+    "int4": a layer named in `weights` quantizes the weight from there (it holds none)."""
     int4 = int4 if kernel == "int4" and int4 else {}
     packed = packed or {}
+    weights = weights or {}
     n = 0
     done: set[int] = set()
     skipped = lambda name: any(name.endswith(s) for s in skip)  # noqa: E731
@@ -775,7 +812,8 @@ def prepare_for_inference(model: nn.Module, kernel: str, skip: tuple[str, ...] =
             if all((type(p) is nn.Linear or isinstance(p, FastLinear)) and not skipped(f"{name}.{x}" if name else x)
                    for p, x in zip(parts, names)):
                 full = [f"{name}.{x}" if name else x for x in names]
-                fused = prepare_parts(parts, kernel, [int4.get(f) for f in full], [packed.get(f) for f in full])
+                fused = prepare_parts(parts, kernel, [int4.get(f) for f in full], [packed.get(f) for f in full],
+                                      [weights.get(f) for f in full])
                 if fusable(parts, fused):
                     m.__dict__["_fused"] = FusedProjections(parts, fused)
                 else:
@@ -790,9 +828,9 @@ def prepare_for_inference(model: nn.Module, kernel: str, skip: tuple[str, ...] =
         if (type(m) is nn.Linear or isinstance(m, FastLinear)) and id(m) not in done and not skipped(name):
             codes = int4[name]() if name in int4 else None
             if isinstance(m, FastLinear):
-                m.prepare(kernel, codes, codes is not None, pack=packed.get(name))
+                m.prepare(kernel, codes, codes is not None, pack=packed.get(name), weight=weights.get(name))
             else:
-                FastLinear.wrap(m, kernel, codes, codes is not None, pack=packed.get(name))
+                FastLinear.wrap(m, kernel, codes, codes is not None, pack=packed.get(name), weight=weights.get(name))
             done.add(id(m))
             if prepared is not None:
                 prepared(m)

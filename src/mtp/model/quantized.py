@@ -50,13 +50,14 @@ class DecodedTensor:
     """One quantized weight read as a float tensor, with the calls the loader makes on a stored one (`path`,
     `shape`, `dtype`, `tensor`, `release`). `parts` are the stored tensors it decodes from (role -> checkpoint name),
     `decode(parts, dtype)` the format's decoder; `index.dtype` is the dtype it decodes to (the model's). `pack(parts,
-    out)`, where the format has one, decodes straight into qmatmul's bf16 packing (`packed_bf16`)."""
+    out)`, where the format has one, decodes straight into qmatmul's bf16 packing (`packed_bf16`); `into(parts, out)`
+    into a given bf16 tensor (`tensor_into`)."""
 
     def __init__(self, index: QuantizedIndex, parts: dict[str, str], shape: tuple[int, ...], decode,
-                 int4: Int4Codes | None = None, pack=None):
+                 int4: Int4Codes | None = None, pack=None, into=None):
         self.index, self.parts, self._shape, self.decode = index, parts, shape, decode
         self.path = index.raw[next(iter(parts.values()))][0].path
-        self.int4_codes, self.pack = int4, pack
+        self.int4_codes, self.pack, self.into = int4, pack, into
         self.non_finite: int | None = None  # NaN / Inf among the values `tensor` last gave, where its decoder counted them
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -81,6 +82,18 @@ class DecodedTensor:
         or (the weight, how many of its values are NaN / Inf): then `non_finite`."""
         out = self._from_stored(lambda t: self.decode(t, self.index.dtype))
         out, self.non_finite = out if isinstance(out, tuple) else (out, None)
+        return out
+
+    def tensor_into(self, out: torch.Tensor) -> torch.Tensor:
+        """`tensor("")` decoded in bf16, into `out` (contiguous bf16 of the weight's shape: a load's reused scratch,
+        whose pages are warm where a new tensor's would be fresh) where the format can (`into`), else a new tensor;
+        `non_finite` as `tensor` sets it."""
+        if self.index.dtype != torch.bfloat16:
+            raise ValueError(f"tensor_into: the weight decodes to {self.index.dtype}, not bfloat16")
+        got = None if self.into is None else self._from_stored(lambda t: self.into(t, out))
+        if got is None:
+            return self.tensor("")
+        out, self.non_finite = got
         return out
 
     def release(self, name: str) -> None:
@@ -232,7 +245,9 @@ def decoded_index(raw, config, where: Path | str = ""):
         block = quant.block
         decoded[name] = ({"weight": name, "scale": scale}, shape,
                          lambda t, dtype, block=block: _scaled(t, dtype, block), None,
-                         lambda t, out, block=block: dequant.scaled_packed(t["weight"], t["scale"], block, out))
+                         lambda t, out, block=block: dequant.scaled_packed(t["weight"], t["scale"], block, out),
+                         lambda t, out, block=block: dequant.scaled_counted(t["weight"], t["scale"], block,
+                                                                            torch.bfloat16, out))
     return QuantizedIndex(raw, quant, decoded, hidden)
 
 

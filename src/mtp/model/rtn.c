@@ -118,51 +118,108 @@ int q4_quantize(int64_t N, int64_t K, const void* w, int64_t sw, int bf16, int64
     return bad;
 }
 
+/* int8, one row's scale (`linear.quantize_int8`): max(max|row| / 127, 1e-12) into *s. Returns nonzero where the row
+ * holds NaN/Inf (*s then unset). */
+static inline int q8_scale(const char* row, int bf16, int64_t K, float* s) {
+    const int64_t K8 = K - K % 8;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 mx = _mm256_setzero_ps();
+    int nf = 0;
+    for (int64_t i = 0; i < K8; i += 8) {
+        __m256 x = load8(row, bf16, i);
+        nf |= nonfinite8(x);
+        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, x));
+    }
+    float a = hmax(mx);
+    for (int64_t i = K8; i < K; i++) {
+        const float x = load1(row, bf16, i);
+        nf |= !isfinite(x);
+        a = fabsf(x) > a ? fabsf(x) : a;
+    }
+    if (nf) return 1;
+    const float q = a / 127.0f;
+    *s = q < 1e-12f ? 1e-12f : q;
+    return 0;
+}
+
+/* int8 codes clamp(round(row[i..i+32) / s), -127, 127), in order (vs: s on 8 lanes). */
+static inline __m256i q8_codes32(const char* row, int bf16, int64_t i, __m256 vs) {
+    const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    __m256i c[4];
+    for (int j = 0; j < 4; j++) {
+        __m256 q = _mm256_div_ps(load8(row, bf16, i + 8 * j), vs);
+        q = _mm256_round_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        c[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(q, lo), hi));
+    }
+    return _mm256_set_m128i(narrow16s(c[2], c[3]), narrow16s(c[0], c[1]));
+}
+
+static inline int8_t q8_code1(const char* row, int bf16, int64_t i, float s) {
+    float q = rintf(load1(row, bf16, i) / s);
+    q = q < -127.0f ? -127.0f : q > 127.0f ? 127.0f : q;
+    return (int8_t)q;
+}
+
 /* int8, symmetric per output row of w [N, K] (row stride sw elements): scale = max(max|row| / 127, 1e-12), codes =
  * clamp(round(row / scale), -127, 127) (`linear.quantize_int8`) -> codes int8 [N, K], scale fp32 [N]. Returns 0, or
  * 1 (a row holds NaN/Inf). */
 int q8_quantize(int64_t N, int64_t K, const void* w, int64_t sw, int bf16, int8_t* codes, float* scale, int nthreads) {
     int bad = 0;
-    const int64_t K8 = K - K % 8;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && N * K >= (1 << 20)) reduction(| : bad)
     for (int64_t n = 0; n < N; n++) {
         if (bad) continue;
         const char* row = (const char*)w + n * sw * (bf16 ? 2 : 4);
-        const __m256 sign = _mm256_set1_ps(-0.0f);
-        __m256 mx = _mm256_setzero_ps();
-        int nf = 0;
-        for (int64_t i = 0; i < K8; i += 8) {
-            __m256 x = load8(row, bf16, i);
-            nf |= nonfinite8(x);
-            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, x));
-        }
-        float a = hmax(mx);
-        for (int64_t i = K8; i < K; i++) {
-            const float x = load1(row, bf16, i);
-            nf |= !isfinite(x);
-            a = fabsf(x) > a ? fabsf(x) : a;
-        }
-        if (nf) { bad = 1; continue; }
-        float s = a / 127.0f;
-        s = s < 1e-12f ? 1e-12f : s;
-        scale[n] = s;
+        if (q8_scale(row, bf16, K, &scale[n])) { bad = 1; continue; }
+        const float s = scale[n];
         int8_t* out = codes + n * K;
-        const __m256 vs = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+        const __m256 vs = _mm256_set1_ps(s);
         int64_t i = 0;
-        for (; i + 32 <= K; i += 32) {
-            __m256i c[4];
-            for (int j = 0; j < 4; j++) {
-                __m256 q = _mm256_div_ps(load8(row, bf16, i + 8 * j), vs);
-                q = _mm256_round_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                c[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(q, lo), hi));
-            }
-            _mm_storeu_si128((__m128i*)(out + i), narrow16s(c[0], c[1]));
-            _mm_storeu_si128((__m128i*)(out + i + 16), narrow16s(c[2], c[3]));
+        for (; i + 32 <= K; i += 32) _mm256_storeu_si256((__m256i*)(out + i), q8_codes32(row, bf16, i, vs));
+        for (; i < K; i++) out[i] = q8_code1(row, bf16, i, s);
+    }
+    return bad;
+}
+
+/* q8_quantize's codes and scales written straight into qmatmul.py's `pack_int8` layout, out uint8
+ * [ceil(N/8)][Kp/4][8][4]: byte (g, c, j, i) is row 8g+j's code for input 4c+i, + 128 where `flip` (the AVX-512
+ * builds' unsigned form); inputs past K (Kp >= K, Kp % 32 == 0) and rows past N get zero codes. scale fp32 [N]. A
+ * group of 8 rows goes 32 inputs at a time: each row's 8 words of 4 codes, then one 8 x 8 transpose of the words
+ * into the group's 256 bytes for those inputs (the separate pack was most of a `--quantize int8` load's copying:
+ * docs/decisions.md, 2026-12-07). Returns 0, or 1 (a row holds NaN/Inf). */
+int q8_quantize_packed(int64_t N, int64_t K, int64_t Kp, const void* w, int64_t sw, int bf16, int flip, uint8_t* out,
+                       float* scale, int nthreads) {
+    const int64_t G = (N + 7) / 8;
+    int bad = 0;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && N * K >= (1 << 20)) reduction(| : bad)
+    for (int64_t g = 0; g < G; g++) {
+        if (bad) continue;
+        const int rows = N - 8 * g < 8 ? (int)(N - 8 * g) : 8;
+        const char* row[8];
+        __m256 vs[8];
+        for (int j = 0; j < rows; j++) {
+            row[j] = (const char*)w + (8 * g + j) * sw * (bf16 ? 2 : 4);
+            if (q8_scale(row[j], bf16, K, &scale[8 * g + j])) bad = 1;
+            vs[j] = _mm256_set1_ps(scale[8 * g + j]);
         }
-        for (; i < K; i++) {
-            float q = rintf(load1(row, bf16, i) / s);
-            q = q < -127.0f ? -127.0f : q > 127.0f ? 127.0f : q;
-            out[i] = (int8_t)q;
+        if (bad) continue;
+        const __m256i top = _mm256_set1_epi8(flip ? (char)0x80 : 0);
+        uint8_t* o = out + g * (Kp / 4) * 32;
+        for (int64_t i = 0; i < Kp; i += 32) {
+            __m256 r[8];
+            for (int j = 0; j < 8; j++) {
+                if (j >= rows || i >= K) {
+                    r[j] = _mm256_setzero_ps();
+                } else if (i + 32 <= K) {
+                    r[j] = _mm256_castsi256_ps(q8_codes32(row[j], bf16, i, vs[j]));
+                } else {  /* the last inputs, then zeros */
+                    int8_t tail[32] = {0};
+                    for (int64_t k = i; k < K; k++) tail[k - i] = q8_code1(row[j], bf16, k, scale[8 * g + j]);
+                    r[j] = _mm256_loadu_ps((const float*)tail);
+                }
+            }
+            transpose_words8(r);
+            for (int c = 0; c < 8; c++)
+                _mm256_storeu_si256((__m256i*)(o + (i / 4 + c) * 32), _mm256_xor_si256(_mm256_castps_si256(r[c]), top));
         }
     }
     return bad;

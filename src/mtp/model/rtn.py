@@ -5,7 +5,8 @@ The torch form in linear.py makes ~10 passes over every weight (a float copy, mi
 a clamp, a cast, the nibble packing), each with a weight-sized temporary: at the Qwen3.5-0.8B shape it was 4.5 s of a
 7 s int4 load on one core (docs/decisions.md, 2026-12-02, "quantized loads"). rtn.c does the same fp32 operations in
 the same order on one row at a time, so its codes, scales and zero points are bit for bit the torch form's
-(tests/test_rtn.py). The int4 kernel's packing stays `qmatmul.pack_int4` (its layout is the kernel's own).
+(tests/test_rtn.py). int8 codes may go straight into the q8 kernel's interleaved layout (`quantize_int8_packed`);
+the int4 kernel's packing stays `qmatmul.pack_int4`.
 
 Each function returns None where it does not apply, and the caller then runs the torch form: the library is not
 available (native.py: no compiler, not x86-64 with AVX2, MTP_NATIVE=0), the weight is not a bf16 / fp32 CPU matrix
@@ -26,7 +27,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.q4_quantize.argtypes = [i64, i64, p, i64, i32, i64, i32, p, p, p, i32]
     lib.q8_quantize.argtypes = [i64, i64, p, i64, i32, p, p, i32]
-    lib.q4_quantize.restype = lib.q8_quantize.restype = i32
+    lib.q8_quantize_packed.argtypes = [i64, i64, i64, p, i64, i32, i32, p, p, i32]
+    lib.q4_quantize.restype = lib.q8_quantize.restype = lib.q8_quantize_packed.restype = i32
 
 
 LIBRARY = NativeLibrary("rtn.c", None, "quantizing runs in torch ops", _declare)
@@ -67,3 +69,24 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     ok = LIBRARY.lib().q8_quantize(N, K, w.data_ptr(), w.stride(0), int(w.dtype == torch.bfloat16), codes.data_ptr(),
                                    scale.data_ptr(), torch.get_num_threads()) == 0
     return (codes, scale) if ok else None
+
+
+@torch.no_grad()
+def quantize_int8_packed(w: torch.Tensor, in_padded: int, flip: bool, out: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`quantize_int8` of w [N, K] with its codes padded by zeros to `in_padded` inputs (a multiple of 32, >= K) and
+    laid out as `qmatmul.pack_int8` lays them, with `flip` as that layout's AVX-512 form (each code + 128): (packed
+    uint8 [ceil(N/8), in_padded/4, 8, 4], written into `out` when given, scale fp32 [N]), or None (module
+    docstring); the [N, K] codes are never held."""
+    N, K = w.shape if w.dim() == 2 else (0, 0)
+    if not _usable(w) or in_padded % 32 or in_padded < K:
+        return None
+    shape = ((N + 7) // 8, in_padded // 4, 8, 4)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.uint8)
+    elif out.shape != shape or out.dtype != torch.uint8 or not out.is_contiguous():
+        raise ValueError(f"quantize_int8_packed: out must be a contiguous uint8 {list(shape)}, got {out.dtype} {list(out.shape)}")
+    scale = torch.empty(N)
+    ok = LIBRARY.lib().q8_quantize_packed(N, K, in_padded, w.data_ptr(), w.stride(0), int(w.dtype == torch.bfloat16),
+                                          int(flip), out.data_ptr(), scale.data_ptr(), torch.get_num_threads()) == 0
+    return (out, scale) if ok else None
