@@ -94,6 +94,23 @@ def test_int8_codes_straight_into_the_kernels_layout(dtype, shape, flip):
     assert rtn.quantize_int8_packed(w, -(-shape[1] // 32) * 32 - 32, flip) is None  # fewer inputs than the weight's
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(8, 32), (16, 96), (24, 160), (64, 384), (40, 4096 + 128)])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_int4_codes_straight_into_the_kernels_operands(dtype, shape, group, symmetric):
+    """`quantize_int4_packed` == the torch form's Int4Weight as the q4 kernel's operands (`_native_int4`: the codes
+    packed, scales and offsets interleaved by groups of 8 rows), bit for bit, K an odd number of 32-input halves too."""
+    w = weight(*shape, dtype, seed=shape[1] + group)
+    got = rtn.quantize_int4_packed(w, group, symmetric)
+    if shape[1] % group:
+        assert got is None
+        return
+    want = _native_int4(_quantize_int4_torch(w, group, symmetric))
+    assert all(same_bits(a, b) for a, b in zip(got, want))
+    assert rtn.quantize_int4_packed(w[:-1], group, symmetric) is None  # (rows not a whole number of 8s)
+
+
 def test_many_rows_and_a_strided_view_are_the_torch_forms():
     """More rows than the torch form's chunk (QUANT_ROWS), and a row-strided view (a slice of a wider matrix)."""
     w = weight(QUANT_ROWS + 37, 64, torch.bfloat16, seed=3)
@@ -106,6 +123,7 @@ def test_many_rows_and_a_strided_view_are_the_torch_forms():
     assert same_bits(got.codes, ref.codes) and same_bits(got.scale, ref.scale)
     assert all(same_bits(a, b) for a, b in zip(linear.quantize_int8(view), _quantize_int8_torch(view)))
     assert same_bits(rtn.quantize_int8_packed(view, 256, False)[0], packed_int8_reference(view, 256, False))
+    assert all(same_bits(a, b) for a, b in zip(rtn.quantize_int4_packed(view, 128), _native_int4(ref)))
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
@@ -113,7 +131,7 @@ def test_non_finite_rows_take_the_torch_form(bad):
     w = weight(32, 256, torch.bfloat16, seed=5)
     w[9, 200] = bad
     assert rtn.quantize_int4(w, 128) is None and rtn.quantize_int8(w) is None
-    assert rtn.quantize_int8_packed(w, 256, True) is None
+    assert rtn.quantize_int8_packed(w, 256, True) is None and rtn.quantize_int4_packed(w, 128) is None
     ref, got = _quantize_int4_torch(w, 128, False), Int4Weight.quantize(w, 128)
     assert same_bits(got.codes, ref.codes) and same_bits(got.scale, ref.scale) and same_bits(got.zero, ref.zero)
     ref8, got8 = _quantize_int8_torch(w), linear.quantize_int8(w)
@@ -125,9 +143,11 @@ def test_threads_do_not_change_a_bit():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = rtn.quantize_int4(w, 128), rtn.quantize_int8(w), rtn.quantize_int8_packed(w, 1024, True)
+        one = (rtn.quantize_int4(w, 128), rtn.quantize_int8(w), rtn.quantize_int8_packed(w, 1024, True),
+               rtn.quantize_int4_packed(w, 128))
         torch.set_num_threads(2)
-        two = rtn.quantize_int4(w, 128), rtn.quantize_int8(w), rtn.quantize_int8_packed(w, 1024, True)
+        two = (rtn.quantize_int4(w, 128), rtn.quantize_int8(w), rtn.quantize_int8_packed(w, 1024, True),
+               rtn.quantize_int4_packed(w, 128))
     finally:
         torch.set_num_threads(before)
     assert all(same_bits(a, b) for x, y in zip(one, two) for a, b in zip(x, y))

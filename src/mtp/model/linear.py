@@ -365,9 +365,14 @@ class FastLinear(nn.Linear):
 
     def _set_int4_rows(self, w: torch.Tensor, group: int) -> None:
         """`_set_int4(Int4Weight.quantize(w, group))` for the qmatmul kernel, QUANT_ROWS output rows at a time (its
-        packing is by groups of 8 rows, so the result is the same): the [N, K] unpacked codes are never held at once."""
+        packing is by groups of 8 rows, so the result is the same): the [N, K] unpacked codes are never held at once.
+        In one C pass where it runs (`rtn.quantize_int4_packed`: the codes straight into the kernel's layout)."""
         N, K = w.shape
         self._perm, self._native, self._group = None, True, group
+        fast = rtn.quantize_int4_packed(w, group)
+        if fast is not None:
+            self._packed, self._sz, self._low = fast
+            return
         self._packed = torch.empty(N // 8, 4 * K, dtype=torch.uint8)
         self._sz, self._low = torch.empty(N // 8, K // group * 8), torch.empty(N // 8, K // group * 8)
         for i in range(0, N, QUANT_ROWS):  # (QUANT_ROWS % 8 == 0)

@@ -58,11 +58,52 @@ static inline __m128i narrow16s(__m256i a, __m256i b) {
     return _mm_packs_epi16(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
 }
 
-/* int4, groups of `group` inputs (group % 32 == 0, K % group == 0), per row of w [N, K] (row stride sw elements):
+/* int4, one group's scale and zero point (`linear.Int4Weight.quantize`) from row[k0 .. k0 + group):
  *   asymmetric: lo = min(min(g), 0), hi = max(max(g), 0), scale = max((hi - lo) / 15, 1e-10), zero = clamp(round(-lo /
- *   scale), 0, 15); symmetric: scale = max(max|g| / 7, 1e-10), zero = 8; codes = clamp(round(g / scale) + zero, 0, 15)
- *   (`linear.Int4Weight.quantize`) -> codes uint8 [N, K], scale fp32 [N, K/group], zero uint8 [N, K/group].
- *   Returns 0, or 1 (a row holds NaN/Inf). The kernel's packing stays qmatmul.pack_int4's (its layout is its own). */
+ *   scale), 0, 15); symmetric: scale = max(max|g| / 7, 1e-10), zero = 8. Returns nonzero where the group holds NaN/Inf. */
+static inline int q4_params(const char* row, int bf16, int64_t k0, int64_t group, int symmetric, float* s, float* z) {
+    __m256 mn = load8(row, bf16, k0), mx = mn;
+    int nf = 0;
+    for (int64_t i = k0; i < k0 + group; i += 8) {
+        __m256 x = load8(row, bf16, i);
+        nf |= nonfinite8(x);
+        mn = _mm256_min_ps(mn, x);
+        mx = _mm256_max_ps(mx, x);
+    }
+    if (nf) return 1;
+    if (symmetric) {
+        const float a = fmaxf(-hmin(mn), hmax(mx));  /* max |g| */
+        *s = a / 7.0f;
+        *s = *s < 1e-10f ? 1e-10f : *s;
+        *z = 8.0f;
+    } else {
+        float lo = hmin(mn), hi = hmax(mx);
+        lo = lo > 0.0f ? 0.0f : lo;
+        hi = hi < 0.0f ? 0.0f : hi;
+        *s = (hi - lo) / 15.0f;
+        *s = *s < 1e-10f ? 1e-10f : *s;
+        *z = rintf(-lo / *s);
+        *z = *z < 0.0f ? 0.0f : *z > 15.0f ? 15.0f : *z;
+    }
+    return 0;
+}
+
+/* int4 codes clamp(round(row[i..i+32) / s) + z, 0, 15), one a byte, in order (vs, vz: s and z on 8 lanes). */
+static inline __m256i q4_codes32(const char* row, int bf16, int64_t i, __m256 vs, __m256 vz) {
+    const __m256 v0 = _mm256_setzero_ps(), v15 = _mm256_set1_ps(15.0f);
+    __m256i c[4];
+    for (int j = 0; j < 4; j++) {
+        __m256 q = _mm256_div_ps(load8(row, bf16, i + 8 * j), vs);
+        q = _mm256_add_ps(_mm256_round_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), vz);
+        q = _mm256_min_ps(_mm256_max_ps(q, v0), v15);
+        c[j] = _mm256_cvtps_epi32(q);  /* an integer already: exact */
+    }
+    return _mm256_set_m128i(narrow16(c[2], c[3]), narrow16(c[0], c[1]));
+}
+
+/* int4, groups of `group` inputs (group % 32 == 0, K % group == 0), per row of w [N, K] (row stride sw elements), as
+ * `q4_params` and `q4_codes32` -> codes uint8 [N, K], scale fp32 [N, K/group], zero uint8 [N, K/group]. Returns 0, or
+ * 1 (a row holds NaN/Inf). */
 int q4_quantize(int64_t N, int64_t K, const void* w, int64_t sw, int bf16, int64_t group, int symmetric,
                 uint8_t* codes, float* scale, uint8_t* zero, int nthreads) {
     const int64_t G = K / group;
@@ -72,48 +113,68 @@ int q4_quantize(int64_t N, int64_t K, const void* w, int64_t sw, int bf16, int64
         if (bad) continue;
         const char* row = (const char*)w + n * sw * (bf16 ? 2 : 4);
         for (int64_t g = 0; g < G; g++) {
-            const int64_t k0 = g * group;
-            __m256 mn = load8(row, bf16, k0), mx = mn;
-            int nf = 0;
-            for (int64_t i = k0; i < k0 + group; i += 8) {
-                __m256 x = load8(row, bf16, i);
-                nf |= nonfinite8(x);
-                mn = _mm256_min_ps(mn, x);
-                mx = _mm256_max_ps(mx, x);
-            }
-            if (nf) { bad = 1; break; }
             float s, z;
-            if (symmetric) {
-                const float a = fmaxf(-hmin(mn), hmax(mx));  /* max |g| */
-                s = a / 7.0f;
-                s = s < 1e-10f ? 1e-10f : s;
-                z = 8.0f;
-            } else {
-                float lo = hmin(mn), hi = hmax(mx);
-                lo = lo > 0.0f ? 0.0f : lo;
-                hi = hi < 0.0f ? 0.0f : hi;
-                s = (hi - lo) / 15.0f;
-                s = s < 1e-10f ? 1e-10f : s;
-                z = rintf(-lo / s);
-                z = z < 0.0f ? 0.0f : z > 15.0f ? 15.0f : z;
-            }
-            const int64_t o = n * G + g;
-            scale[o] = s;
-            zero[o] = (uint8_t)z;
+            if (q4_params(row, bf16, g * group, group, symmetric, &s, &z)) { bad = 1; break; }
+            scale[n * G + g] = s;
+            zero[n * G + g] = (uint8_t)z;
             const __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(z);
-            const __m256 v0 = _mm256_setzero_ps(), v15 = _mm256_set1_ps(15.0f);
-            for (int64_t i = k0; i < k0 + group; i += 32) {
-                __m256i c[4];
-                for (int j = 0; j < 4; j++) {
-                    __m256 q = _mm256_div_ps(load8(row, bf16, i + 8 * j), vs);
-                    q = _mm256_add_ps(_mm256_round_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), vz);
-                    q = _mm256_min_ps(_mm256_max_ps(q, v0), v15);
-                    c[j] = _mm256_cvtps_epi32(q);  /* an integer already: exact */
-                }
-                _mm_storeu_si128((__m128i*)(codes + n * K + i), narrow16(c[0], c[1]));
-                _mm_storeu_si128((__m128i*)(codes + n * K + i + 16), narrow16(c[2], c[3]));
+            for (int64_t i = g * group; i < (g + 1) * group; i += 32)
+                _mm256_storeu_si256((__m256i*)(codes + n * K + i), q4_codes32(row, bf16, i, vs, vz));
+        }
+    }
+    return bad;
+}
+
+/* 32 codes (one a byte, in order) -> the q4 kernel's 4 words for their 4 runs of 8 inputs, in the low 128 bits: a run's
+ * word holds bytes q[i] | q[4 + i] << 4 (codes < 16: the high half's shift stays in its byte). */
+static inline __m128i q4_words(__m256i c) {
+    const __m256i w = _mm256_or_si256(c, _mm256_slli_epi64(_mm256_srli_epi64(c, 32), 4));
+    return _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6)));
+}
+
+/* q4_quantize's codes, scales and zero points written straight into the q4 kernel's operands (N % 8 == 0; linear.py
+ * `_native_int4`): packed uint8 [N/8][4K] as qmatmul.py's `pack_int4` (per 8 outputs and 8 inputs, output j's word
+ * of `q4_words`), scale and low = -zero * scale fp32 [N/8][K/group * 8] as its `pack_int4_groups`. A group of 8 rows
+ * goes 64 inputs at a time: each row's 8 words, then one 8 x 8 transpose of the words into the group's 256 bytes for
+ * those inputs (the separate packing was most of a `--quantize int4` load's copying: docs/decisions.md, 2026-12-07).
+ * Returns 0, or 1 (a row holds NaN/Inf). */
+int q4_quantize_packed(int64_t N, int64_t K, const void* w, int64_t sw, int bf16, int64_t group, int symmetric,
+                       uint8_t* packed, float* scale, float* low, int nthreads) {
+    const int64_t G = K / group;
+    int bad = 0;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && N * K >= (1 << 20)) reduction(| : bad)
+    for (int64_t g = 0; g < N / 8; g++) {
+        if (bad) continue;
+        const char* row[8];
+        float* sg = scale + g * G * 8;  /* [K/group][8]: the group's 8 rows' scales, zero points below */
+        float* lg = low + g * G * 8;
+        for (int j = 0; j < 8; j++) {
+            row[j] = (const char*)w + (8 * g + j) * sw * (bf16 ? 2 : 4);
+            for (int64_t q = 0; q < G && !bad; q++) {
+                float s, z;
+                if (q4_params(row[j], bf16, q * group, group, symmetric, &s, &z)) bad = 1;
+                sg[q * 8 + j] = s;
+                lg[q * 8 + j] = (float)(uint8_t)z;  /* the stored zero point (-0 -> 0) for now; low once coded */
             }
         }
+        if (bad) continue;
+        uint8_t* o = packed + g * 4 * K;
+        for (int64_t i = 0; i < K; i += 64) {
+            const int halves = i + 64 <= K ? 2 : 1;  /* (K % 64 == 32: the last 32 inputs alone) */
+            __m256 r[8];
+            for (int j = 0; j < 8; j++) {
+                __m128i h[2] = {_mm_setzero_si128(), _mm_setzero_si128()};
+                for (int t = 0; t < halves; t++) {
+                    const int64_t q = (i + 32 * t) / group;
+                    h[t] = q4_words(q4_codes32(row[j], bf16, i + 32 * t, _mm256_set1_ps(sg[q * 8 + j]),
+                                               _mm256_set1_ps(lg[q * 8 + j])));
+                }
+                r[j] = _mm256_castsi256_ps(_mm256_set_m128i(h[1], h[0]));
+            }
+            transpose_words8(r);
+            for (int c = 0; c < 4 * halves; c++) _mm256_storeu_ps((float*)(o + (i / 8 + c) * 32), r[c]);
+        }
+        for (int64_t k = 0; k < G * 8; k++) lg[k] = -lg[k] * sg[k];
     }
     return bad;
 }

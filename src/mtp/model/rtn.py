@@ -5,8 +5,8 @@ The torch form in linear.py makes ~10 passes over every weight (a float copy, mi
 a clamp, a cast, the nibble packing), each with a weight-sized temporary: at the Qwen3.5-0.8B shape it was 4.5 s of a
 7 s int4 load on one core (docs/decisions.md, 2026-12-02, "quantized loads"). rtn.c does the same fp32 operations in
 the same order on one row at a time, so its codes, scales and zero points are bit for bit the torch form's
-(tests/test_rtn.py). int8 codes may go straight into the q8 kernel's interleaved layout (`quantize_int8_packed`);
-the int4 kernel's packing stays `qmatmul.pack_int4`.
+(tests/test_rtn.py). The codes may also go straight into the qmatmul kernels' interleaved layouts, with no [N, K]
+codes between (`quantize_int8_packed`, `quantize_int4_packed`): what a quantizing load keeps.
 
 Each function returns None where it does not apply, and the caller then runs the torch form: the library is not
 available (native.py: no compiler, not x86-64 with AVX2, MTP_NATIVE=0), the weight is not a bf16 / fp32 CPU matrix
@@ -28,7 +28,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.q4_quantize.argtypes = [i64, i64, p, i64, i32, i64, i32, p, p, p, i32]
     lib.q8_quantize.argtypes = [i64, i64, p, i64, i32, p, p, i32]
     lib.q8_quantize_packed.argtypes = [i64, i64, i64, p, i64, i32, i32, p, p, i32]
-    lib.q4_quantize.restype = lib.q8_quantize.restype = lib.q8_quantize_packed.restype = i32
+    lib.q4_quantize_packed.argtypes = [i64, i64, p, i64, i32, i64, i32, p, p, p, i32]
+    for f in (lib.q4_quantize, lib.q8_quantize, lib.q8_quantize_packed, lib.q4_quantize_packed):
+        f.restype = i32
 
 
 LIBRARY = NativeLibrary("rtn.c", None, "quantizing runs in torch ops", _declare)
@@ -57,6 +59,23 @@ def quantize_int4(w: torch.Tensor, group: int, symmetric: bool = False
     ok = LIBRARY.lib().q4_quantize(N, K, w.data_ptr(), w.stride(0), int(w.dtype == torch.bfloat16), group, int(symmetric),
                                    codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), torch.get_num_threads()) == 0
     return (codes, scale, zero) if ok else None
+
+
+@torch.no_grad()
+def quantize_int4_packed(w: torch.Tensor, group: int, symmetric: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """`linear._native_int4(Int4Weight.quantize(w, group, symmetric))` of w [N, K] (N % 8 == 0) in one pass: the q4
+    kernel's packed codes uint8 [N/8, 4K], scale and low (-zero * scale) fp32 [N/8, K/group * 8]; or None (module
+    docstring)."""
+    if not int4_fits(w, group) or w.shape[0] % 8:
+        return None
+    N, K = w.shape
+    packed = torch.empty(N // 8, 4 * K, dtype=torch.uint8)
+    scale, low = torch.empty(N // 8, K // group * 8), torch.empty(N // 8, K // group * 8)
+    ok = LIBRARY.lib().q4_quantize_packed(N, K, w.data_ptr(), w.stride(0), int(w.dtype == torch.bfloat16), group,
+                                          int(symmetric), packed.data_ptr(), scale.data_ptr(), low.data_ptr(),
+                                          torch.get_num_threads()) == 0
+    return (packed, scale, low) if ok else None
 
 
 @torch.no_grad()
