@@ -1,11 +1,12 @@
 """What loading a quantized release costs next to the bf16 one of the same model: wall time and peak RSS of
 `mtp.load_model` in a fresh process, for a random-weight model of a named shape saved as bf16, as an FP8 release
-(128x128 block scales) and as a GPTQ 4-bit release (groups of 128, asymmetric, v1 zero points); each variant
+(128x128 block scales), as a GPTQ 4-bit release (groups of 128, asymmetric, v1 zero points) and as an AWQ GEMM
+one (groups of 128, zero points); each variant
 CHECKPOINT[:QUANTIZE] loads that checkpoint with `release=True`, and `quantize=QUANTIZE` when given (what `mtp
 generate [--quantize]` loads). Used for docs/decisions.md, 2026-12-01 and 2026-12-02 ("quantized loads") (issue 19).
 
     python scripts/quantized_load.py [--shape qwen3.5-0.8b] [--dir /tmp/mtp-qload] [--threads 1]
-        [--variants bf16,fp8,gptq4,bf16:int8,bf16:int4,gptq4:int4] [--runs 1]
+        [--variants bf16,fp8,gptq4,awq4,bf16:int8,bf16:int4,gptq4:int4,awq4:int4] [--runs 1]
 """
 
 from __future__ import annotations
@@ -74,6 +75,32 @@ def to_gptq(src: Path, dst: Path) -> None:
     save_file(out, dst / "model.safetensors")
 
 
+def to_awq(src: Path, dst: Path) -> None:
+    from mtp.model.packed import awq_pack
+
+    dst.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm",
+                                  "zero_point": True}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    out = {}
+    for name, t in load_file(src / "model.safetensors").items():
+        if not quantizable(name, t):
+            out[name] = t
+            continue
+        N, K = t.shape
+        g = t.float().reshape(N, K // 128, 128)
+        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+        s = ((hi - lo) / 15).clamp_min(1e-8).half().float()
+        z = (-lo / s).round().clamp(0, 15)
+        q = (g / s[..., None] + z[..., None]).round().clamp(0, 15).to(torch.int32).reshape(N, K)
+        base = name[: -len(".weight")]
+        out[base + ".qweight"] = awq_pack(q.t().contiguous())
+        out[base + ".qzeros"] = awq_pack(z.to(torch.int32).t().contiguous())
+        out[base + ".scales"] = s.t().contiguous().half()
+    save_file(out, dst / "model.safetensors")
+
+
 PROBE = """
 import sys, time, torch
 torch.set_num_threads(int(sys.argv[2]))
@@ -104,7 +131,7 @@ def main() -> None:
     bf16 = args.dir / "bf16"
     if not (bf16 / "model.safetensors").exists():
         mtp.save_model(build_shape_model(args.shape, torch.bfloat16), bf16)
-    for name, fn in (("fp8", to_fp8), ("gptq4", to_gptq)):
+    for name, fn in (("fp8", to_fp8), ("gptq4", to_gptq), ("awq4", to_awq)):
         if not (args.dir / name / "model.safetensors").exists():
             fn(bf16, args.dir / name)
     print(f"{args.shape}, {args.threads} thread(s): load_model in a fresh process (after one warm-up read of the files)")

@@ -152,6 +152,26 @@ def test_gptq_words_go_straight_to_the_q4_kernels_layout(R, N):
     assert torch.equal(int4_nibbles(words.t().contiguous()).reshape(N, R * 8), codes)  # (the unpacked form's reader)
 
 
+@pytest.mark.parametrize("K, C", [(8, 1), (16, 8), (24, 9), (64, 17), (128, 48)])
+def test_awq_words_go_straight_to_the_q4_kernels_layout(K, C):
+    """`awq_int4_packed` (AWQ's words [K, N/8], output 8c+j of input k in nibble AWQ_REVERSE[j] of word (k, c)) is
+    `qmatmul.pack_int4` of the codes those words hold, every bit pattern of the words, the column count not a whole
+    number of 8s too; and `awq_int4` gives the same Int4Weight as from the unpacked codes."""
+    from mtp.model.quantized import awq_int4
+
+    g = torch.Generator().manual_seed(K * 100 + C)
+    words = torch.randint(-(2**31), 2**31 - 1, (K, C), generator=g, dtype=torch.int64).to(torch.int32)
+    nibbles = torch.stack([(words.long() >> (4 * i)) & 15 for i in range(8)], dim=-1)  # [K, C, 8]: nibble i
+    codes = nibbles[..., list(packed.AWQ_REVERSE)].reshape(K, C * 8).t().contiguous().to(torch.uint8)  # [N, K]
+    assert torch.equal(dequant.awq_int4_packed(words), qmatmul.pack_int4(codes))
+    zeros = torch.randint(-(2**31), 2**31 - 1, (1, C), generator=g, dtype=torch.int64).to(torch.int32)
+    scales = torch.rand(1, C * 8, generator=g).half()
+    wq = awq_int4(words, zeros, scales, K)
+    assert wq.packed is not None and wq.shape == (C * 8, K)
+    assert torch.equal(wq.codes, codes) and torch.equal(wq.packed_codes(), qmatmul.pack_int4(codes))
+    assert torch.equal(wq.dequantize(), packed.awq_weight(words, zeros, scales, K, torch.float32))
+
+
 def test_the_count_of_non_finite_weights_includes_overflow():
     """NaN codes, e5m2 infinities, and finite products that overflow (fp32, or only when rounded to bf16): counted as
     the loader's check counts the weight it was given."""

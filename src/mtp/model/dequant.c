@@ -194,3 +194,40 @@ void gptq_int4_pack(int64_t R, int64_t N, const uint32_t* w, uint32_t* out, int 
         }
     });
 }
+
+/* AWQ's 4-bit words qweight [K][C] (GEMM packing, C = N/8: word (k, c) holds input k of outputs 8c..8c+7, output 8c+j
+ * in nibble AWQ_REVERSE[j], model/packed.py) -> the q4 kernel's codes as gptq_int4_pack writes them, out [C][K/8][8]
+ * (K % 8 == 0): output group c is one column of words, and its word (r, j) gathers nibble AWQ_REVERSE[j] of the 8
+ * words of inputs 8r..8r+7 (input 8r+i to bits 8i, 8r+4+i to bits 8i+4): an 8 x 8 transpose of nibbles, done on 8
+ * columns at once and then moved to their groups by an 8 x 8 transpose of words. */
+static const int AWQ_REVERSE[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+
+static inline uint32_t awq_word(const uint32_t* src, int64_t C, int j) {
+    uint32_t o = 0;
+    for (int k = 0; k < 8; k++) o |= ((src[k * C] >> (4 * AWQ_REVERSE[j])) & 15u) << (8 * (k & 3) + 4 * (k >> 2));
+    return o;
+}
+
+void awq_int4_pack(int64_t K, int64_t C, const uint32_t* w, uint32_t* out, int nthreads) {
+    const int64_t R = K / 8, C8 = C - C % 8;
+    PARALLEL_FOR(K * C >= (1 << 15), r, R, {
+        const uint32_t* src = w + r * 8 * C;
+        for (int64_t c = 0; c < C8; c += 8) {
+            __m256i a[8];
+            __m256 o[8];
+            for (int k = 0; k < 8; k++) a[k] = _mm256_loadu_si256((const __m256i*)(src + k * C + c));
+            for (int j = 0; j < 8; j++) {
+                __m256i x = _mm256_setzero_si256();
+                for (int k = 0; k < 8; k++)
+                    x = _mm256_or_si256(x, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(a[k], 4 * AWQ_REVERSE[j]),
+                                                                              _mm256_set1_epi32(15)),
+                                                             8 * (k & 3) + 4 * (k >> 2)));
+                o[j] = _mm256_castsi256_ps(x);
+            }
+            transpose_words8(o);  /* o[t]: column c + t's 8 words */
+            for (int t = 0; t < 8; t++) _mm256_storeu_ps((float*)(out + ((c + t) * R + r) * 8), o[t]);
+        }
+        for (int64_t c = C8; c < C; c++)
+            for (int j = 0; j < 8; j++) out[(c * R + r) * 8 + j] = awq_word(src + c, C, j);
+    });
+}

@@ -1,6 +1,7 @@
 """A checkpoint's scaled 8-bit codes (FP8 e4m3fn / e5m2, symmetric int8) decoded to float weights in one C pass
 (`dequant.c`): what an FP8 release spends its load on beyond a bf16 one. `scaled_packed` decodes straight into
-qmatmul's bf16 packing; `gptq_int4_packed` moves GPTQ's int4 words to the q4 kernel's layout.
+qmatmul's bf16 packing; `gptq_int4_packed` and `awq_int4_packed` move GPTQ's and AWQ's int4 words to the q4 kernel's
+layout.
 
 The torch form, `packed.dequantize_scaled`, converts the codes to fp32, multiplies by the scales and casts, 128 rows
 at a time: ~4 s of a 10 s FP8 load at the Qwen3.5-0.8B shape on one core (docs/decisions.md, 2026-12-06 eleventh
@@ -27,7 +28,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.scaled_decode.argtypes = [i64, i64, p, i32, p, p, i64, i64, i64, i32, p, p, i32, i32]
     lib.scaled_decode.restype = ctypes.c_int
     lib.gptq_int4_pack.argtypes = [i64, i64, p, p, i32]
-    lib.gptq_int4_pack.restype = None
+    lib.awq_int4_pack.argtypes = [i64, i64, p, p, i32]
+    lib.gptq_int4_pack.restype = lib.awq_int4_pack.restype = None
 
 
 LIBRARY = NativeLibrary("dequant.c", None, "decoding scaled codes runs in torch ops", _declare, isas=(AVX512_VNNI,))
@@ -144,3 +146,20 @@ def gptq_int4_packed(qweight: torch.Tensor) -> torch.Tensor | None:
     if out.numel():
         LIBRARY.lib().gptq_int4_pack(R, N, words.data_ptr(), out.data_ptr(), torch.get_num_threads())
     return out.view(torch.uint8).reshape(out.shape[0], R * 32)
+
+
+@torch.no_grad()
+def awq_int4_packed(qweight: torch.Tensor) -> torch.Tensor | None:
+    """AWQ's GEMM 4-bit words qweight int32 [K, N/8] (8 outputs of one input a word, in AWQ's order) -> the q4
+    kernel's codes in `qmatmul.pack_int4`'s layout, uint8 [N/8, 4K] (K % 8 == 0): one pass over the words, an 8 x 8
+    transpose of nibbles each, where unpacking to one code a byte, transposing and packing again took ~2 s of a
+    0.8B-shape AWQ int4 load. Bit for bit `qmatmul.pack_int4` of the codes; None where the library is not available."""
+    if (qweight.device.type != "cpu" or qweight.dtype != torch.int32 or qweight.dim() != 2 or qweight.shape[0] % 8
+            or not LIBRARY.available()):
+        return None
+    K, C = qweight.shape
+    words = qweight.contiguous()
+    out = torch.empty(C, K // 8, 8, dtype=torch.int32)
+    if out.numel():
+        LIBRARY.lib().awq_int4_pack(K, C, words.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out.view(torch.uint8).reshape(C, K * 4)

@@ -360,10 +360,12 @@ def gptq_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
 def awq_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group: int) -> Int4Weight:
     """AWQ GEMM tensors -> their codes as an Int4Weight [N, K], exactly `awq_weight`'s weight when dequantized."""
     unorder = list(AWQ_REVERSE)  # output c of a word's eight is nibble AWQ_REVERSE[c]
-    q = int4_nibbles(qweight)[..., unorder]  # [K, N / 8, 8]
     zero = int4_nibbles(qzeros)[..., unorder].reshape(qzeros.shape[0], -1)  # [G, N]
-    K = q.shape[0]
-    return Int4Weight(q.reshape(K, -1).t().contiguous(), scales.float().t().contiguous(), zero.t().contiguous(), group)
+    scale = scales.float().t().contiguous()
+    if (packed := dequant.awq_int4_packed(qweight)) is not None:  # the stored words straight to the kernel's layout
+        return Int4Weight(None, scale, zero.t().contiguous(), group, None, packed)
+    q = int4_nibbles(qweight)[..., unorder]  # [K, N / 8, 8]
+    return Int4Weight(q.reshape(q.shape[0], -1).t().contiguous(), scale, zero.t().contiguous(), group)
 
 
 def _prod(xs) -> int:
