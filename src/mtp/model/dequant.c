@@ -49,6 +49,20 @@ static inline __m512 decode16(const uint8_t* p, int kind) {
 }
 #endif
 
+/* 8 decoded weights v -> o[k .. k + 8): bf16 (bf16 != 0) or fp32; returns how many are NaN or +-Inf (bf16: counted
+ * on the rounded values, as a finite float can round to a bf16 infinity). */
+static inline int store8(__m256 v, int bf16, void* o, int64_t k) {
+    if (bf16) {
+        uint16_t* ob = (uint16_t*)o + k;
+        f_to_bf16x8(ob, v);
+        const __m128i e = _mm_and_si128(_mm_loadu_si128((const __m128i*)ob), _mm_set1_epi16(0x7f80));
+        return __builtin_popcount(_mm_movemask_epi8(_mm_cmpeq_epi16(e, _mm_set1_epi16(0x7f80)))) / 2;
+    }
+    _mm256_storeu_ps((float*)o + k, v);
+    const __m256 d = _mm256_sub_ps(v, v);  /* NaN exactly where v is NaN or infinite */
+    return __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(d, d, _CMP_UNORD_Q)));
+}
+
 /* Row n of the codes q [N, K] (row stride K) of `kind` (decode8; lut [256]: each code's fp32 value as torch converts
  * it, for the scalar tail), scales s: column k takes sr[k / b1] -> o [K]: bf16 (bf16 != 0) or fp32. Returns how many of
  * the row's outputs are NaN or +-Inf (what the loader's check of the weight would count: it need not read it again). */
@@ -75,19 +89,7 @@ static int64_t decode_row(int64_t K, const uint8_t* qr, int kind, const float* l
             }
         }
 #endif
-        for (; k + 8 <= k1; k += 8) {
-            const __m256 v = _mm256_mul_ps(decode8(qr + k, kind), sv);
-            if (bf16) {  /* (counted on the rounded values: a finite float can round to a bf16 infinity) */
-                uint16_t* ob = (uint16_t*)o + k;
-                f_to_bf16x8(ob, v);
-                const __m128i e = _mm_and_si128(_mm_loadu_si128((const __m128i*)ob), _mm_set1_epi16(0x7f80));
-                nonfinite += __builtin_popcount(_mm_movemask_epi8(_mm_cmpeq_epi16(e, _mm_set1_epi16(0x7f80)))) / 2;
-            } else {
-                _mm256_storeu_ps((float*)o + k, v);
-                const __m256 d = _mm256_sub_ps(v, v);  /* NaN exactly where v is NaN or infinite */
-                nonfinite += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(d, d, _CMP_UNORD_Q)));
-            }
-        }
+        for (; k + 8 <= k1; k += 8) nonfinite += store8(_mm256_mul_ps(decode8(qr + k, kind), sv), bf16, o, k);
         for (; k < k1; k++) {
             const float v = lut[qr[k]] * sc;
             if (bf16) {
@@ -103,6 +105,29 @@ static int64_t decode_row(int64_t K, const uint8_t* qr, int kind, const float* l
     return nonfinite;
 }
 
+/* One row's int4 codes in the q4 kernel's layout (qmatmul.py's pack_int4: word c at w[8 c] holds inputs 8c..8c+7 as
+ * bytes i = q[8c+i] | q[8c+4+i] << 4), zero points zr and scales sr per `group` inputs (group % 8 == 0, K % 8 == 0)
+ * -> o [K]: (q - zero) * scale in fp32, as packed.py's dequantize_codes (GPTQ's and AWQ's decoders alike), stored and
+ * counted as decode_row does. */
+static int64_t decode_row_q4(int64_t K, const uint32_t* w, const uint8_t* zr, const float* sr, int64_t group, int bf16,
+                             void* o) {
+    const __m256i shifts = _mm256_setr_epi32(0, 8, 16, 24, 4, 12, 20, 28), low = _mm256_set1_epi32(15);
+    int64_t nonfinite = 0;
+    for (int64_t k = 0; k < K; k += 8) {
+        const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w[k]), shifts), low);
+        const __m256 v = _mm256_sub_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps((float)zr[k / group]));
+        nonfinite += store8(_mm256_mul_ps(v, _mm256_set1_ps(sr[k / group])), bf16, o, k);
+    }
+    return nonfinite;
+}
+
+/* Row n of scaled_decode's codes (its arguments) -> o; its NaN / Inf count. */
+static inline int64_t decode_nth(int64_t n, int64_t K, const uint8_t* q, int kind, const float* lut, const float* s,
+                                 const uint8_t* zero, int64_t b0, int64_t b1, int64_t ss, int bf16, void* o) {
+    if (kind == 4) return decode_row_q4(K, (const uint32_t*)q + (n / 8) * K + n % 8, zero + n * ss, s + n * ss, b1, bf16, o);
+    return decode_row(K, q + n * K, kind, lut, s + (n / b0) * ss, b1, bf16, o);
+}
+
 /* words src[j * stride + i] for j, i < 8 -> dst[i * dstride + j] */
 static inline void move8x8(const uint32_t* src, int64_t stride, uint32_t* dst, int64_t dstride) {
     __m256 r[8];
@@ -111,17 +136,20 @@ static inline void move8x8(const uint32_t* src, int64_t stride, uint32_t* dst, i
     for (int i = 0; i < 8; i++) _mm256_storeu_ps((float*)(dst + i * dstride), r[i]);
 }
 
-/* codes q [N, K], scales s (row n, column k takes s[(n / b0) * ss + k / b1]) -> out: group 0, [N, K] bf16 (bf16 != 0)
+/* codes q [N, K] (kind 4: int4 codes in the q4 kernel's layout, [N/8][K/8][8] words, with zero points zero [N, K/b1]
+ * beside the scales; b0 = 1), scales s (row n, column k takes s[(n / b0) * ss + k / b1]) -> out: group 0, [N, K] bf16
+ * (bf16 != 0)
  * or fp32; group 8 / 16, bf16 in qmatmul.py's pack_bf16 layout of that output group ([ceil(N/8)][ceil(K/2)][8][2], or
  * the AMX tiles' [ceil(N/16)][ceil(K/32)][16][16][2], pads zero): a group's rows are decoded to a scratch block (rows
  * past N and inputs past K zero), whose input pairs then move as 4-byte words, 8 x 8 transposes of them. bad [N]: each
  * row's NaN / Inf count. Returns 0, or -1 where a scratch block could not be allocated (nothing is then complete). */
 int scaled_decode(int64_t N, int64_t K, const uint8_t* q, int kind, const float* lut, const float* s, int64_t b0,
-                   int64_t b1, int64_t ss, int bf16, void* out, int64_t* bad, int group, int nthreads) {
+                   int64_t b1, int64_t ss, int bf16, void* out, int64_t* bad, int group, int nthreads,
+                   const uint8_t* zero) {
     if (group == 0) {
         PARALLEL_FOR(N * K >= (1 << 20), n, N, {
             void* o = bf16 ? (void*)((uint16_t*)out + n * K) : (void*)((float*)out + n * K);
-            bad[n] = decode_row(K, q + n * K, kind, lut, s + (n / b0) * ss, b1, bf16, o);
+            bad[n] = decode_nth(n, K, q, kind, lut, s, zero, b0, b1, ss, bf16, o);
         });
         return 0;
     }
@@ -140,7 +168,7 @@ int scaled_decode(int64_t N, int64_t K, const uint8_t* q, int kind, const float*
         uint32_t* o = (uint32_t*)out + b * group * pairs;
         for (int64_t j = 0; j < group && b * group + j < N; j++) {
             const int64_t n = b * group + j;
-            bad[n] = decode_row(K, q + n * K, kind, lut, s + (n / b0) * ss, b1, 1, scr + j * stride);
+            bad[n] = decode_nth(n, K, q, kind, lut, s, zero, b0, b1, ss, 1, scr + j * stride);
         }
         if (group == 16) {  /* tile c, its row p (pair c * 16 + p), column j: o[c * 256 + p * 16 + j] */
             for (int64_t c = 0; c < pairs / 16; c++)

@@ -16,16 +16,20 @@ output is neither bf16 nor fp32.
 from __future__ import annotations
 
 import ctypes
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import qmatmul
 from .native import AVX512_VNNI, NativeLibrary
 
+if TYPE_CHECKING:
+    from .linear import Int4Weight
+
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.scaled_decode.argtypes = [i64, i64, p, i32, p, p, i64, i64, i64, i32, p, p, i32, i32]
+    lib.scaled_decode.argtypes = [i64, i64, p, i32, p, p, i64, i64, i64, i32, p, p, i32, i32, p]
     lib.scaled_decode.restype = ctypes.c_int
     lib.gptq_int4_pack.argtypes = [i64, i64, p, p, i32]
     lib.awq_int4_pack.argtypes = [i64, i64, p, p, i32]
@@ -102,7 +106,7 @@ def scaled_counted(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] 
     for e in range(E):
         t, b0, b1, stride = _tiles(s[e], N, K, block)
         lib.scaled_decode(N, K, codes[e].data_ptr(), KINDS[w.dtype], lut.data_ptr(), t.data_ptr(), b0, b1, stride,
-                          int(dtype == torch.bfloat16), out[e].data_ptr(), bad[e].data_ptr(), 0, threads)
+                          int(dtype == torch.bfloat16), out[e].data_ptr(), bad[e].data_ptr(), 0, threads, None)
     return out.reshape(w.shape), int(bad.sum())
 
 
@@ -127,8 +131,35 @@ def scaled_packed(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] |
     t, b0, b1, stride = _tiles(_by_matrix(scale, 1, N, block)[0], N, K, block)
     bad, codes, lut = torch.empty(N, dtype=torch.int64), w.contiguous().view(torch.uint8), _table(w.dtype)
     if LIBRARY.lib().scaled_decode(N, K, codes.data_ptr(), KINDS[w.dtype], lut.data_ptr(), t.data_ptr(), b0, b1, stride,
-                                   1, out.data_ptr(), bad.data_ptr(), group, torch.get_num_threads()):
+                                   1, out.data_ptr(), bad.data_ptr(), group, torch.get_num_threads(), None):
         raise MemoryError(f"scaled_packed: no memory for a scratch block of {group} rows x {K} inputs")
+    return out, int(bad.sum())
+
+
+@torch.no_grad()
+def int4_packed_bf16(wq: Int4Weight, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int] | None:
+    """`qmatmul.pack_bf16(wq.dequantize(torch.bfloat16), out)` in one pass from the q4 kernel's codes (`wq.packed`:
+    a GPTQ or AWQ release's words moved by `gptq_int4_packed` / `awq_int4_packed`), with no [N, K] weight between,
+    and its NaN / Inf count; or None: codes not in that form, act order, a group that is not a multiple of 8, or
+    the libraries not available. What a GPTQ / AWQ release decoded to bf16 (`--quantize none`) keeps."""
+    N, K = wq.shape
+    if (wq.packed is None or wq.perm is not None or wq.group % 8 or K % 8 or not LIBRARY.available()
+            or not qmatmul.available()):
+        return None
+    shape = qmatmul.bf16_packed_shape(N, K)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.bfloat16)
+    elif tuple(out.shape) != shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"int4_packed_bf16: out must be contiguous bf16 {list(shape)}, got {out.dtype} {list(out.shape)}")
+    if N == 0 or K == 0:
+        return out.zero_(), 0
+    group = qmatmul.bf16_group()
+    scale, zero = wq.scale.float().contiguous(), wq.zero.to(torch.uint8).contiguous()
+    bad, lut = torch.empty(N, dtype=torch.int64), _table(torch.int8)
+    if LIBRARY.lib().scaled_decode(N, K, wq.packed.data_ptr(), 4, lut.data_ptr(), scale.data_ptr(), 1, wq.group,
+                                   scale.shape[1], 1, out.data_ptr(), bad.data_ptr(), group, torch.get_num_threads(),
+                                   zero.data_ptr()):
+        raise MemoryError(f"int4_packed_bf16: no memory for a scratch block of {group} rows x {K} inputs")
     return out, int(bad.sum())
 
 

@@ -330,7 +330,10 @@ def packed_entries(raw, quant: Quantization) -> tuple[dict, set[str]]:
         else:
             decode = lambda t, dtype, q=quant: awq_weight(t["qweight"], t["qzeros"], t["scales"], q.group, dtype)  # noqa: E731
             codes = lambda t, group=group: awq_int4(t["qweight"], t["qzeros"], t["scales"], group)  # noqa: E731
-        decoded[weight] = (parts, (N, K), decode, Int4Codes(group, codes) if quant.bits == 4 and whole else None)
+        int4 = Int4Codes(group, codes) if quant.bits == 4 and whole else None
+        # decoded to bf16 (no --quantize): from the codes in the q4 kernel's layout straight into qmatmul's bf16 packing
+        pack = None if int4 is None else lambda t, out, codes=codes: dequant.int4_packed_bf16(codes(t), out)
+        decoded[weight] = (parts, (N, K), decode, int4, pack)
         hidden |= set(parts.values())
     return decoded, hidden
 
