@@ -1,12 +1,12 @@
 """What loading a quantized release costs next to the bf16 one of the same model: wall time and peak RSS of
 `mtp.load_model` in a fresh process, for a random-weight model of a named shape saved as bf16, as an FP8 release
 (128x128 block scales), as a GPTQ 4-bit release (groups of 128, asymmetric, v1 zero points) and as an AWQ GEMM
-one (groups of 128, zero points); each variant
+one (groups of 128, zero points), and as a compressed-tensors int8 one (W8A8: a scale per channel); each variant
 CHECKPOINT[:QUANTIZE] loads that checkpoint with `release=True`, and `quantize=QUANTIZE` when given (what `mtp
 generate [--quantize]` loads). Used for docs/decisions.md, 2026-12-01 and 2026-12-02 ("quantized loads") (issue 19).
 
     python scripts/quantized_load.py [--shape qwen3.5-0.8b] [--dir /tmp/mtp-qload] [--threads 1]
-        [--variants bf16,fp8,gptq4,awq4,bf16:int8,bf16:int4,gptq4:int4,awq4:int4] [--runs 1]
+        [--variants bf16,fp8,gptq4,awq4,ct8,bf16:int8,bf16:int4,gptq4:int4,awq4:int4,ct8:int8] [--runs 1]
 """
 
 from __future__ import annotations
@@ -101,6 +101,28 @@ def to_awq(src: Path, dst: Path) -> None:
     save_file(out, dst / "model.safetensors")
 
 
+def to_ct8(src: Path, dst: Path) -> None:
+    """A compressed-tensors W8A8 int8 release: symmetric int8 codes, one bf16 scale per output channel."""
+    dst.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((src / "config.json").read_text())
+    scheme = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "group_size": None,
+              "block_structure": None, "dynamic": False, "actorder": None}
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "int-quantized",
+                                  "quantization_status": "compressed",
+                                  "config_groups": {"group_0": {"targets": ["Linear"], "weights": scheme}},
+                                  "ignore": ["lm_head"]}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    out = {}
+    for name, t in load_file(src / "model.safetensors").items():
+        if not quantizable(name, t):
+            out[name] = t
+            continue
+        s = (t.float().abs().amax(1, keepdim=True) / 127).clamp_min(1e-12).to(torch.bfloat16)
+        out[name] = (t.float() / s.float()).round().clamp(-127, 127).to(torch.int8)
+        out[name[: -len(".weight")] + ".weight_scale"] = s
+    save_file(out, dst / "model.safetensors")
+
+
 PROBE = """
 import sys, time, torch
 torch.set_num_threads(int(sys.argv[2]))
@@ -131,7 +153,7 @@ def main() -> None:
     bf16 = args.dir / "bf16"
     if not (bf16 / "model.safetensors").exists():
         mtp.save_model(build_shape_model(args.shape, torch.bfloat16), bf16)
-    for name, fn in (("fp8", to_fp8), ("gptq4", to_gptq), ("awq4", to_awq)):
+    for name, fn in (("fp8", to_fp8), ("gptq4", to_gptq), ("awq4", to_awq), ("ct8", to_ct8)):
         if not (args.dir / name / "model.safetensors").exists():
             fn(bf16, args.dir / name)
     print(f"{args.shape}, {args.threads} thread(s): load_model in a fresh process (after one warm-up read of the files)")

@@ -8,6 +8,7 @@ bad-input rule."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 
@@ -234,6 +235,56 @@ def test_pack_quantized_run_by_the_int4_kernel_speculative_equals_plain(tmp_path
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     assert (mtp.generate(released, prompt, max_new_tokens=16, draft_tokens=2).tokens
             == mtp.generate(model, prompt, max_new_tokens=16, draft_tokens=0).tokens)
+
+
+@pytest.mark.parametrize("fmt, w", [
+    ("int-quantized", weights(8, strategy="channel")),  # W8A8 (activations stay bf16 here)
+    ("pack-quantized", weights(8, strategy="channel")),  # W8A16
+    ("int-quantized", weights(8, strategy="tensor")),
+])
+def test_an_int8_release_runs_its_own_codes(tmp_path, fmt, w, monkeypatch):
+    """A symmetric int8 release with one scale per row (or tensor) with `quantize="int8"` (the commands' default for
+    it): every quantized linear layer but the output heads runs the stored codes and scales on the int8 kernel, as
+    stored (its dequantized weight is the decoded one exactly), never decoded or quantized again; released, those
+    weights are never loaded; logits close to the reference, greedy speculative == plain, and the same tokens as the
+    unreleased load. An int4 load of it runs the codes where the int4 kernel cannot take the shape."""
+    from mtp.cli_common import resolve_quantize
+    from mtp.config.quantization import parse_quantization
+    from mtp.model import linear
+
+    kernels = qmatmul.available()
+    src = tiny_model(std=0.02).to(torch.bfloat16)
+    mtp.save_model(src, tmp_path)
+    reference = release_ct(tmp_path, w, fmt)  # the MTP layer quantized like the rest
+    qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert parse_quantization(qc).int8 and not parse_quantization(qc).int4
+    args = argparse.Namespace(model=str(tmp_path), revision=None, quantize=None)
+    resolve_quantize(args)
+    assert args.quantize == "int8"
+    quantized = []
+    whole = linear.FastLinear._set_int8_from
+    monkeypatch.setattr(linear.FastLinear, "_set_int8_from", lambda self, *a: quantized.append(self) or whole(self, *a))
+    model = mtp.load_model(tmp_path, quantize="int8")
+    heads = {id(h) for h in model._output_heads()}
+    coded = {n: m for n, m in model.named_modules() if isinstance(m, FastLinear) and m.checkpoint_codes}
+    stored = {k.removesuffix(".weight_scale") for k in load_file(tmp_path / "model.safetensors") if k.endswith("_scale")}
+    keep = model.precise_layers()  # (kept bf16: the MTP's input projection)
+    assert set(coded) == {n for n in stored if id(model.get_submodule(n)) not in heads and not n.endswith(keep)}
+    assert quantized and all(id(m) in heads for m in quantized)  # quantized from a float weight: the heads only
+    for n, m in coded.items():
+        assert m.kernel == "int8" and torch.equal(m.int8_decoded(torch.bfloat16), reference[n + ".weight"]), n
+    assert close_logits(model, src, IDS) < 0.1
+    greedy_spec_equals_plain(model, monkeypatch, 64)
+    released = mtp.load_model(tmp_path, quantize="int8", release=True)
+    assert all(released.get_submodule(n).weight.is_meta and released.get_submodule(n).checkpoint_codes for n in coded)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    plain = mtp.generate(model, prompt, max_new_tokens=16, draft_tokens=0).tokens
+    assert mtp.generate(released, prompt, max_new_tokens=16, draft_tokens=2).tokens == plain
+    if kernels:  # int4 of it: the int8 codes where the int4 kernel cannot run the shape (DeltaNet's in_proj_a / b)
+        as4 = mtp.load_model(tmp_path, quantize="int4", release=True)
+        int8 = {n for n, m in as4.named_modules() if isinstance(m, FastLinear) and m.kernel == "int8" and id(m) not in
+                {id(h) for h in as4._output_heads()}}
+        assert int8 & set(coded) and all(as4.get_submodule(n).checkpoint_codes for n in int8 & set(coded))
 
 
 # ---------------------------------------------------------------------- the compressed-tensors package as reference

@@ -175,10 +175,10 @@ def test_awq_words_go_straight_to_the_q4_kernels_layout(K, C):
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 @pytest.mark.parametrize("K, N, group", [(64, 16, 32), (128, 24, 8), (256, 40, 128), (96, 8, 16)])
 def test_int4_codes_decode_straight_into_the_bf16_packing(method, K, N, group):
-    """`int4_packed_bf16` of a GPTQ / AWQ release's codes (in the q4 kernel's layout) == `qmatmul.pack_bf16` of the
+    """`dequant.int4_packed_bf16` of a GPTQ / AWQ release's codes (in the q4 kernel's layout) == `qmatmul.pack_bf16` of the
     format's own decode to bf16, bit for bit, with NaN / Inf scales (and products that overflow bf16) counted as the
     loader's check counts them; act order is left to the decoder (None)."""
-    from mtp.model.quantized import awq_int4, gptq_int4
+    from mtp.model.quantized import _int4_packed_bf16, awq_int4, gptq_int4
 
     g = torch.Generator().manual_seed(K + N + group)
     codes = torch.randint(0, 16, (N, K), generator=g, dtype=torch.int32)
@@ -193,14 +193,14 @@ def test_int4_codes_decode_straight_into_the_bf16_packing(method, K, N, group):
         words, qzeros = packed.awq_pack(codes.t().contiguous()), packed.awq_pack(zeros.t().contiguous())
         wq = awq_int4(words, qzeros, scales, group)
         want = packed.awq_weight(words, qzeros, scales, group, torch.bfloat16)
-    got, n = dequant.int4_packed_bf16(wq)
+    got, n = _int4_packed_bf16(wq, None)
     assert same_bits(got, qmatmul.pack_bf16(want))
     assert n == int((~torch.isfinite(want.float())).sum()) > 0
     into = torch.empty_like(got)
-    assert dequant.int4_packed_bf16(wq, into)[0] is into and torch.equal(into.view(torch.int16), got.view(torch.int16))
+    assert _int4_packed_bf16(wq, into)[0] is into and torch.equal(into.view(torch.int16), got.view(torch.int16))
     if method == "gptq":
         g_idx = (torch.arange(K) // group)[torch.randperm(K, generator=g)].to(torch.int32)
-        assert dequant.int4_packed_bf16(gptq_int4(words, qzeros, scales, g_idx, group, 1)) is None
+        assert _int4_packed_bf16(gptq_int4(words, qzeros, scales, g_idx, group, 1), None) is None
 
 
 def test_the_count_of_non_finite_weights_includes_overflow():

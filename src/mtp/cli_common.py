@@ -66,8 +66,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "projection stays bf16): int8 (per-channel scales) or int4 (groups of 128, asymmetric); the "
                         "quantized layers then hold only their codes. Default: an int4 release (GPTQ/AWQ 4-bit, "
                         "compressed-tensors int4) runs its own codes as int4 on the CPU, where the kernel takes its "
-                        "group size; any other checkpoint loads as stored (FP8, 8-bit releases decoded to --dtype). "
-                        "none: decode an int4 release too")
+                        "group size, and an int8 one with a scale per channel (compressed-tensors W8A8 / W8A16) as "
+                        "int8; any other checkpoint loads as stored (FP8 and other 8-bit releases decoded to --dtype). "
+                        "none: decode those too")
     p.add_argument("--device", default="auto", choices=DEVICES, help="auto: cuda when available, else cpu")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: chosen from the cores that are free now, see `auto_threads`)")
@@ -82,8 +83,9 @@ def model_name(args) -> str:
 
 def resolve_quantize(args, device=None) -> None:
     """--quantize's default, in place: "int4" for an int4 release (`Quantization.int4`) loaded on the CPU (its codes
-    run as published: a quarter of the bf16 weight's bytes, the load a third of decoding them), else None; "none" ->
-    None. A config that does not parse is left to the loader, which names the key."""
+    run as published: a quarter of the bf16 weight's bytes, the load a third of decoding them), "int8" for an int8
+    release in the int8 kernel's form (`Quantization.int8`: its codes run as published, half the bytes), else None;
+    "none" -> None. A config that does not parse is left to the loader, which names the key."""
     if args.quantize == "none":
         args.quantize = None
         return
@@ -100,6 +102,8 @@ def resolve_quantize(args, device=None) -> None:
         return
     if quant is not None and quant.int4:
         args.quantize = "int4"
+    elif quant is not None and quant.int8:
+        args.quantize = "int8"
 
 
 def load_from_args(args):

@@ -39,6 +39,7 @@ from .linear import (
     FastLinear,
     FusedProjections,
     Int4Sources,
+    Int8Sources,
     PackedSources,
     WeightSources,
     bf16_kernel,
@@ -229,7 +230,7 @@ class CausalLM(nn.Module, ABC):
     def prepare_for_inference(self, quantize: str | None = None, release: bool = False,
                               on_quantized: Callable[[torch.Tensor], None] | None = None,
                               int4: Int4Sources | None = None, packed: PackedSources | None = None,
-                              weights: WeightSources | None = None) -> None:
+                              weights: WeightSources | None = None, int8: Int8Sources | None = None) -> None:
         """Swap the linear layers for row-invariant CPU inference kernels (`model/linear.py`): bf16 weights use
         qmatmul's bf16 product (or, where it cannot run, oneDNN's packed layout: `linear.bf16_kernel`), fp32
         weights a row-by-row product; `quantize` "int8" (weight-only, per-channel scales)
@@ -252,7 +253,8 @@ class CausalLM(nn.Module, ABC):
         never loaded): a quantized checkpoint's weight decoded as its layer is packed (FP8 straight into the packing).
         `weights` (quantized, `release`): the layers, by module name, whose float weight comes from their source as
         they are quantized (`quantized_layers`; their weights are meta, never loaded): a quantized checkpoint's weight
-        decoded one layer at a time."""
+        decoded one layer at a time. `int8`: the layers, by module name, that run their int8 checkpoint's own codes
+        (`int8_checkpoint_layers`)."""
         self.prepared = True
         if self.device.type != "cpu":
             return
@@ -288,9 +290,10 @@ class CausalLM(nn.Module, ABC):
                      and not any(n.endswith(s) for s in keep)]
             prepare_linears(self, "int4", skip=keep + tuple(unfit), prepared=quantized, int4=int4, weights=weights)
             for name in unfit:
-                prepare_linears(self.get_submodule(name), "int8", prepared=quantized, prefix=name, weights=weights)
+                prepare_linears(self.get_submodule(name), "int8", prepared=quantized, prefix=name, weights=weights,
+                                int8=int8)
         else:
-            prepare_linears(self, quantize, skip=keep, prepared=quantized, weights=weights)
+            prepare_linears(self, quantize, skip=keep, prepared=quantized, weights=weights, int8=int8)
         for name, m in self.named_modules():
             if any(name.endswith(s) for s in keep) and isinstance(m, nn.Linear):
                 prepare_linears(m, "bf16-native" if any(name.endswith(s) for s in self.native_bf16) else "bf16")
@@ -410,6 +413,13 @@ class CausalLM(nn.Module, ABC):
         heads = {id(h) for h in self._output_heads()}
         return [n for n, m in self.named_modules()
                 if type(m) is nn.Linear and id(m) not in heads and not any(n.endswith(s) for s in keep)]
+
+    def int8_checkpoint_layers(self, names: list[str], quantize: str) -> list[str]:
+        """Of the linear layers `names` (module names) whose checkpoint stores int8 codes with one scale per row, those
+        that `prepare_for_inference(quantize)` runs as "int8" on the codes themselves: every one of `quantized_layers`
+        with "int8"; with "int4" those the int4 kernel cannot run (they get int8)."""
+        layers = set(self.quantized_layers())
+        return [n for n in names if n in layers and (quantize == "int8" or not int4_fits(self.get_submodule(n)))]
 
     def int4_checkpoint_layers(self, int4_groups: dict[str, int]) -> list[str]:
         """Of the linear layers (module name -> the group size of their int4 checkpoint codes), those that

@@ -166,15 +166,18 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
         expected = {n: p for n, p in model.state_dict(keep_vars=True).items() if not _is_tied(model, n)}
         # int4 from an int4 checkpoint: the layers that can run its codes as stored; released, they are never decoded
         int4 = _int4_sources(model, files, sources) if quantize == "int4" and torch.device(device).type == "cpu" else {}
+        # int8 from an int8 checkpoint (one scale per row): the layers that run its codes as stored, as int4 above
+        int8 = _int8_sources(model, files, sources, quantize) if quantize and torch.device(device).type == "cpu" else {}
         # decoded weights that the model runs packed for qmatmul's bf16 product and lets go of: decoded at prepare, one
         # at a time (FP8 straight into its packing), never all held as [out, in] weights (a copy of the model)
         cpu_bf16 = dtype_ == torch.bfloat16 and torch.device(device).type == "cpu"
         packs = _packed_sources(model, files, sources) if release and quantize is None and cpu_bf16 else {}
         # decoded weights that a released load quantizes and lets go of: decoded at prepare, one at a time, into one
         # reused scratch (never all held as bf16 weights: a copy of the model, in fresh pages)
-        decoded = _quantized_sources(model, files, sources, set(int4)) if release and quantize is not None and cpu_bf16 else {}
+        decoded = (_quantized_sources(model, files, sources, set(int4) | set(int8))
+                   if release and quantize is not None and cpu_bf16 else {})
         deferred = {**packs, **decoded}
-        coded = ({f"{m}.weight" for m in int4} if release else set()) | {f"{m}.weight" for m in deferred}
+        coded = ({f"{m}.weight" for m in {**int4, **int8}} if release else set()) | {f"{m}.weight" for m in deferred}
         state = {name: torch.empty(p.shape, dtype=dtype_, device="meta") if name in coded else
                  materialize(files, sources[name], tuple(p.shape), torch.float32 if cls.keeps_fp32(name) else dtype_, device)
                  for name, p in expected.items()}
@@ -185,8 +188,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
         bad = check_finite(files, sources, state, drop if quantize is not None else None)
         if not deferred:
             report_non_finite(files, sources, bad, strict)
-        if int4 and release:  # the codes are integers: their scales are what could be NaN / Inf
-            scales = {key: files.raw.tensor(key) for m in int4 for key in int4[m].scale_names()}
+        if (int4 or int8) and release:  # the codes are integers: their scales are what could be NaN / Inf
+            scales = {key: files.raw.tensor(key) for m, e in {**int4, **int8}.items() for key in e.scale_names()}
             names = {k: k for k in scales}
             report_non_finite(files.raw, names, check_finite(files.raw, names, scales), strict)
         model.load_state_dict(state, strict=False, assign=True)
@@ -195,7 +198,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
         del state  # the model holds the weights now: a released one is freed at once
         model.prepare_for_inference(quantize, release=release, on_quantized=drop, int4={m: d.int4 for m, d in int4.items()},
                                     packed={m: d.packed_bf16 for m, d in packs.items()},
-                                    weights={m: src.weight for m, src in decoded.items()})
+                                    weights={m: src.weight for m, src in decoded.items()},
+                                    int8={m: d.int8 for m, d in int8.items()})
         for m, d in packs.items():  # their NaN / Inf as the decoder counted them (or read from the packed copy: the
             layer = model.get_submodule(m)  # weight's values and zeros), reported with the others'
             if not (isinstance(layer, FastLinear) and layer.kernel == "bf16-native" and layer._native):
@@ -231,6 +235,19 @@ def _int4_sources(model: CausalLM, files, sources: dict) -> dict[str, DecodedTen
                 entries[name.removesuffix(".weight")] = st
     fits = model.int4_checkpoint_layers({m: e.int4_codes.group for m, e in entries.items()})
     return {m: entries[m] for m in fits}
+
+
+def _int8_sources(model: CausalLM, files, sources: dict, quantize: str) -> dict[str, DecodedTensor]:
+    """module name -> the int8 checkpoint entry (`DecodedTensor` with `int8_codes`: one scale per row) of each linear
+    layer that `prepare_for_inference(quantize)` runs as "int8" (`CausalLM.int8_checkpoint_layers`): on its stored
+    codes, neither decoded nor quantized again."""
+    entries = {}
+    for name, src in sources.items():
+        if name.endswith(".weight") and isinstance(src, str):
+            st, _ = files[src]
+            if isinstance(st, DecodedTensor) and st.int8_codes is not None:
+                entries[name.removesuffix(".weight")] = st
+    return {m: entries[m] for m in model.int8_checkpoint_layers(list(entries), quantize)}
 
 
 def _packed_sources(model: CausalLM, files, sources: dict) -> dict[str, DecodedTensor]:

@@ -30,7 +30,7 @@ import torch
 from ..config.compressed_tensors import CompressedTensors, Scheme
 from ..io.safetensors_mmap import CheckpointError
 from . import dequant
-from .linear import Int4Codes, Int4Weight
+from .linear import Int4Codes, Int4Weight, Int8Codes
 from .packed import SCALE_DTYPES, dequantize_codes, dequantize_scaled, int4_nibbles, pack_cols, unpack_cols
 
 PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
@@ -106,7 +106,8 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, 
 
 
 def ct_entries(raw, ct: CompressedTensors) -> tuple[dict, set[str]]:
-    """The decoded entries (weight name -> (parts, shape, decode, int4 codes or None, packing decoder or None)) and
+    """The decoded entries (weight name -> (parts, shape, decode, then `DecodedTensor`'s int4, pack, into and int8,
+    each None where the scheme has none)) and
     the stored names they hide, for `quantized.QuantizedIndex`; every rule of the module docstring checked from the
     headers (and the small weight_shape / g_idx tensors)."""
     modules: dict[str, dict[str, str]] = {}
@@ -210,7 +211,12 @@ def _entry(raw, ct: CompressedTensors, base: str, parts: dict[str, str]):
         pack = lambda t, out, s=s: dequant.scaled_packed(t["weight"], t["weight_scale"], s.block, out)  # noqa: E731
         into = lambda t, out, s=s: dequant.scaled_counted(t["weight"], t["weight_scale"], s.block,  # noqa: E731
                                                           torch.bfloat16, out)
-    return {role: parts[role] for role in parts if role != "weight_shape"}, (N, K), decode, int4, pack, into
+    int8 = None  # symmetric int8, one scale per row (or per tensor): the int8 kernel's own form, run as stored
+    if s.kind == "int" and s.bits == 8 and s.symmetric and s.strategy in ("channel", "tensor"):
+        int8 = lambda t, N=N, K=K: Int8Codes(  # noqa: E731
+            (unpack(t["weight_packed"], 8, K) if packed else t["weight"]).to(torch.int8).contiguous(),
+            t["weight_scale"].float().reshape(-1).expand(N).contiguous())
+    return {role: parts[role] for role in parts if role != "weight_shape"}, (N, K), decode, int4, pack, into, int8
 
 
 def int4_weight(t: dict[str, torch.Tensor], s: Scheme, N: int, K: int, group: int) -> Int4Weight:

@@ -16,15 +16,11 @@ output is neither bf16 nor fp32.
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
 
 import torch
 
 from . import qmatmul
 from .native import AVX512_VNNI, NativeLibrary
-
-if TYPE_CHECKING:
-    from .linear import Int4Weight
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -137,14 +133,16 @@ def scaled_packed(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] |
 
 
 @torch.no_grad()
-def int4_packed_bf16(wq: Int4Weight, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int] | None:
-    """`qmatmul.pack_bf16(wq.dequantize(torch.bfloat16), out)` in one pass from the q4 kernel's codes (`wq.packed`:
-    a GPTQ or AWQ release's words moved by `gptq_int4_packed` / `awq_int4_packed`), with no [N, K] weight between,
-    and its NaN / Inf count; or None: codes not in that form, act order, a group that is not a multiple of 8, or
-    the libraries not available. What a GPTQ / AWQ release decoded to bf16 (`--quantize none`) keeps."""
-    N, K = wq.shape
-    if (wq.packed is None or wq.perm is not None or wq.group % 8 or K % 8 or not LIBRARY.available()
-            or not qmatmul.available()):
+def int4_packed_bf16(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
+                     out: torch.Tensor | None = None) -> tuple[torch.Tensor, int] | None:
+    """int4 codes in the q4 kernel's layout (`qmatmul.pack_int4`'s, uint8 [N/8, 4K]; a GPTQ or AWQ release's words
+    moved by `gptq_int4_packed` / `awq_int4_packed`), scale float [N, K/group] and zero points [N, K/group] ->
+    `qmatmul.pack_bf16` of the weight (q - zero) * scale (fp32, then bf16: `packed.dequantize_codes`), into `out`
+    when given, in one pass with no [N, K] weight between, and its NaN / Inf count; or None: a group that is not a
+    multiple of 8, or the libraries not available. What a GPTQ / AWQ release decoded to bf16 (`--quantize none`)
+    keeps."""
+    N, K = scale.shape[0], scale.shape[1] * group
+    if group % 8 or not LIBRARY.available() or not qmatmul.available():
         return None
     shape = qmatmul.bf16_packed_shape(N, K)
     if out is None:
@@ -153,13 +151,13 @@ def int4_packed_bf16(wq: Int4Weight, out: torch.Tensor | None = None) -> tuple[t
         raise ValueError(f"int4_packed_bf16: out must be contiguous bf16 {list(shape)}, got {out.dtype} {list(out.shape)}")
     if N == 0 or K == 0:
         return out.zero_(), 0
-    group = qmatmul.bf16_group()
-    scale, zero = wq.scale.float().contiguous(), wq.zero.to(torch.uint8).contiguous()
+    bf16_group = qmatmul.bf16_group()
+    scale, zero, codes = scale.float().contiguous(), zero.to(torch.uint8).contiguous(), packed.contiguous()
     bad, lut = torch.empty(N, dtype=torch.int64), _table(torch.int8)
-    if LIBRARY.lib().scaled_decode(N, K, wq.packed.data_ptr(), 4, lut.data_ptr(), scale.data_ptr(), 1, wq.group,
-                                   scale.shape[1], 1, out.data_ptr(), bad.data_ptr(), group, torch.get_num_threads(),
+    if LIBRARY.lib().scaled_decode(N, K, codes.data_ptr(), 4, lut.data_ptr(), scale.data_ptr(), 1, group,
+                                   scale.shape[1], 1, out.data_ptr(), bad.data_ptr(), bf16_group, torch.get_num_threads(),
                                    zero.data_ptr()):
-        raise MemoryError(f"int4_packed_bf16: no memory for a scratch block of {group} rows x {K} inputs")
+        raise MemoryError(f"int4_packed_bf16: no memory for a scratch block of {bf16_group} rows x {K} inputs")
     return out, int(bad.sum())
 
 

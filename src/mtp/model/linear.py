@@ -166,6 +166,16 @@ def _quantize_int4_torch(w: torch.Tensor, group: int, symmetric: bool) -> Int4We
 
 
 @dataclass(frozen=True)
+class Int8Codes:
+    """A weight [N, K] as an int8 checkpoint stores it with one scale per output row (compressed-tensors symmetric
+    int8, channel or tensor strategy), the "int8" kernel's own form: w = codes * scale[:, None]. codes int8 [N, K],
+    scale fp32 [N]."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+
+
+@dataclass(frozen=True)
 class Int4Codes:
     """A quantized weight stored as 4-bit codes in groups along its inputs, that `DecodedTensor.int4` gives as an
     `Int4Weight` without a float copy: `group` inputs per scale (act order: after the permutation), `build(stored
@@ -264,22 +274,22 @@ class FastLinear(nn.Linear):
     kernel: str | None = None
     _native = False  # runs qmatmul.c ("bf16-native" always; "int8" / "int4" where it supports the shape)
     _released: nn.Parameter | None = None  # the meta placeholder `release` put in place of the weight
-    checkpoint_codes = False  # "int4" prepared from an int4 checkpoint's own codes (`prepare(..., from_checkpoint=True)`)
+    checkpoint_codes = False  # "int4" / "int8" prepared from a checkpoint's own codes (`prepare`'s from_checkpoint, int8)
 
     @classmethod
     def wrap(cls, linear: nn.Linear, kernel: str, int4: Int4Weight | None = None, from_checkpoint: bool = False,
              packed_into: torch.Tensor | None = None, pack: Callable[[torch.Tensor | None], torch.Tensor] | None = None,
-             weight: Callable[[], torch.Tensor] | None = None) -> FastLinear:
+             weight: Callable[[], torch.Tensor] | None = None, int8: Int8Codes | None = None) -> FastLinear:
         """The same module (same parameters) with a prepared copy for `kernel` (int4: from `int4`'s codes when given;
-        `packed_into`, `pack`, `weight`: `prepare`'s)."""
+        `packed_into`, `pack`, `weight`, `int8`: `prepare`'s)."""
         linear.__class__ = cls
-        linear.prepare(kernel, int4, from_checkpoint, packed_into, pack, weight)
+        linear.prepare(kernel, int4, from_checkpoint, packed_into, pack, weight, int8)
         return linear
 
     @torch.no_grad()
     def prepare(self, kernel: str, int4: Int4Weight | None = None, from_checkpoint: bool = False,
                 packed_into: torch.Tensor | None = None, pack: Callable[[torch.Tensor | None], torch.Tensor] | None = None,
-                weight: Callable[[], torch.Tensor] | None = None) -> None:
+                weight: Callable[[], torch.Tensor] | None = None, int8: Int8Codes | None = None) -> None:
         """Build the prepared copy of the weight for `kernel`; "int4" from `int4` when given (the codes of this weight,
         `Int4Weight.quantize` of it, or `from_checkpoint`: an int4 checkpoint's own codes, any kernel group size and
         act order, which the weight - when the layer holds one - is only their decode of), else quantized here.
@@ -287,7 +297,8 @@ class FastLinear(nn.Linear):
         buffer: `prepare_parts`);
         `pack`: what gives that packing instead of the weight (`PackedSources`: a layer loaded with no weight);
         `weight`: what gives the weight to quantize, "int8" / "int4" (`WeightSources`: a layer loaded with no weight;
-        only read here, so it may be a scratch the next call overwrites)."""
+        only read here, so it may be a scratch the next call overwrites); `int8`: an int8 checkpoint's own codes and
+        per-row scales, run as stored by "int8" (`Int8Sources`; the weight, when the layer holds one, is their decode)."""
         if kernel not in KERNELS:
             raise ValueError(f"unknown linear kernel {kernel!r}; expected one of {KERNELS}")
         if self._released is not None:
@@ -298,12 +309,12 @@ class FastLinear(nn.Linear):
             raise ValueError(f"a packed bf16 source needs qmatmul's bf16 product (kernel {kernel})")
         if weight is not None and kernel not in ("int8", "int4"):
             raise ValueError(f"a weight source is for quantizing (kernel int8 / int4), not {kernel}")
-        w = self.weight.detach() if weight is None or int4 is not None else weight()
+        w = self.weight.detach() if weight is None or int4 is not None or int8 is not None else weight()
         self.kernel = kernel
         self._native = False
         self._version = self.weight._version
         self._pad = 0  # int8: zero input columns the codes carry past in_features (`_set_int8`)
-        self.checkpoint_codes = kernel == "int4" and int4 is not None and from_checkpoint
+        self.checkpoint_codes = kernel == "int4" and int4 is not None and from_checkpoint or kernel == "int8" and int8 is not None
         if kernel == "fp32":
             # the parameter itself, or an aligned copy: MKL rounds differently for a weight at another alignment (a
             # memory-mapped tensor sits wherever the file put it), and the same checkpoint should give the same bits
@@ -323,6 +334,10 @@ class FastLinear(nn.Linear):
                 self._set_int4_rows(w, group)
             else:
                 self._set_int4(int4 if int4 is not None else Int4Weight.quantize(w, group))
+        elif int8 is not None:
+            self._set_int8(int8.codes, int8.scale)
+            if packed_into is not None and self._native:  # (this part's groups of its fusion's buffer)
+                self._packed = packed_into.copy_(self._packed)
         else:
             self._set_int8_from(w, packed_into)
         if not hasattr(self, "_slot"):
@@ -715,6 +730,8 @@ def project(module: nn.Module, x: torch.Tensor, *names: str) -> list[torch.Tenso
 
 # module name -> its int4 checkpoint codes, built on demand (`DecodedTensor.int4`): one layer's unpacked codes at a time
 Int4Sources = dict[str, Callable[[], Int4Weight]]
+# module name -> its int8 checkpoint codes and per-row scales, read on demand (`DecodedTensor.int8`)
+Int8Sources = dict[str, Callable[[], Int8Codes]]
 # module name -> its weight in `qmatmul.pack_bf16`'s layout, built on demand into the given buffer (or a new one when
 # None) and returned (`DecodedTensor.packed_bf16`): the layer holds no weight (meta) and runs that packing
 PackedSources = dict[str, Callable[[torch.Tensor | None], torch.Tensor]]
@@ -725,15 +742,18 @@ WeightSources = dict[str, Callable[[], torch.Tensor]]
 
 def prepare_parts(parts: list[nn.Linear], kernel: str, given: list[Callable[[], Int4Weight] | None] | None = None,
                   packed: list[Callable[[torch.Tensor | None], torch.Tensor] | None] | None = None,
-                  weights: list[Callable[[], torch.Tensor] | None] | None = None) -> list[Int4Weight] | None:
+                  weights: list[Callable[[], torch.Tensor] | None] | None = None,
+                  int8: list[Callable[[], Int8Codes] | None] | None = None) -> list[Int4Weight] | None:
     """Prepare the layers of one fusion for `kernel` ("int4": from a part's checkpoint codes where `given` has them;
     bf16 on qmatmul's product: from a part's packing source where `packed` has one, `PackedSources`; int8 / int4: the
-    weight from a part's source where `weights` has one, `WeightSources`); for "int4" on torch's kernel also return
+    weight from a part's source where `weights` has one, `WeightSources`; int8: a part's checkpoint codes where `int8`
+    has them, `Int8Sources`); for "int4" on torch's kernel also return
     their Int4Weights (what `FusedProjections` builds the fused packing from), else None."""
     int4 = None
     groups = [int4_group_for(p.in_features) for p in parts]
     codes = [None if g is None else g() for g in (given or [None] * len(parts))] if kernel == "int4" else [None] * len(parts)
     weights = weights or [None] * len(parts)
+    codes8 = [None if c is None else c() for c in int8] if int8 and kernel == "int8" else [None] * len(parts)
     if (kernel == "int4" and None not in groups
             and not all(qmatmul.available() and qmatmul.supports(p.in_features, q.group if q is not None else g)
                         for p, g, q in zip(parts, groups, codes))):
@@ -759,9 +779,9 @@ def prepare_parts(parts: list[nn.Linear], kernel: str, given: list[Callable[[], 
     for i, p in enumerate(parts):
         wq = int4[i] if int4 is not None else codes[i]
         if isinstance(p, FastLinear):
-            p.prepare(kernel, wq, codes[i] is not None, into[i], packed[i], weights[i])
+            p.prepare(kernel, wq, codes[i] is not None, into[i], packed[i], weights[i], codes8[i])
         else:
-            FastLinear.wrap(p, kernel, wq, codes[i] is not None, into[i], packed[i], weights[i])
+            FastLinear.wrap(p, kernel, wq, codes[i] is not None, into[i], packed[i], weights[i], codes8[i])
     return int4
 
 
@@ -793,8 +813,8 @@ def fusable(parts: list[FastLinear], int4: list[Int4Weight] | None = None) -> bo
 
 def prepare_for_inference(model: nn.Module, kernel: str, skip: tuple[str, ...] = (),
                           prepared: Callable[[FastLinear], None] | None = None, int4: Int4Sources | None = None,
-                          prefix: str = "", packed: PackedSources | None = None, weights: WeightSources | None = None
-                          ) -> int:
+                          prefix: str = "", packed: PackedSources | None = None, weights: WeightSources | None = None,
+                          int8: Int8Sources | None = None) -> int:
     """Swap every nn.Linear of `model` (but those whose name ends with one of `skip`) for a FastLinear prepared for
     `kernel`, and fuse each module's `fused_projections` (unless their prepared forms differ: `fusable`). Returns how
     many layers were prepared. Parameters, names and the state dict do not change. `prepared(layer)` is called for
@@ -802,8 +822,10 @@ def prepare_for_inference(model: nn.Module, kernel: str, skip: tuple[str, ...] =
     weight there (`FastLinear.release`). "int4": a layer named in `int4` runs its checkpoint's codes. `prefix`: the
     name of `model` inside the model the names in `skip` and `int4` are from (a submodule's layers by their full names).
     "bf16" / "bf16-native": a layer named in `packed` gets its packed copy from there (it holds no weight); "int8" /
-    "int4": a layer named in `weights` quantizes the weight from there (it holds none)."""
+    "int4": a layer named in `weights` quantizes the weight from there (it holds none); "int8": a layer named in `int8`
+    runs its checkpoint's codes."""
     int4 = int4 if kernel == "int4" and int4 else {}
+    int8 = int8 if kernel == "int8" and int8 else {}
     packed = packed or {}
     weights = weights or {}
     n = 0
@@ -818,7 +840,7 @@ def prepare_for_inference(model: nn.Module, kernel: str, skip: tuple[str, ...] =
                    for p, x in zip(parts, names)):
                 full = [f"{name}.{x}" if name else x for x in names]
                 fused = prepare_parts(parts, kernel, [int4.get(f) for f in full], [packed.get(f) for f in full],
-                                      [weights.get(f) for f in full])
+                                      [weights.get(f) for f in full], [int8.get(f) for f in full])
                 if fusable(parts, fused):
                     m.__dict__["_fused"] = FusedProjections(parts, fused)
                 else:
@@ -832,10 +854,12 @@ def prepare_for_inference(model: nn.Module, kernel: str, skip: tuple[str, ...] =
                 n += len(parts)
         if (type(m) is nn.Linear or isinstance(m, FastLinear)) and id(m) not in done and not skipped(name):
             codes = int4[name]() if name in int4 else None
+            codes8 = int8[name]() if name in int8 else None
             if isinstance(m, FastLinear):
-                m.prepare(kernel, codes, codes is not None, pack=packed.get(name), weight=weights.get(name))
+                m.prepare(kernel, codes, codes is not None, pack=packed.get(name), weight=weights.get(name), int8=codes8)
             else:
-                FastLinear.wrap(m, kernel, codes, codes is not None, pack=packed.get(name), weight=weights.get(name))
+                FastLinear.wrap(m, kernel, codes, codes is not None, pack=packed.get(name), weight=weights.get(name),
+                                int8=codes8)
             done.add(id(m))
             if prepared is not None:
                 prepared(m)

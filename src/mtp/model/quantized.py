@@ -36,7 +36,7 @@ from ..config.quantization import Quantization, parse_quantization
 from ..io.safetensors_mmap import CheckpointError
 from . import dequant, qmatmul
 from .compressed_tensors import ct_entries
-from .linear import Int4Codes, Int4Weight
+from .linear import Int4Codes, Int4Weight, Int8Codes
 from .packed import AWQ_REVERSE, SCALE_DTYPES, awq_weight, dequantize_scaled, gptq_weight, int4_nibbles
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -51,13 +51,14 @@ class DecodedTensor:
     `shape`, `dtype`, `tensor`, `release`). `parts` are the stored tensors it decodes from (role -> checkpoint name),
     `decode(parts, dtype)` the format's decoder; `index.dtype` is the dtype it decodes to (the model's). `pack(parts,
     out)`, where the format has one, decodes straight into qmatmul's bf16 packing (`packed_bf16`); `into(parts, out)`
-    into a given bf16 tensor (`tensor_into`)."""
+    into a given bf16 tensor (`tensor_into`); `int8_codes(parts) -> Int8Codes` gives the stored int8 codes where they
+    are the int8 kernel's form (`int8`)."""
 
     def __init__(self, index: QuantizedIndex, parts: dict[str, str], shape: tuple[int, ...], decode,
-                 int4: Int4Codes | None = None, pack=None, into=None):
+                 int4: Int4Codes | None = None, pack=None, into=None, int8=None):
         self.index, self.parts, self._shape, self.decode = index, parts, shape, decode
         self.path = index.raw[next(iter(parts.values()))][0].path
-        self.int4_codes, self.pack, self.into = int4, pack, into
+        self.int4_codes, self.pack, self.into, self.int8_codes = int4, pack, into, int8
         self.non_finite: int | None = None  # NaN / Inf among the values `tensor` last gave, where its decoder counted them
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -117,6 +118,11 @@ class DecodedTensor:
         form: `Int4Weight.dequantize()` is exactly the weight `tensor()` decodes, in fp32 (the file pages of the stored
         parts are dropped once read)."""
         return self._from_stored(self.int4_codes.build)
+
+    def int8(self) -> Int8Codes:
+        """The stored int8 codes and per-row scales as they are (`int8_codes` not None): `codes * scale[:, None]` is
+        exactly the weight `tensor()` decodes, in fp32 (the file pages of the stored parts are dropped once read)."""
+        return self._from_stored(self.int8_codes)
 
     def scale_names(self) -> list[str]:
         """The stored float tensors among the parts (the scales): what a NaN / Inf check of the codes reads."""
@@ -332,10 +338,18 @@ def packed_entries(raw, quant: Quantization) -> tuple[dict, set[str]]:
             codes = lambda t, group=group: awq_int4(t["qweight"], t["qzeros"], t["scales"], group)  # noqa: E731
         int4 = Int4Codes(group, codes) if quant.bits == 4 and whole else None
         # decoded to bf16 (no --quantize): from the codes in the q4 kernel's layout straight into qmatmul's bf16 packing
-        pack = None if int4 is None else lambda t, out, codes=codes: dequant.int4_packed_bf16(codes(t), out)
+        pack = None if int4 is None else lambda t, out, codes=codes: _int4_packed_bf16(codes(t), out)
         decoded[weight] = (parts, (N, K), decode, int4, pack)
         hidden |= set(parts.values())
     return decoded, hidden
+
+
+def _int4_packed_bf16(wq: Int4Weight, out: torch.Tensor | None) -> tuple[torch.Tensor, int] | None:
+    """`dequant.int4_packed_bf16` of an int4 release's codes where they are in the q4 kernel's layout and in input
+    order (no act order), else None (the format's decoder, then the packing)."""
+    if wq.packed is None or wq.perm is not None:
+        return None
+    return dequant.int4_packed_bf16(wq.packed, wq.scale, wq.zero, wq.group, out)
 
 
 def gptq_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
