@@ -240,7 +240,9 @@ def _int4_sources(model: CausalLM, files, sources: dict) -> dict[str, DecodedTen
 def _int8_sources(model: CausalLM, files, sources: dict, quantize: str) -> dict[str, DecodedTensor]:
     """module name -> the int8 checkpoint entry (`DecodedTensor` with `int8_codes`: one scale per row) of each linear
     layer that `prepare_for_inference(quantize)` runs as "int8" (`CausalLM.int8_checkpoint_layers`): on its stored
-    codes, neither decoded nor quantized again."""
+    codes, neither decoded nor quantized again; where qmatmul's kernel runs (the codes go straight to its layout)."""
+    if not qmatmul.available():
+        return {}
     entries = {}
     for name, src in sources.items():
         if name.endswith(".weight") and isinstance(src, str):

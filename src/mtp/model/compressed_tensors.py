@@ -26,10 +26,11 @@ expected shape in the message), inputs not a multiple of the group size, a g_idx
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..config.compressed_tensors import CompressedTensors, Scheme
 from ..io.safetensors_mmap import CheckpointError
-from . import dequant
+from . import dequant, qmatmul
 from .linear import Int4Codes, Int4Weight, Int8Codes
 from .packed import SCALE_DTYPES, dequantize_codes, dequantize_scaled, int4_nibbles, pack_cols, unpack_cols
 
@@ -213,10 +214,18 @@ def _entry(raw, ct: CompressedTensors, base: str, parts: dict[str, str]):
                                                           torch.bfloat16, out)
     int8 = None  # symmetric int8, one scale per row (or per tensor): the int8 kernel's own form, run as stored
     if s.kind == "int" and s.bits == 8 and s.symmetric and s.strategy in ("channel", "tensor"):
-        int8 = lambda t, N=N, K=K: Int8Codes(  # noqa: E731
-            (unpack(t["weight_packed"], 8, K) if packed else t["weight"]).to(torch.int8).contiguous(),
-            t["weight_scale"].float().reshape(-1).expand(N).contiguous())
+        int8 = lambda t, into, N=N, K=K: int8_codes(t, packed, N, K, into)  # noqa: E731
     return {role: parts[role] for role in parts if role != "weight_shape"}, (N, K), decode, int4, pack, into, int8
+
+
+def int8_codes(t: dict[str, torch.Tensor], packed: bool, N: int, K: int, into: torch.Tensor | None) -> Int8Codes:
+    """A symmetric int8 weight's stored tensors (channel or tensor strategy) -> its codes in the q8 kernel's layout
+    (`qmatmul.pack_int8`, into `into` when given; inputs padded with zero codes to a multiple of 32) and its scale per
+    row: codes x scale is `dequantize`'s q * s exactly."""
+    q = (unpack(t["weight_packed"], 8, K) if packed else t["weight"]).to(torch.int8)
+    if K % 32:
+        q = F.pad(q, (0, -K % 32))
+    return Int8Codes(qmatmul.pack_int8(q, into), t["weight_scale"].float().reshape(-1).expand(N).contiguous())
 
 
 def int4_weight(t: dict[str, torch.Tensor], s: Scheme, N: int, K: int, group: int) -> Int4Weight:

@@ -168,10 +168,11 @@ def _quantize_int4_torch(w: torch.Tensor, group: int, symmetric: bool) -> Int4We
 @dataclass(frozen=True)
 class Int8Codes:
     """A weight [N, K] as an int8 checkpoint stores it with one scale per output row (compressed-tensors symmetric
-    int8, channel or tensor strategy), the "int8" kernel's own form: w = codes * scale[:, None]. codes int8 [N, K],
+    int8, channel or tensor strategy), the "int8" kernel's own form: w = codes * scale[:, None], the codes in qmatmul's
+    layout (`qmatmul.pack_int8`, inputs padded with zero codes to a multiple of 32: uint8 [ceil(N/8), Kp/4, 8, 4]),
     scale fp32 [N]."""
 
-    codes: torch.Tensor
+    packed: torch.Tensor
     scale: torch.Tensor
 
 
@@ -279,7 +280,8 @@ class FastLinear(nn.Linear):
     @classmethod
     def wrap(cls, linear: nn.Linear, kernel: str, int4: Int4Weight | None = None, from_checkpoint: bool = False,
              packed_into: torch.Tensor | None = None, pack: Callable[[torch.Tensor | None], torch.Tensor] | None = None,
-             weight: Callable[[], torch.Tensor] | None = None, int8: Int8Codes | None = None) -> FastLinear:
+             weight: Callable[[], torch.Tensor] | None = None,
+             int8: Callable[[torch.Tensor | None], Int8Codes] | None = None) -> FastLinear:
         """The same module (same parameters) with a prepared copy for `kernel` (int4: from `int4`'s codes when given;
         `packed_into`, `pack`, `weight`, `int8`: `prepare`'s)."""
         linear.__class__ = cls
@@ -289,7 +291,8 @@ class FastLinear(nn.Linear):
     @torch.no_grad()
     def prepare(self, kernel: str, int4: Int4Weight | None = None, from_checkpoint: bool = False,
                 packed_into: torch.Tensor | None = None, pack: Callable[[torch.Tensor | None], torch.Tensor] | None = None,
-                weight: Callable[[], torch.Tensor] | None = None, int8: Int8Codes | None = None) -> None:
+                weight: Callable[[], torch.Tensor] | None = None,
+                int8: Callable[[torch.Tensor | None], Int8Codes] | None = None) -> None:
         """Build the prepared copy of the weight for `kernel`; "int4" from `int4` when given (the codes of this weight,
         `Int4Weight.quantize` of it, or `from_checkpoint`: an int4 checkpoint's own codes, any kernel group size and
         act order, which the weight - when the layer holds one - is only their decode of), else quantized here.
@@ -297,8 +300,9 @@ class FastLinear(nn.Linear):
         buffer: `prepare_parts`);
         `pack`: what gives that packing instead of the weight (`PackedSources`: a layer loaded with no weight);
         `weight`: what gives the weight to quantize, "int8" / "int4" (`WeightSources`: a layer loaded with no weight;
-        only read here, so it may be a scratch the next call overwrites); `int8`: an int8 checkpoint's own codes and
-        per-row scales, run as stored by "int8" (`Int8Sources`; the weight, when the layer holds one, is their decode)."""
+        only read here, so it may be a scratch the next call overwrites); `int8`: what gives an int8 checkpoint's own
+        codes (in `packed_into` when given) and per-row scales, run as stored by "int8" on qmatmul's kernel
+        (`Int8Sources`; the weight, when the layer holds one, is their decode)."""
         if kernel not in KERNELS:
             raise ValueError(f"unknown linear kernel {kernel!r}; expected one of {KERNELS}")
         if self._released is not None:
@@ -307,6 +311,8 @@ class FastLinear(nn.Linear):
             kernel = bf16_kernel()
         if pack is not None and not (kernel == "bf16-native" and qmatmul.available()):
             raise ValueError(f"a packed bf16 source needs qmatmul's bf16 product (kernel {kernel})")
+        if int8 is not None and not (kernel == "int8" and qmatmul.available()):
+            raise ValueError(f"an int8 checkpoint source needs qmatmul's int8 kernel (kernel {kernel})")
         if weight is not None and kernel not in ("int8", "int4"):
             raise ValueError(f"a weight source is for quantizing (kernel int8 / int4), not {kernel}")
         w = self.weight.detach() if weight is None or int4 is not None or int8 is not None else weight()
@@ -335,9 +341,9 @@ class FastLinear(nn.Linear):
             else:
                 self._set_int4(int4 if int4 is not None else Int4Weight.quantize(w, group))
         elif int8 is not None:
-            self._set_int8(int8.codes, int8.scale)
-            if packed_into is not None and self._native:  # (this part's groups of its fusion's buffer)
-                self._packed = packed_into.copy_(self._packed)
+            codes = int8(packed_into)
+            self._packed, self._scale, self._native = codes.packed, codes.scale, True
+            self._pad = codes.packed.shape[1] * 4 - self.in_features
         else:
             self._set_int8_from(w, packed_into)
         if not hasattr(self, "_slot"):
@@ -730,8 +736,9 @@ def project(module: nn.Module, x: torch.Tensor, *names: str) -> list[torch.Tenso
 
 # module name -> its int4 checkpoint codes, built on demand (`DecodedTensor.int4`): one layer's unpacked codes at a time
 Int4Sources = dict[str, Callable[[], Int4Weight]]
-# module name -> its int8 checkpoint codes and per-row scales, read on demand (`DecodedTensor.int8`)
-Int8Sources = dict[str, Callable[[], Int8Codes]]
+# module name -> its int8 checkpoint codes (in qmatmul's layout, into the given buffer or a new one when None) and
+# per-row scales, read on demand (`DecodedTensor.int8`)
+Int8Sources = dict[str, Callable[[torch.Tensor | None], Int8Codes]]
 # module name -> its weight in `qmatmul.pack_bf16`'s layout, built on demand into the given buffer (or a new one when
 # None) and returned (`DecodedTensor.packed_bf16`): the layer holds no weight (meta) and runs that packing
 PackedSources = dict[str, Callable[[torch.Tensor | None], torch.Tensor]]
@@ -743,7 +750,8 @@ WeightSources = dict[str, Callable[[], torch.Tensor]]
 def prepare_parts(parts: list[nn.Linear], kernel: str, given: list[Callable[[], Int4Weight] | None] | None = None,
                   packed: list[Callable[[torch.Tensor | None], torch.Tensor] | None] | None = None,
                   weights: list[Callable[[], torch.Tensor] | None] | None = None,
-                  int8: list[Callable[[], Int8Codes] | None] | None = None) -> list[Int4Weight] | None:
+                  int8: list[Callable[[torch.Tensor | None], Int8Codes] | None] | None = None
+                  ) -> list[Int4Weight] | None:
     """Prepare the layers of one fusion for `kernel` ("int4": from a part's checkpoint codes where `given` has them;
     bf16 on qmatmul's product: from a part's packing source where `packed` has one, `PackedSources`; int8 / int4: the
     weight from a part's source where `weights` has one, `WeightSources`; int8: a part's checkpoint codes where `int8`
@@ -753,7 +761,7 @@ def prepare_parts(parts: list[nn.Linear], kernel: str, given: list[Callable[[], 
     groups = [int4_group_for(p.in_features) for p in parts]
     codes = [None if g is None else g() for g in (given or [None] * len(parts))] if kernel == "int4" else [None] * len(parts)
     weights = weights or [None] * len(parts)
-    codes8 = [None if c is None else c() for c in int8] if int8 and kernel == "int8" else [None] * len(parts)
+    codes8 = int8 if int8 and kernel == "int8" else [None] * len(parts)
     if (kernel == "int4" and None not in groups
             and not all(qmatmul.available() and qmatmul.supports(p.in_features, q.group if q is not None else g)
                         for p, g, q in zip(parts, groups, codes))):
@@ -854,12 +862,12 @@ def prepare_for_inference(model: nn.Module, kernel: str, skip: tuple[str, ...] =
                 n += len(parts)
         if (type(m) is nn.Linear or isinstance(m, FastLinear)) and id(m) not in done and not skipped(name):
             codes = int4[name]() if name in int4 else None
-            codes8 = int8[name]() if name in int8 else None
             if isinstance(m, FastLinear):
-                m.prepare(kernel, codes, codes is not None, pack=packed.get(name), weight=weights.get(name), int8=codes8)
+                m.prepare(kernel, codes, codes is not None, pack=packed.get(name), weight=weights.get(name),
+                          int8=int8.get(name))
             else:
                 FastLinear.wrap(m, kernel, codes, codes is not None, pack=packed.get(name), weight=weights.get(name),
-                                int8=codes8)
+                                int8=int8.get(name))
             done.add(id(m))
             if prepared is not None:
                 prepared(m)

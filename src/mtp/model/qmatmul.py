@@ -71,22 +71,28 @@ def supports(in_features: int, group: int | None = None) -> bool:
     return ok if group is None else ok and group % BLOCK == 0 and in_features % group == 0
 
 
-def pack_int8(codes: torch.Tensor) -> torch.Tensor:
+def pack_int8(codes: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """int8 codes [N, K] (K % 32 == 0) -> uint8 [ceil(N/8), K/4, 8, 4], the q8 kernel's interleaved layout: byte
     (g, c, j, i) is output 8g+j's code for input 4c+i (the last group padded with zero codes), stored as code + 128 for
-    the AVX-512 builds (VNNI's u8 x s8 product takes the weights unsigned) and as the code itself for the AVX2 build."""
+    the AVX-512 builds (VNNI's u8 x s8 product takes the weights unsigned) and as the code itself for the AVX2 build.
+    Written into `out` (contiguous, that shape) when given."""
     N, K = codes.shape
     pad = -N % 8
     if pad:
         codes = F.pad(codes, (0, 0, 0, pad))
     # a chunk's 4 codes move as one int32 (torch's permuted copy of 4-byte elements, not of bytes: pack_bf16)
     c = codes.contiguous().view(torch.int32).reshape(-1, 8, K // 4).permute(0, 2, 1)
-    out = torch.empty(c.shape, dtype=torch.int32)
+    shape = (c.shape[0], K // 4, 8, 4)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.uint8)
+    elif tuple(out.shape) != shape or out.dtype != torch.uint8 or not out.is_contiguous():
+        raise ValueError(f"pack_int8: out must be a contiguous uint8 {list(shape)}, got {out.dtype} {list(out.shape)}")
+    words = out.view(torch.int32).reshape(c.shape)
     if isa() != "avx2":  # code + 128 as a byte is the code's bits with the top one flipped
-        torch.bitwise_xor(c, -0x7F7F7F80, out=out)  # 0x80808080 as an int32
+        torch.bitwise_xor(c, -0x7F7F7F80, out=words)  # 0x80808080 as an int32
     else:
-        out.copy_(c)
-    return out.view(torch.uint8).reshape(*c.shape, 4)
+        words.copy_(c)
+    return out
 
 
 def unpack_int8(packed: torch.Tensor, out_features: int) -> torch.Tensor:

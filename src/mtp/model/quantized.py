@@ -119,10 +119,11 @@ class DecodedTensor:
         parts are dropped once read)."""
         return self._from_stored(self.int4_codes.build)
 
-    def int8(self) -> Int8Codes:
-        """The stored int8 codes and per-row scales as they are (`int8_codes` not None): `codes * scale[:, None]` is
-        exactly the weight `tensor()` decodes, in fp32 (the file pages of the stored parts are dropped once read)."""
-        return self._from_stored(self.int8_codes)
+    def int8(self, into: torch.Tensor | None = None) -> Int8Codes:
+        """The stored int8 codes and per-row scales as they are (`int8_codes` not None), the codes moved to qmatmul's
+        layout (into `into` when given): codes x scales is exactly the weight `tensor()` decodes, in fp32 (the file
+        pages of the stored parts are dropped once read)."""
+        return self._from_stored(lambda t: self.int8_codes(t, into))
 
     def scale_names(self) -> list[str]:
         """The stored float tensors among the parts (the scales): what a NaN / Inf check of the codes reads."""
