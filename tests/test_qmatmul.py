@@ -125,6 +125,11 @@ def test_pack_int8_and_int4_put_every_code_where_their_layouts_say(monkeypatch, 
             byte = int(p4[n // 8, k // 8, n % 8, k % 4])
             assert (byte >> 4 if k % 8 >= 4 else byte & 15) == (int(q4[n, k]) if n < N else 0)
     assert torch.equal(qmatmul.unpack_int4(qmatmul.pack_int4(q4), N), q4)  # the inverse
+    # codes at any byte offset (a checkpoint's mapped int8 codes), and into a given buffer
+    shifted = torch.zeros(N * K + 1, dtype=torch.int8)
+    shifted[1:] = q8.reshape(-1)
+    into = torch.full_like(p8, 7)
+    assert qmatmul.pack_int8(shifted[1:].view(N, K), into) is into and torch.equal(into, p8)
 
 
 @pytest.mark.parametrize("group", [8, 16])

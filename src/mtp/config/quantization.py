@@ -61,12 +61,12 @@ class Quantization:
     @property
     def int8(self) -> bool:
         """Are the checkpoint's quantized weights int8 codes in the int8 kernel's own form (compressed-tensors
-        symmetric int8 with one scale per output channel or per tensor, as W8A8 / W8A16 releases store them), and
-        nothing else integer?"""
-        if self.ct is None:
+        symmetric int8 with one scale per output channel or per tensor, as W8A8 / W8A16 releases store them), all of
+        them (a release that mixes in other schemes keeps its default)?"""
+        if self.ct is None or not self.ct.schemes:
             return False
-        ints = [s for s in self.ct.schemes if s.kind == "int"]
-        return bool(ints) and all(s.bits == 8 and s.symmetric and s.strategy in ("channel", "tensor") for s in ints)
+        return all(s.kind == "int" and s.bits == 8 and s.symmetric and s.strategy in ("channel", "tensor")
+                   for s in self.ct.schemes)
 
     def excluded_by(self, module: str) -> str | None:
         """The `exclude` pattern that keeps checkpoint module `module` unquantized, or None. As transformers matches:

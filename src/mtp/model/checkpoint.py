@@ -285,7 +285,7 @@ class _ScratchDecode:
 
 def _quantized_sources(model: CausalLM, files, sources: dict, coded: set[str]) -> dict[str, _ScratchDecode]:
     """module name -> the scratch decode of each layer that a released, quantized load quantizes and lets go of
-    (`quantized_layers`, but those in `coded`: run on their checkpoint's int4 codes) and whose weight is decoded from
+    (`quantized_layers`, but those in `coded`: run on their checkpoint's int4 / int8 codes) and whose weight is decoded from
     a quantized checkpoint, where the one-pass kernels quantize (qmatmul: the quantizing reads the weight once)."""
     if not qmatmul.available():
         return {}

@@ -80,8 +80,11 @@ def pack_int8(codes: torch.Tensor, out: torch.Tensor | None = None) -> torch.Ten
     pad = -N % 8
     if pad:
         codes = F.pad(codes, (0, 0, 0, pad))
+    codes = codes.contiguous()
+    if codes.storage_offset() % 4:  # (a checkpoint's mapped codes sit wherever the file put them)
+        codes = codes.clone()
     # a chunk's 4 codes move as one int32 (torch's permuted copy of 4-byte elements, not of bytes: pack_bf16)
-    c = codes.contiguous().view(torch.int32).reshape(-1, 8, K // 4).permute(0, 2, 1)
+    c = codes.view(torch.int32).reshape(-1, 8, K // 4).permute(0, 2, 1)
     shape = (c.shape[0], K // 4, 8, 4)
     if out is None:
         out = torch.empty(shape, dtype=torch.uint8)

@@ -51,8 +51,8 @@ class DecodedTensor:
     `shape`, `dtype`, `tensor`, `release`). `parts` are the stored tensors it decodes from (role -> checkpoint name),
     `decode(parts, dtype)` the format's decoder; `index.dtype` is the dtype it decodes to (the model's). `pack(parts,
     out)`, where the format has one, decodes straight into qmatmul's bf16 packing (`packed_bf16`); `into(parts, out)`
-    into a given bf16 tensor (`tensor_into`); `int8_codes(parts) -> Int8Codes` gives the stored int8 codes where they
-    are the int8 kernel's form (`int8`)."""
+    into a given bf16 tensor (`tensor_into`); `int8_codes(parts, into) -> Int8Codes` gives the stored int8 codes in
+    qmatmul's layout where they are the int8 kernel's form (`int8`)."""
 
     def __init__(self, index: QuantizedIndex, parts: dict[str, str], shape: tuple[int, ...], decode,
                  int4: Int4Codes | None = None, pack=None, into=None, int8=None):
