@@ -28,99 +28,76 @@ def quantizable(name: str, t: torch.Tensor) -> bool:
         and t.shape[1] % 128 == 0
 
 
-def to_fp8(src: Path, dst: Path) -> None:
+def release(src: Path, dst: Path, quantization_config: dict, encode) -> None:
+    """The bf16 checkpoint `src` as a quantized release in `dst`: each quantizable weight (`quantizable`) replaced by
+    the tensors `encode(name, weight)` gives, config.json with `quantization_config`."""
     dst.mkdir(parents=True, exist_ok=True)
     cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": [128, 128]}
+    cfg["quantization_config"] = quantization_config
     (dst / "config.json").write_text(json.dumps(cfg))
     out = {}
     for name, t in load_file(src / "model.safetensors").items():
-        if not quantizable(name, t):
-            out[name] = t
-            continue
-        N, K = t.shape
-        n0, n1 = -(-N // 128), -(-K // 128)
-        padded = torch.zeros(n0 * 128, n1 * 128)
-        padded[:N, :K] = t.float()
-        s = (padded.reshape(n0, 128, n1, 128).abs().amax((1, 3)) / 448).clamp_min(1e-12)
-        full = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:N, :K]
-        out[name], out[name + "_scale_inv"] = (t.float() / full).to(torch.float8_e4m3fn), s
+        out.update(encode(name, t) if quantizable(name, t) else {name: t})
     save_file(out, dst / "model.safetensors")
 
 
-def to_gptq(src: Path, dst: Path) -> None:
+def fp8_blocks(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    N, K = t.shape
+    n0, n1 = -(-N // 128), -(-K // 128)
+    padded = torch.zeros(n0 * 128, n1 * 128)
+    padded[:N, :K] = t.float()
+    s = (padded.reshape(n0, 128, n1, 128).abs().amax((1, 3)) / 448).clamp_min(1e-12)
+    full = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:N, :K]
+    return {name: (t.float() / full).to(torch.float8_e4m3fn), name + "_scale_inv": s}
+
+
+def asym4(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit groups of 128 of t [N, K]: codes int32 [N, K], scales (fp16-exact) and zero points [N, K/128]."""
+    N, K = t.shape
+    g = t.float().reshape(N, K // 128, 128)
+    lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+    s = ((hi - lo) / 15).clamp_min(1e-8).half().float()
+    z = (-lo / s).round().clamp(0, 15)
+    return (g / s[..., None] + z[..., None]).round().clamp(0, 15).to(torch.int32).reshape(N, K), s, z
+
+
+def gptq4(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
     from mtp.model.packed import pack_cols, pack_rows
 
-    dst.mkdir(parents=True, exist_ok=True)
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": False, "desc_act": False,
-                                  "checkpoint_format": "gptq"}
-    (dst / "config.json").write_text(json.dumps(cfg))
-    out = {}
-    for name, t in load_file(src / "model.safetensors").items():
-        if not quantizable(name, t):
-            out[name] = t
-            continue
-        N, K = t.shape
-        g = t.float().reshape(N, K // 128, 128)
-        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
-        s = ((hi - lo) / 15).clamp_min(1e-8).half().float()
-        z = (-lo / s).round().clamp(0, 15)
-        q = (g / s[..., None] + z[..., None]).round().clamp(0, 15).to(torch.int32).reshape(N, K)
-        base = name[: -len(".weight")]
-        out[base + ".qweight"] = pack_rows(q.t().contiguous(), 4)
-        out[base + ".qzeros"] = pack_cols(((z.to(torch.int32) - 1) & 15).t().contiguous(), 4)
-        out[base + ".scales"] = s.t().contiguous().half()
-    save_file(out, dst / "model.safetensors")
+    q, s, z = asym4(t)
+    base = name[: -len(".weight")]
+    return {base + ".qweight": pack_rows(q.t().contiguous(), 4),
+            base + ".qzeros": pack_cols(((z.to(torch.int32) - 1) & 15).t().contiguous(), 4),  # v1: zero - 1
+            base + ".scales": s.t().contiguous().half()}
 
 
-def to_awq(src: Path, dst: Path) -> None:
+def awq4(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
     from mtp.model.packed import awq_pack
 
-    dst.mkdir(parents=True, exist_ok=True)
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm",
-                                  "zero_point": True}
-    (dst / "config.json").write_text(json.dumps(cfg))
-    out = {}
-    for name, t in load_file(src / "model.safetensors").items():
-        if not quantizable(name, t):
-            out[name] = t
-            continue
-        N, K = t.shape
-        g = t.float().reshape(N, K // 128, 128)
-        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
-        s = ((hi - lo) / 15).clamp_min(1e-8).half().float()
-        z = (-lo / s).round().clamp(0, 15)
-        q = (g / s[..., None] + z[..., None]).round().clamp(0, 15).to(torch.int32).reshape(N, K)
-        base = name[: -len(".weight")]
-        out[base + ".qweight"] = awq_pack(q.t().contiguous())
-        out[base + ".qzeros"] = awq_pack(z.to(torch.int32).t().contiguous())
-        out[base + ".scales"] = s.t().contiguous().half()
-    save_file(out, dst / "model.safetensors")
+    q, s, z = asym4(t)
+    base = name[: -len(".weight")]
+    return {base + ".qweight": awq_pack(q.t().contiguous()), base + ".qzeros": awq_pack(z.to(torch.int32).t().contiguous()),
+            base + ".scales": s.t().contiguous().half()}
 
 
-def to_ct8(src: Path, dst: Path) -> None:
-    """A compressed-tensors W8A8 int8 release: symmetric int8 codes, one bf16 scale per output channel."""
-    dst.mkdir(parents=True, exist_ok=True)
-    cfg = json.loads((src / "config.json").read_text())
-    scheme = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "group_size": None,
-              "block_structure": None, "dynamic": False, "actorder": None}
-    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "int-quantized",
-                                  "quantization_status": "compressed",
-                                  "config_groups": {"group_0": {"targets": ["Linear"], "weights": scheme}},
-                                  "ignore": ["lm_head"]}
-    (dst / "config.json").write_text(json.dumps(cfg))
-    out = {}
-    for name, t in load_file(src / "model.safetensors").items():
-        if not quantizable(name, t):
-            out[name] = t
-            continue
-        s = (t.float().abs().amax(1, keepdim=True) / 127).clamp_min(1e-12).to(torch.bfloat16)
-        out[name] = (t.float() / s.float()).round().clamp(-127, 127).to(torch.int8)
-        out[name[: -len(".weight")] + ".weight_scale"] = s
-    save_file(out, dst / "model.safetensors")
+def int8_channels(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    s = (t.float().abs().amax(1, keepdim=True) / 127).clamp_min(1e-12).to(torch.bfloat16)
+    return {name: (t.float() / s.float()).round().clamp(-127, 127).to(torch.int8),
+            name[: -len(".weight")] + ".weight_scale": s}
+
+
+INT8_SCHEME = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "group_size": None,
+               "block_structure": None, "dynamic": False, "actorder": None}
+RELEASES = {  # checkpoint name -> (its quantization_config, the encoder of its weights)
+    "fp8": ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+            fp8_blocks),
+    "gptq4": ({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": False, "desc_act": False,
+               "checkpoint_format": "gptq"}, gptq4),
+    "awq4": ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True}, awq4),
+    "ct8": ({"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+             "config_groups": {"group_0": {"targets": ["Linear"], "weights": INT8_SCHEME}}, "ignore": ["lm_head"]},
+            int8_channels),  # compressed-tensors W8A8: symmetric int8 codes, one bf16 scale per output channel
+}
 
 
 PROBE = """
@@ -153,9 +130,9 @@ def main() -> None:
     bf16 = args.dir / "bf16"
     if not (bf16 / "model.safetensors").exists():
         mtp.save_model(build_shape_model(args.shape, torch.bfloat16), bf16)
-    for name, fn in (("fp8", to_fp8), ("gptq4", to_gptq), ("awq4", to_awq), ("ct8", to_ct8)):
+    for name, (qc, encode) in RELEASES.items():
         if not (args.dir / name / "model.safetensors").exists():
-            fn(bf16, args.dir / name)
+            release(bf16, args.dir / name, qc, encode)
     print(f"{args.shape}, {args.threads} thread(s): load_model in a fresh process (after one warm-up read of the files)")
     variants = args.variants.split(",")
     for name in {v.split(":")[0] for v in variants}:  # warm the page cache

@@ -35,6 +35,28 @@ def bf16_model(**overrides):
     return tiny_model(std=0.05, **overrides).to(torch.bfloat16)
 
 
+def nan_scale_is_named_alike(path, scale: str, **load) -> None:
+    """With a NaN written into the checkpoint's tensor `scale`, a released load (`load_model(path, release=True,
+    **load)`) names it in the warning the unreleased load gives, and refuses it under strict."""
+    from safetensors.torch import load_file, save_file
+
+    from mtp.model.checkpoint import NonFiniteWeightsWarning
+
+    tensors = load_file(path / "model.safetensors")
+    tensors[scale] = tensors[scale].clone()
+    tensors[scale][0, 0] = float("nan")
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.warns(NonFiniteWeightsWarning) as unreleased:
+        mtp.load_model(path, **load)
+    message = str(unreleased[0].message)
+    assert "down_proj" in message and "values)" in message
+    with pytest.warns(NonFiniteWeightsWarning) as got:
+        mtp.load_model(path, release=True, **load)
+    assert str(got[0].message) == message
+    with pytest.raises(mtp.CheckpointError, match="NaN or Inf in tensor"):
+        mtp.load_model(path, release=True, strict=True, **load)
+
+
 def check_fusions(model, kernel: str, native: bool, views: bool) -> set[str]:
     """Each fusion of `model` runs `kernel` and holds no float copy; its output == its parts' outputs concatenated == a
     layer prepared from the concatenated float weight, bit for bit; with `views` every part runs on a view of the fused
@@ -274,10 +296,8 @@ def test_a_released_fp8_load_quantizes_each_weight_from_one_scratch(tmp_path, mo
     quantized, every one into the same scratch (`DecodedTensor.tensor_into`), never all held as [out, in] weights; the
     codes, scales and tokens are the unreleased load's; int8 fusions run the one buffer their parts were quantized
     into; a NaN scale is named as the unreleased load names it, or refused under strict."""
-    from safetensors.torch import load_file, save_file
 
     from mtp.model import dequant
-    from mtp.model.checkpoint import NonFiniteWeightsWarning
     from mtp.model.quantized import DecodedTensor
     from test_quantized import release_fp8
 
@@ -309,20 +329,7 @@ def test_a_released_fp8_load_quantizes_each_weight_from_one_scratch(tmp_path, mo
     plain = mtp.generate(kept, prompt, max_new_tokens=16, draft_tokens=0).tokens
     assert mtp.generate(released, prompt, max_new_tokens=16, draft_tokens=0).tokens == plain
     assert mtp.generate(released, prompt, max_new_tokens=16, draft_tokens=2).tokens == plain
-    tensors = load_file(tmp_path / "m" / "model.safetensors")
-    scale = "model.layers.0.mlp.down_proj.weight_scale_inv"
-    tensors[scale] = tensors[scale].clone()
-    tensors[scale][0, 0] = float("nan")
-    save_file(tensors, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
-    with pytest.warns(NonFiniteWeightsWarning) as unreleased:
-        mtp.load_model(tmp_path / "m", quantize=quantize)
-    message = str(unreleased[0].message)
-    assert "down_proj" in message and "values)" in message
-    with pytest.warns(NonFiniteWeightsWarning) as got:
-        mtp.load_model(tmp_path / "m", quantize=quantize, release=True)
-    assert str(got[0].message) == message
-    with pytest.raises(mtp.CheckpointError, match="NaN or Inf in tensor"):
-        mtp.load_model(tmp_path / "m", quantize=quantize, release=True, strict=True)
+    nan_scale_is_named_alike(tmp_path / "m", "model.layers.0.mlp.down_proj.weight_scale_inv", quantize=quantize)
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
@@ -331,9 +338,8 @@ def test_a_released_gptq_or_awq_load_decodes_each_weight_as_it_packs_it(tmp_path
     format's decoder as the layer is packed, one at a time (never the whole model's [out, in] weights at once); the
     packed copies and tokens are the unreleased load's, and a NaN scale is named with the count the unreleased load
     gives (read from the packed copy), or refused under strict."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
-    from mtp.model.checkpoint import NonFiniteWeightsWarning
     from mtp.model.quantized import DecodedTensor
     from test_quantized import release_int
 
@@ -355,17 +361,4 @@ def test_a_released_gptq_or_awq_load_decodes_each_weight_as_it_packs_it(tmp_path
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
     plain = mtp.generate(kept, prompt, max_new_tokens=16, draft_tokens=0).tokens
     assert mtp.generate(released, prompt, max_new_tokens=16, draft_tokens=2).tokens == plain
-    tensors = load_file(tmp_path / "m" / "model.safetensors")
-    scales = "model.layers.0.mlp.down_proj.scales"
-    tensors[scales] = tensors[scales].clone()
-    tensors[scales][0, 0] = float("nan")
-    save_file(tensors, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
-    with pytest.warns(NonFiniteWeightsWarning) as unreleased:
-        mtp.load_model(tmp_path / "m")
-    message = str(unreleased[0].message)
-    assert "down_proj" in message and "values)" in message
-    with pytest.warns(NonFiniteWeightsWarning) as got:
-        mtp.load_model(tmp_path / "m", release=True)
-    assert str(got[0].message) == message
-    with pytest.raises(mtp.CheckpointError, match="NaN or Inf in tensor"):
-        mtp.load_model(tmp_path / "m", release=True, strict=True)
+    nan_scale_is_named_alike(tmp_path / "m", "model.layers.0.mlp.down_proj.scales")

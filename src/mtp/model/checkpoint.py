@@ -223,16 +223,23 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
     return model
 
 
-def _int4_sources(model: CausalLM, files, sources: dict) -> dict[str, DecodedTensor]:
-    """module name -> the int4 checkpoint entry (`DecodedTensor` with `int4_codes`) of each linear layer that
-    `prepare_for_inference("int4")` can run on the stored codes (`CausalLM.int4_checkpoint_layers`); the rest (other
-    formats, bit widths, group sizes the kernels do not take, stacked experts) are decoded and quantized again."""
+def _decoded_entries(files, sources: dict, keep) -> dict[str, DecodedTensor]:
+    """module name -> the checkpoint entry of each layer's weight that is one stored quantized tensor (a
+    `DecodedTensor`: not stacked experts) for which `keep(entry)` holds."""
     entries = {}
     for name, src in sources.items():
         if name.endswith(".weight") and isinstance(src, str):
             st, _ = files[src]
-            if isinstance(st, DecodedTensor) and st.int4_codes is not None:
+            if isinstance(st, DecodedTensor) and keep(st):
                 entries[name.removesuffix(".weight")] = st
+    return entries
+
+
+def _int4_sources(model: CausalLM, files, sources: dict) -> dict[str, DecodedTensor]:
+    """module name -> the int4 checkpoint entry (`DecodedTensor` with `int4_codes`) of each linear layer that
+    `prepare_for_inference("int4")` can run on the stored codes (`CausalLM.int4_checkpoint_layers`); the rest (other
+    formats, bit widths, group sizes the kernels do not take, stacked experts) are decoded and quantized again."""
+    entries = _decoded_entries(files, sources, lambda e: e.int4_codes is not None)
     fits = model.int4_checkpoint_layers({m: e.int4_codes.group for m, e in entries.items()})
     return {m: entries[m] for m in fits}
 
@@ -243,12 +250,7 @@ def _int8_sources(model: CausalLM, files, sources: dict, quantize: str) -> dict[
     codes, neither decoded nor quantized again; where qmatmul's kernel runs (the codes go straight to its layout)."""
     if not qmatmul.available():
         return {}
-    entries = {}
-    for name, src in sources.items():
-        if name.endswith(".weight") and isinstance(src, str):
-            st, _ = files[src]
-            if isinstance(st, DecodedTensor) and st.int8_codes is not None:
-                entries[name.removesuffix(".weight")] = st
+    entries = _decoded_entries(files, sources, lambda e: e.int8_codes is not None)
     return {m: entries[m] for m in model.int8_checkpoint_layers(list(entries), quantize)}
 
 

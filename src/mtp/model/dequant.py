@@ -106,6 +106,17 @@ def scaled_counted(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] 
     return out.reshape(w.shape), int(bad.sum())
 
 
+def _packed_out(N: int, K: int, out: torch.Tensor | None, who: str) -> torch.Tensor:
+    """The bf16 tensor a packed decode of a weight [N, K] writes: `out` (checked: contiguous, `qmatmul.pack_bf16`'s
+    shape) or a new one."""
+    shape = qmatmul.bf16_packed_shape(N, K)
+    if out is None:
+        return torch.empty(shape, dtype=torch.bfloat16)
+    if tuple(out.shape) != shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"{who}: out must be contiguous bf16 {list(shape)}, got {out.dtype} {list(out.shape)}")
+    return out
+
+
 @torch.no_grad()
 def scaled_packed(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, out: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, int] | None:
@@ -117,11 +128,7 @@ def scaled_packed(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] |
         return None
     N, K = w.shape
     group = qmatmul.bf16_group()
-    shape = qmatmul.bf16_packed_shape(N, K)
-    if out is None:
-        out = torch.empty(shape, dtype=torch.bfloat16)
-    elif tuple(out.shape) != shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
-        raise ValueError(f"scaled_packed: out must be contiguous bf16 {list(shape)}, got {out.dtype} {list(out.shape)}")
+    out = _packed_out(N, K, out, "scaled_packed")
     if N == 0 or K == 0:
         return out.zero_(), 0
     t, b0, b1, stride = _tiles(_by_matrix(scale, 1, N, block)[0], N, K, block)
@@ -144,11 +151,7 @@ def int4_packed_bf16(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tens
     N, K = scale.shape[0], scale.shape[1] * group
     if group % 8 or not LIBRARY.available() or not qmatmul.available():
         return None
-    shape = qmatmul.bf16_packed_shape(N, K)
-    if out is None:
-        out = torch.empty(shape, dtype=torch.bfloat16)
-    elif tuple(out.shape) != shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
-        raise ValueError(f"int4_packed_bf16: out must be contiguous bf16 {list(shape)}, got {out.dtype} {list(out.shape)}")
+    out = _packed_out(N, K, out, "int4_packed_bf16")
     if N == 0 or K == 0:
         return out.zero_(), 0
     bf16_group = qmatmul.bf16_group()
