@@ -332,6 +332,43 @@ def test_a_released_fp8_load_quantizes_each_weight_from_one_scratch(tmp_path, mo
     nan_scale_is_named_alike(tmp_path / "m", "model.layers.0.mlp.down_proj.weight_scale_inv", quantize=quantize)
 
 
+@pytest.mark.parametrize("fp8, quantize", [(False, "int4"), (True, "int8"), (True, "int4")])
+def test_a_released_moe_load_quantizes_its_experts_one_at_a_time(tmp_path, monkeypatch, fp8, quantize):
+    """release=True with `quantize` on an MoE checkpoint stored per expert (bf16, or an FP8 release): the routed
+    experts' [E, ...] weights are never built; each expert is copied or decoded into a scratch the load shares only as
+    it is quantized (`checkpoint._expert_sources`); the experts' codes and the tokens are the unreleased load's; an
+    expert's NaN scale is named as the unreleased load names it, or refused under strict."""
+    from mtp.model import checkpoint
+    from mtp.model.moe import Experts, Stack
+    from test_moe import moe_model, write
+    from test_quantized import release_fp8
+
+    kernels(monkeypatch, "native")
+    write(moe_model().to(torch.bfloat16), tmp_path / "m", "per_expert", "per_expert")
+    if fp8:
+        release_fp8(tmp_path / "m")
+    kept = mtp.load_model(tmp_path / "m", quantize=quantize)
+    stacked = []
+    whole = checkpoint.materialize
+    monkeypatch.setattr(checkpoint, "materialize",
+                        lambda files, src, *a: (isinstance(src, Stack) and stacked.append(src)) or whole(files, src, *a))
+    released = mtp.load_model(tmp_path / "m", quantize=quantize, release=True)
+    assert stacked == []  # no [E, ...] expert weight was built
+    experts = [(n, a, released.get_submodule(n)) for n, a in kept.named_modules() if isinstance(a, Experts)]
+    assert len(experts) == 5  # 4 layers and the MTP's
+    for n, a, b in experts:
+        assert b.gate_up_proj.is_meta and b.down_proj.is_meta, n
+        for (ga, da), (gb, db) in zip(a._kernels, b._kernels):
+            assert gb.kernel == ga.kernel and torch.equal(ga._packed, gb._packed) and torch.equal(da._packed, db._packed), n
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    plain = mtp.generate(kept, prompt, max_new_tokens=12, draft_tokens=0).tokens
+    assert mtp.generate(released, prompt, max_new_tokens=12, draft_tokens=2).tokens == plain
+    monkeypatch.setattr(checkpoint, "materialize", whole)
+    if fp8:
+        nan_scale_is_named_alike(tmp_path / "m", "model.layers.0.mlp.experts.1.down_proj.weight_scale_inv",
+                                 quantize=quantize)
+
+
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_a_released_gptq_or_awq_load_decodes_each_weight_as_it_packs_it(tmp_path, monkeypatch, method):
     """release=True on a 4-bit release decoded to bf16 (`--quantize none`): each layer's weight is decoded by the

@@ -230,7 +230,9 @@ class CausalLM(nn.Module, ABC):
     def prepare_for_inference(self, quantize: str | None = None, release: bool = False,
                               on_quantized: Callable[[torch.Tensor], None] | None = None,
                               int4: Int4Sources | None = None, packed: PackedSources | None = None,
-                              weights: WeightSources | None = None, int8: Int8Sources | None = None) -> None:
+                              weights: WeightSources | None = None, int8: Int8Sources | None = None,
+                              experts: dict[str, Callable[[int], tuple[torch.Tensor, torch.Tensor]]] | None = None
+                              ) -> None:
         """Swap the linear layers for row-invariant CPU inference kernels (`model/linear.py`): bf16 weights use
         qmatmul's bf16 product (or, where it cannot run, oneDNN's packed layout: `linear.bf16_kernel`), fp32
         weights a row-by-row product; `quantize` "int8" (weight-only, per-channel scales)
@@ -253,8 +255,9 @@ class CausalLM(nn.Module, ABC):
         never loaded): a quantized checkpoint's weight decoded as its layer is packed (FP8 straight into the packing).
         `weights` (quantized, `release`): the layers, by module name, whose float weight comes from their source as
         they are quantized (`quantized_layers`; their weights are meta, never loaded): a quantized checkpoint's weight
-        decoded one layer at a time. `int8`: the layers, by module name, that run their int8 checkpoint's own codes
-        (`int8_checkpoint_layers`)."""
+        decoded one layer at a time; `experts` likewise for the routed experts (`quantized_experts`), by module name:
+        expert e's weights, decoded as it is quantized (`Experts.prepare`). `int8`: the layers, by module name, that
+        run their int8 checkpoint's own codes (`int8_checkpoint_layers`)."""
         self.prepared = True
         if self.device.type != "cpu":
             return
@@ -298,7 +301,7 @@ class CausalLM(nn.Module, ABC):
             if any(name.endswith(s) for s in keep) and isinstance(m, nn.Linear):
                 prepare_linears(m, "bf16-native" if any(name.endswith(s) for s in self.native_bf16) else "bf16")
             elif isinstance(m, Experts) and "_kernels" not in m.__dict__ and not any(name.endswith(s) for s in keep):
-                m.prepare(quantize)
+                m.prepare(quantize, (experts or {}).get(name))
                 if on_quantized is not None:
                     on_quantized(m.gate_up_proj)
                     on_quantized(m.down_proj)
@@ -413,6 +416,12 @@ class CausalLM(nn.Module, ABC):
         heads = {id(h) for h in self._output_heads()}
         return [n for n, m in self.named_modules()
                 if type(m) is nn.Linear and id(m) not in heads and not any(n.endswith(s) for s in keep)]
+
+    def quantized_experts(self) -> list[str]:
+        """The routed experts (module names) that `prepare_for_inference(quantize, release=True)` quantizes and lets go
+        of: every `Experts` but `precise_layers`. A load may hand their weights to it one expert at a time (`experts`)."""
+        keep = self.precise_layers()
+        return [n for n, m in self.named_modules() if isinstance(m, Experts) and not any(n.endswith(s) for s in keep)]
 
     def int8_checkpoint_layers(self, names: list[str], quantize: str) -> list[str]:
         """Of the linear layers `names` (module names) whose checkpoint stores int8 codes with one scale per row, those

@@ -176,8 +176,10 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
         # reused scratch (never all held as bf16 weights: a copy of the model, in fresh pages)
         decoded = (_quantized_sources(model, files, sources, set(int4) | set(int8))
                    if release and quantize is not None and cpu_bf16 else {})
+        experts = _expert_sources(model, files, sources) if release and quantize is not None and cpu_bf16 else {}
         deferred = {**packs, **decoded}
-        coded = ({f"{m}.weight" for m in {**int4, **int8}} if release else set()) | {f"{m}.weight" for m in deferred}
+        coded = ({f"{m}.weight" for m in {**int4, **int8}} if release else set()) | {f"{m}.weight" for m in deferred} \
+            | {f"{m}.{p}" for m in experts for p in EXPERT_PARAMS}
         state = {name: torch.empty(p.shape, dtype=dtype_, device="meta") if name in coded else
                  materialize(files, sources[name], tuple(p.shape), torch.float32 if cls.keeps_fp32(name) else dtype_, device)
                  for name, p in expected.items()}
@@ -186,7 +188,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
         # drops the pages of the bf16 weights it packs for qmatmul's product (the others it runs in place)
         drop = _page_dropper(files, sources, state) if quantize is not None or cpu_bf16 else None
         bad = check_finite(files, sources, state, drop if quantize is not None else None)
-        if not deferred:
+        if not (deferred or experts):
             report_non_finite(files, sources, bad, strict)
         if (int4 or int8) and release:  # the codes are integers: their scales are what could be NaN / Inf
             scales = {key: files.raw.tensor(key) for m, e in {**int4, **int8}.items() for key in e.scale_names()}
@@ -199,7 +201,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
         model.prepare_for_inference(quantize, release=release, on_quantized=drop, int4={m: d.int4 for m, d in int4.items()},
                                     packed={m: d.packed_bf16 for m, d in packs.items()},
                                     weights={m: src.weight for m, src in decoded.items()},
-                                    int8={m: d.int8 for m, d in int8.items()})
+                                    int8={m: d.int8 for m, d in int8.items()}, experts=experts)
         for m, d in packs.items():  # their NaN / Inf as the decoder counted them (or read from the packed copy: the
             layer = model.get_submodule(m)  # weight's values and zeros), reported with the others'
             if not (isinstance(layer, FastLinear) and layer.kernel == "bf16-native" and layer._native):
@@ -213,7 +215,11 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
                 raise RuntimeError(f"{m}: loaded with no weight for quantized codes that were not built")
             if src.non_finite:
                 bad.append((f"{m}.weight", src.non_finite))
-        if deferred:
+        for m, src in experts.items():  # (`quantized_experts` names what this prepare quantizes: as above)
+            if "_kernels" not in model.get_submodule(m).__dict__ or src.given < src.count:
+                raise RuntimeError(f"{m}: loaded with no expert weights for quantized codes that were not built")
+            bad += [(f"{m}.{p}", n) for p, n in zip(EXPERT_PARAMS, src.bad) if n]
+        if deferred or experts:
             report_non_finite(files, sources, bad, strict)
     model.source_path = str(path)
     model.checkpoint_layout = layout
@@ -300,6 +306,66 @@ def _quantized_sources(model: CausalLM, files, sources: dict, coded: set[str]) -
     scratch: list[torch.Tensor] = []
     size = max((math.prod(e.shape("")) for e in entries.values()), default=0)
     return {m: _ScratchDecode(e, scratch, size) for m, e in entries.items()}
+
+
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+
+
+class _ExpertDecode:
+    """A released, quantizing load's routed experts (one `Experts` module) given one expert at a time to
+    `Experts.prepare` from their per-expert checkpoint tensors (`moe.Stack` sources): expert e's gate|up rows and its
+    down decoded (a quantized checkpoint's, `DecodedTensor.tensor_into`) or copied (a float one's, its file pages then
+    dropped) into two scratches that the whole load shares, valid until the next expert. `bad`: the NaN / Inf counted
+    per parameter (EXPERT_PARAMS); `given`: how many experts were given."""
+
+    def __init__(self, files, stacks: tuple[Stack, Stack], shapes: tuple[tuple[int, ...], ...], scratch: list):
+        self.files, self.stacks, self.shapes, self.scratch = files, stacks, shapes, scratch
+        self.count, self.given, self.bad = shapes[0][0], 0, [0, 0]
+
+    def __call__(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.given += 1
+        return self._fill(0, e), self._fill(1, e)
+
+    def _fill(self, which: int, e: int) -> torch.Tensor:
+        shape = self.shapes[which][1:]
+        out = self.scratch[which][: math.prod(shape)].view(shape)
+        row = 0
+        for key in self.stacks[which].parts[e]:
+            st, _ = self.files[key]
+            part = out[row : row + st.shape(key)[0]]
+            if isinstance(st, DecodedTensor):
+                t = st.tensor_into(part)
+                if t.data_ptr() != part.data_ptr():  # (a decoder that cannot write into a given tensor)
+                    part.copy_(t)
+                n = st.non_finite
+            else:
+                part.copy_(st.tensor(key))
+                st.release(key)
+                n = None
+            self.bad[which] += n if n is not None else non_finite(part)
+            row += part.shape[0]
+        return out
+
+
+def _expert_sources(model: CausalLM, files, sources: dict) -> dict[str, _ExpertDecode]:
+    """module name -> the expert-by-expert source of each routed experts module that a released, quantizing load
+    quantizes and lets go of (`quantized_experts`) and whose checkpoint stores them per expert (`moe.Stack`): never
+    all held as [E, ...] float weights (the largest part of an MoE model, in fresh pages), each expert decoded or
+    copied only as it is quantized. Where the one-pass kernels quantize (qmatmul)."""
+    if not qmatmul.available():
+        return {}
+    planned = {}
+    for m in model.quantized_experts():
+        stacks = tuple(sources.get(f"{m}.{p}") for p in EXPERT_PARAMS)
+        if all(isinstance(s, Stack) for s in stacks):
+            module = model.get_submodule(m)
+            planned[m] = (stacks, tuple(tuple(getattr(module, p).shape) for p in EXPERT_PARAMS))
+    if not planned:
+        return {}
+    # (allocated now, with nothing else held yet: the largest expert's two weights, shared by every module)
+    scratch = [torch.empty(max(math.prod(shapes[i][1:]) for _, shapes in planned.values()), dtype=torch.bfloat16)
+               for i in range(2)]
+    return {m: _ExpertDecode(files, stacks, shapes, scratch) for m, (stacks, shapes) in planned.items()}
 
 
 def _page_dropper(files: TensorIndex, sources: dict, state: dict[str, torch.Tensor]):

@@ -12,6 +12,7 @@ maps either onto the fused parameters and `split_experts` writes them back in th
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -66,16 +67,23 @@ class Experts(nn.Module):
         gate, up = linear_rows(x, self.gate_up_proj[e]).chunk(2, dim=-1)
         return linear_rows(rowwise(F.silu, gate) * up, self.down_proj[e])
 
-    def prepare(self, kernel: str) -> None:
+    def prepare(self, kernel: str, weights: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         """Quantize each expert for inference (`linear.FastLinear`, kernel "int8" or "int4"), as the model's linear
         layers are: expert e then runs two prepared layers over views of its slices of the parameters (int8 where
-        the int4 kernel cannot run the shape), which are unchanged (used again, through `linear_rows`, while training)."""
-        def layer(w: torch.Tensor) -> FastLinear:
+        the int4 kernel cannot run the shape), which are unchanged (used again, through `linear_rows`, while training).
+        `weights(e)`: expert e's (gate_up [2I, H], down [H, I]) to quantize instead of the parameters' slices (a load
+        whose parameters are meta: each expert decoded only as it is quantized; valid until the next call)."""
+        def layer(w: torch.Tensor, given: torch.Tensor | None) -> FastLinear:
             lin = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
             lin.weight = nn.Parameter(w, requires_grad=False)
-            return FastLinear.wrap(lin, quantized_kernel(kernel, lin))  # as the linears do
+            source = None if given is None else lambda: given
+            return FastLinear.wrap(lin, quantized_kernel(kernel, lin), weight=source)  # as the linears do
 
-        self.__dict__["_kernels"] = [(layer(self.gate_up_proj[e]), layer(self.down_proj[e])) for e in range(self.num_experts)]
+        kernels = []
+        for e in range(self.num_experts):
+            gate_up, down = (None, None) if weights is None else weights(e)
+            kernels.append((layer(self.gate_up_proj[e], gate_up), layer(self.down_proj[e], down)))
+        self.__dict__["_kernels"] = kernels
 
     def release(self) -> None:
         """Inference only, after `prepare`: let go of the float expert weights (the parameters become meta tensors of
