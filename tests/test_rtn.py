@@ -89,7 +89,7 @@ def test_int8_codes_straight_into_the_kernels_layout(dtype, shape, flip):
     assert same_bits(scale, _quantize_int8_torch(w)[1])
     out = torch.full_like(packed, 7)
     assert rtn.quantize_int8_packed(w, in_padded, flip, out)[0] is out and same_bits(out, packed)
-    with pytest.raises(ValueError, match="contiguous uint8"):
+    with pytest.raises(ValueError, match="quantize_int8_packed: out must be a contiguous torch.uint8"):
         rtn.quantize_int8_packed(w, in_padded, flip, out[:, :0])
     assert rtn.quantize_int8_packed(w, -(-shape[1] // 32) * 32 - 32, flip) is None  # fewer inputs than the weight's
 

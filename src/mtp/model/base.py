@@ -38,10 +38,7 @@ from .cache import Cache, KVCache, Positions
 from .linear import (
     FastLinear,
     FusedProjections,
-    Int4Sources,
-    Int8Sources,
-    PackedSources,
-    WeightSources,
+    Sources,
     bf16_kernel,
     fusable,
     int4_fits,
@@ -229,8 +226,7 @@ class CausalLM(nn.Module, ABC):
 
     def prepare_for_inference(self, quantize: str | None = None, release: bool = False,
                               on_quantized: Callable[[torch.Tensor], None] | None = None,
-                              int4: Int4Sources | None = None, packed: PackedSources | None = None,
-                              weights: WeightSources | None = None, int8: Int8Sources | None = None,
+                              sources: Sources | None = None,
                               experts: dict[str, Callable[[int], tuple[torch.Tensor, torch.Tensor]]] | None = None
                               ) -> None:
         """Swap the linear layers for row-invariant CPU inference kernels (`model/linear.py`): bf16 weights use
@@ -249,15 +245,13 @@ class CausalLM(nn.Module, ABC):
         Unquantized, it lets go of the float weight of each layer on qmatmul's bf16 product but the output heads (its
         packed copy is the same numbers: `FastLinear.restore` unpacks it): a weight decoded at load (FP8, GPTQ) is
         then held once, as a memory-mapped bf16 checkpoint's is.
-        `int4` (quantize "int4"): the layers, by module name, that run their int4 checkpoint's own codes instead of
-        quantizing their weights (`int4_checkpoint_layers`). `packed` (unquantized): the layers, by module name, whose
-        packed copy for qmatmul's bf16 product comes from their source (`packed_bf16_layers`; their weights are meta,
-        never loaded): a quantized checkpoint's weight decoded as its layer is packed (FP8 straight into the packing).
-        `weights` (quantized, `release`): the layers, by module name, whose float weight comes from their source as
-        they are quantized (`quantized_layers`; their weights are meta, never loaded): a quantized checkpoint's weight
-        decoded one layer at a time; `experts` likewise for the routed experts (`quantized_experts`), by module name:
-        expert e's weights, decoded as it is quantized (`Experts.prepare`). `int8`: the layers, by module name, that
-        run their int8 checkpoint's own codes (`int8_checkpoint_layers`)."""
+        `sources`: the layers, by module name, prepared from what their checkpoint gives (`linear.LayerSource`) rather
+        than from a weight they hold: with quantize "int4" / "int8", a checkpoint's own codes (`int4_checkpoint_layers`,
+        `int8_checkpoint_layers`); unquantized, a packed copy for qmatmul's bf16 product (`packed_bf16_layers`: a
+        weight decoded as its layer is packed, FP8 straight into the packing); quantized with `release`, the weight to
+        quantize (`quantized_layers`: decoded one layer at a time). Those weights are meta, never loaded, except int4
+        codes' without `release`. `experts` likewise for the routed experts (`quantized_experts`), by module name:
+        expert e's weights, decoded as it is quantized (`Experts.prepare`)."""
         self.prepared = True
         if self.device.type != "cpu":
             return
@@ -272,7 +266,7 @@ class CausalLM(nn.Module, ABC):
 
             if self.dtype in (torch.bfloat16, torch.float32):
                 prepare_linears(self, "bf16" if self.dtype == torch.bfloat16 else "fp32", prepared=packed_copy,
-                                packed=packed)
+                                sources=sources)
             if self.__dict__.get("masks") is not None:  # its LoRA hooks need each projection's own forward
                 self.masks.unfuse(self)
             return
@@ -291,12 +285,11 @@ class CausalLM(nn.Module, ABC):
         if quantize == "int4":
             unfit = [n for n, m in self.named_modules() if isinstance(m, nn.Linear) and not int4_fits(m)
                      and not any(n.endswith(s) for s in keep)]
-            prepare_linears(self, "int4", skip=keep + tuple(unfit), prepared=quantized, int4=int4, weights=weights)
+            prepare_linears(self, "int4", skip=keep + tuple(unfit), prepared=quantized, sources=sources)
             for name in unfit:
-                prepare_linears(self.get_submodule(name), "int8", prepared=quantized, prefix=name, weights=weights,
-                                int8=int8)
+                prepare_linears(self.get_submodule(name), "int8", prepared=quantized, sources=sources, prefix=name)
         else:
-            prepare_linears(self, quantize, skip=keep, prepared=quantized, weights=weights, int8=int8)
+            prepare_linears(self, quantize, skip=keep, prepared=quantized, sources=sources)
         for name, m in self.named_modules():
             if any(name.endswith(s) for s in keep) and isinstance(m, nn.Linear):
                 prepare_linears(m, "bf16-native" if any(name.endswith(s) for s in self.native_bf16) else "bf16")
@@ -402,17 +395,17 @@ class CausalLM(nn.Module, ABC):
         packs for qmatmul's bf16 product and then lets go of: every one but the output heads, where that product runs
         (`linear.bf16_kernel`). Their weights need never be held as [out, in] tensors: a load (of a model still on the
         meta device) may hand their packed copies to `prepare_for_inference` (`packed`) instead."""
-        if bf16_kernel() != "bf16-native":
-            return []
-        heads = {id(h) for h in self._output_heads()}
-        return [n for n, m in self.named_modules() if type(m) is nn.Linear and id(m) not in heads]
+        return self._linears_but_heads(()) if bf16_kernel() == "bf16-native" else []
 
     def quantized_layers(self) -> list[str]:
         """The linear layers (module names) that `prepare_for_inference(quantize, release=True)` of this model, on the
         CPU, quantizes ("int8" / "int4") and then lets go of: every one but `precise_layers` and the output heads
         (kept: the reduced draft vocabulary reads their rows). A load (of a model still on the meta device) may hand
         their float weights to `prepare_for_inference` one at a time (`weights`) instead of holding them all."""
-        keep = self.precise_layers()
+        return self._linears_but_heads(self.precise_layers())
+
+    def _linears_but_heads(self, keep: tuple[str, ...]) -> list[str]:
+        """The model's (unprepared) linear layers, by module name, but the output heads and those named by `keep`."""
         heads = {id(h) for h in self._output_heads()}
         return [n for n, m in self.named_modules()
                 if type(m) is nn.Linear and id(m) not in heads and not any(n.endswith(s) for s in keep)]

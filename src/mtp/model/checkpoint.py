@@ -32,7 +32,7 @@ from . import qmatmul
 from .base import MTP_LAYER, CausalLM
 from .budget import BUILD_ERRORS, TooLargeError, build_on_meta
 from .families import config_from_json, model_class_for
-from .linear import FastLinear
+from .linear import FastLinear, LayerSource
 from .masks import MASKS_CONFIG, load_adapter
 from .moe import Stack
 from .quantized import DecodedTensor, QuantizedIndex, decoded_index
@@ -198,10 +198,10 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
         _retie(model)
         model.eval()
         del state  # the model holds the weights now: a released one is freed at once
-        model.prepare_for_inference(quantize, release=release, on_quantized=drop, int4={m: d.int4 for m, d in int4.items()},
-                                    packed={m: d.packed_bf16 for m, d in packs.items()},
-                                    weights={m: src.weight for m, src in decoded.items()},
-                                    int8={m: d.int8 for m, d in int8.items()}, experts=experts)
+        layers = ({m: LayerSource(int4=d.int4) for m, d in int4.items()} | {m: LayerSource(int8=d.int8) for m, d in int8.items()}
+                  | {m: LayerSource(pack=d.packed_bf16) for m, d in packs.items()}
+                  | {m: LayerSource(weight=src.weight) for m, src in decoded.items()})
+        model.prepare_for_inference(quantize, release=release, on_quantized=drop, sources=layers, experts=experts)
         for m, d in packs.items():  # their NaN / Inf as the decoder counted them (or read from the packed copy: the
             layer = model.get_submodule(m)  # weight's values and zeros), reported with the others'
             if not (isinstance(layer, FastLinear) and layer.kernel == "bf16-native" and layer._native):
@@ -274,7 +274,7 @@ def _packed_sources(model: CausalLM, files, sources: dict) -> dict[str, DecodedT
 
 
 class _ScratchDecode:
-    """A quantized checkpoint's weight given on demand to the layer that quantizes it (`linear.WeightSources`),
+    """A quantized checkpoint's weight given on demand to the layer that quantizes it (`linear.LayerSource.weight`),
     decoded into a scratch that every weight of one load shares (`DecodedTensor.tensor_into`): valid until the next
     one is decoded; `non_finite` its NaN / Inf count once given (from the decoder, or read from the scratch)."""
 
@@ -286,9 +286,25 @@ class _ScratchDecode:
         if not self.scratch:  # (allocated at the first decode: a load that fails before quantizing never holds it)
             self.scratch.append(torch.empty(self.size, dtype=torch.bfloat16))
         shape = self.entry.shape("")
-        w = self.entry.tensor_into(self.scratch[0][: math.prod(shape)].view(shape))
-        self.non_finite = self.entry.non_finite if self.entry.non_finite is not None else non_finite(w)
+        w = self.scratch[0][: math.prod(shape)].view(shape)
+        self.non_finite = _read_into(self.entry, "", w)
         return w
+
+
+def _read_into(st, key: str, out: torch.Tensor) -> int:
+    """Checkpoint tensor `key` of `st` into `out` (bf16, its shape): a quantized one decoded there
+    (`DecodedTensor.tensor_into`), a float one copied (its file pages then dropped). Returns its NaN / Inf count (the
+    decoder's, or read from `out`)."""
+    if isinstance(st, DecodedTensor):
+        t = st.tensor_into(out)
+        if t.data_ptr() != out.data_ptr():  # (a decoder that cannot write into a given tensor)
+            out.copy_(t)
+        n = st.non_finite
+    else:
+        out.copy_(st.tensor(key))
+        st.release(key)
+        n = None
+    return n if n is not None else non_finite(out)
 
 
 def _quantized_sources(model: CausalLM, files, sources: dict, coded: set[str]) -> dict[str, _ScratchDecode]:
@@ -333,16 +349,7 @@ class _ExpertDecode:
         for key in self.stacks[which].parts[e]:
             st, _ = self.files[key]
             part = out[row : row + st.shape(key)[0]]
-            if isinstance(st, DecodedTensor):
-                t = st.tensor_into(part)
-                if t.data_ptr() != part.data_ptr():  # (a decoder that cannot write into a given tensor)
-                    part.copy_(t)
-                n = st.non_finite
-            else:
-                part.copy_(st.tensor(key))
-                st.release(key)
-                n = None
-            self.bad[which] += n if n is not None else non_finite(part)
+            self.bad[which] += _read_into(st, key, part)
             row += part.shape[0]
         return out
 

@@ -90,11 +90,7 @@ def scaled_counted(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] 
         E *= d
     codes = w.contiguous().view(torch.uint8).reshape(E, N, K)
     s = _by_matrix(scale, E, N, block)
-    if out is None:
-        out = torch.empty(E, N, K, dtype=dtype)
-    elif out.shape != w.shape or out.dtype != dtype or not out.is_contiguous():
-        raise ValueError(f"scaled_counted: out must be contiguous {dtype} {list(w.shape)}, got {out.dtype} {list(out.shape)}")
-    out = out.view(E, N, K)
+    out = qmatmul.out_tensor(out, tuple(w.shape), dtype, "scaled_counted").view(E, N, K)
     if out.numel() == 0:
         return out.reshape(w.shape), 0
     bad = torch.empty(E, N, dtype=torch.int64)
@@ -104,17 +100,6 @@ def scaled_counted(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] 
         lib.scaled_decode(N, K, codes[e].data_ptr(), KINDS[w.dtype], lut.data_ptr(), t.data_ptr(), b0, b1, stride,
                           int(dtype == torch.bfloat16), out[e].data_ptr(), bad[e].data_ptr(), 0, threads, None)
     return out.reshape(w.shape), int(bad.sum())
-
-
-def _packed_out(N: int, K: int, out: torch.Tensor | None, who: str) -> torch.Tensor:
-    """The bf16 tensor a packed decode of a weight [N, K] writes: `out` (checked: contiguous, `qmatmul.pack_bf16`'s
-    shape) or a new one."""
-    shape = qmatmul.bf16_packed_shape(N, K)
-    if out is None:
-        return torch.empty(shape, dtype=torch.bfloat16)
-    if tuple(out.shape) != shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
-        raise ValueError(f"{who}: out must be contiguous bf16 {list(shape)}, got {out.dtype} {list(out.shape)}")
-    return out
 
 
 @torch.no_grad()
@@ -128,7 +113,7 @@ def scaled_packed(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] |
         return None
     N, K = w.shape
     group = qmatmul.bf16_group()
-    out = _packed_out(N, K, out, "scaled_packed")
+    out = qmatmul.out_tensor(out, qmatmul.bf16_packed_shape(N, K), torch.bfloat16, "scaled_packed")
     if N == 0 or K == 0:
         return out.zero_(), 0
     t, b0, b1, stride = _tiles(_by_matrix(scale, 1, N, block)[0], N, K, block)
@@ -151,7 +136,7 @@ def int4_packed_bf16(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tens
     N, K = scale.shape[0], scale.shape[1] * group
     if group % 8 or not LIBRARY.available() or not qmatmul.available():
         return None
-    out = _packed_out(N, K, out, "int4_packed_bf16")
+    out = qmatmul.out_tensor(out, qmatmul.bf16_packed_shape(N, K), torch.bfloat16, "int4_packed_bf16")
     if N == 0 or K == 0:
         return out.zero_(), 0
     bf16_group = qmatmul.bf16_group()

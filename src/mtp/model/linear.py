@@ -49,7 +49,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -279,42 +279,31 @@ class FastLinear(nn.Linear):
 
     @classmethod
     def wrap(cls, linear: nn.Linear, kernel: str, int4: Int4Weight | None = None, from_checkpoint: bool = False,
-             packed_into: torch.Tensor | None = None, pack: Callable[[torch.Tensor | None], torch.Tensor] | None = None,
-             weight: Callable[[], torch.Tensor] | None = None,
-             int8: Callable[[torch.Tensor | None], Int8Codes] | None = None) -> FastLinear:
+             packed_into: torch.Tensor | None = None, source: LayerSource | None = None) -> FastLinear:
         """The same module (same parameters) with a prepared copy for `kernel` (int4: from `int4`'s codes when given;
-        `packed_into`, `pack`, `weight`, `int8`: `prepare`'s)."""
+        `packed_into`, `source`: `prepare`'s)."""
         linear.__class__ = cls
-        linear.prepare(kernel, int4, from_checkpoint, packed_into, pack, weight, int8)
+        linear.prepare(kernel, int4, from_checkpoint, packed_into, source)
         return linear
 
     @torch.no_grad()
     def prepare(self, kernel: str, int4: Int4Weight | None = None, from_checkpoint: bool = False,
-                packed_into: torch.Tensor | None = None, pack: Callable[[torch.Tensor | None], torch.Tensor] | None = None,
-                weight: Callable[[], torch.Tensor] | None = None,
-                int8: Callable[[torch.Tensor | None], Int8Codes] | None = None) -> None:
+                packed_into: torch.Tensor | None = None, source: LayerSource | None = None) -> None:
         """Build the prepared copy of the weight for `kernel`; "int4" from `int4` when given (the codes of this weight,
         `Int4Weight.quantize` of it, or `from_checkpoint`: an int4 checkpoint's own codes, any kernel group size and
         act order, which the weight - when the layer holds one - is only their decode of), else quantized here.
         `packed_into`: where a "bf16-native" packing or qmatmul's int8 codes go (this part's rows of its fusion's
-        buffer: `prepare_parts`);
-        `pack`: what gives that packing instead of the weight (`PackedSources`: a layer loaded with no weight);
-        `weight`: what gives the weight to quantize, "int8" / "int4" (`WeightSources`: a layer loaded with no weight;
-        only read here, so it may be a scratch the next call overwrites); `int8`: what gives an int8 checkpoint's own
-        codes (in `packed_into` when given) and per-row scales, run as stored by "int8" on qmatmul's kernel
-        (`Int8Sources`; the weight, when the layer holds one, is their decode)."""
+        buffer: `prepare_parts`). `source`: where a layer loaded with no weight gets what it runs (`LayerSource`; its
+        `int4` is read by the caller, which passes the codes as `int4`)."""
         if kernel not in KERNELS:
             raise ValueError(f"unknown linear kernel {kernel!r}; expected one of {KERNELS}")
         if self._released is not None:
             raise ReleasedWeightError(self._released_message("be prepared again"))
         if kernel == "bf16":
             kernel = bf16_kernel()
-        if pack is not None and not (kernel == "bf16-native" and qmatmul.available()):
-            raise ValueError(f"a packed bf16 source needs qmatmul's bf16 product (kernel {kernel})")
-        if int8 is not None and not (kernel == "int8" and qmatmul.available()):
-            raise ValueError(f"an int8 checkpoint source needs qmatmul's int8 kernel (kernel {kernel})")
-        if weight is not None and kernel not in ("int8", "int4"):
-            raise ValueError(f"a weight source is for quantizing (kernel int8 / int4), not {kernel}")
+        source = source or LayerSource()
+        source.check(kernel)
+        pack, weight, int8 = source.pack, source.weight, source.int8
         w = self.weight.detach() if weight is None or int4 is not None or int8 is not None else weight()
         self.kernel = kernel
         self._native = False
@@ -734,40 +723,51 @@ def project(module: nn.Module, x: torch.Tensor, *names: str) -> list[torch.Tenso
     return [getattr(module, n)(x) for n in names]
 
 
-# module name -> its int4 checkpoint codes, built on demand (`DecodedTensor.int4`): one layer's unpacked codes at a time
-Int4Sources = dict[str, Callable[[], Int4Weight]]
-# module name -> its int8 checkpoint codes (in qmatmul's layout, into the given buffer or a new one when None) and
-# per-row scales, read on demand (`DecodedTensor.int8`)
-Int8Sources = dict[str, Callable[[torch.Tensor | None], Int8Codes]]
-# module name -> its weight in `qmatmul.pack_bf16`'s layout, built on demand into the given buffer (or a new one when
-# None) and returned (`DecodedTensor.packed_bf16`): the layer holds no weight (meta) and runs that packing
-PackedSources = dict[str, Callable[[torch.Tensor | None], torch.Tensor]]
-# module name -> its float weight [out, in], built on demand for an "int8" / "int4" layer to quantize (valid until the
-# next call: a load decodes each into one reused scratch): the layer holds no weight (meta) and runs the codes
-WeightSources = dict[str, Callable[[], torch.Tensor]]
+@dataclass(frozen=True)
+class LayerSource:
+    """What a layer runs, given on demand by its checkpoint (model/checkpoint.py) instead of being prepared from the
+    weight it holds (a released load leaves that weight meta, never loaded), one field for one kernel:
+    `int4()`: an int4 checkpoint's own codes ("int4", `DecodedTensor.int4`; the layer may also hold their decode);
+    `int8(into)`: an int8 checkpoint's own codes in qmatmul's layout, into the given buffer or a new one, and per-row
+    scales ("int8" on qmatmul's kernel, `DecodedTensor.int8`); `pack(into)`: the weight in `qmatmul.pack_bf16`'s
+    layout ("bf16-native" on qmatmul's product, `DecodedTensor.packed_bf16`); `weight()`: the float weight [out, in] to
+    quantize ("int8" / "int4"; only read while the layer is prepared: a load decodes each into one reused scratch)."""
+
+    int4: Callable[[], Int4Weight] | None = None
+    int8: Callable[[torch.Tensor | None], Int8Codes] | None = None
+    pack: Callable[[torch.Tensor | None], torch.Tensor] | None = None
+    weight: Callable[[], torch.Tensor] | None = None
+
+    def check(self, kernel: str) -> None:
+        """ValueError where a field is given that `kernel` (as resolved by `FastLinear.prepare`) cannot use (`int4` is
+        read by the callers, for "int4" only)."""
+        if self.pack is not None and not (kernel == "bf16-native" and qmatmul.available()):
+            raise ValueError(f"a packed bf16 source needs qmatmul's bf16 product (kernel {kernel})")
+        if self.int8 is not None and not (kernel == "int8" and qmatmul.available()):
+            raise ValueError(f"an int8 checkpoint source needs qmatmul's int8 kernel (kernel {kernel})")
+        if self.weight is not None and kernel not in ("int8", "int4"):
+            raise ValueError(f"a weight source is for quantizing (kernel int8 / int4), not {kernel}")
 
 
-def prepare_parts(parts: list[nn.Linear], kernel: str, given: list[Callable[[], Int4Weight] | None] | None = None,
-                  packed: list[Callable[[torch.Tensor | None], torch.Tensor] | None] | None = None,
-                  weights: list[Callable[[], torch.Tensor] | None] | None = None,
-                  int8: list[Callable[[torch.Tensor | None], Int8Codes] | None] | None = None
+Sources = dict[str, LayerSource]  # module name -> its LayerSource
+
+
+def prepare_parts(parts: list[nn.Linear], kernel: str, sources: list[LayerSource | None] | None = None
                   ) -> list[Int4Weight] | None:
-    """Prepare the layers of one fusion for `kernel` ("int4": from a part's checkpoint codes where `given` has them;
-    bf16 on qmatmul's product: from a part's packing source where `packed` has one, `PackedSources`; int8 / int4: the
-    weight from a part's source where `weights` has one, `WeightSources`; int8: a part's checkpoint codes where `int8`
-    has them, `Int8Sources`); for "int4" on torch's kernel also return
-    their Int4Weights (what `FusedProjections` builds the fused packing from), else None."""
+    """Prepare the layers of one fusion for `kernel`, each from its `LayerSource` where `sources` has one ("int4": a
+    part's checkpoint codes; bf16 on qmatmul's product: its packing; int8 / int4: the weight to quantize; int8: its
+    checkpoint codes); for "int4" on torch's kernel also return their Int4Weights (what `FusedProjections` builds the
+    fused packing from), else None."""
     int4 = None
     groups = [int4_group_for(p.in_features) for p in parts]
-    codes = [None if g is None else g() for g in (given or [None] * len(parts))] if kernel == "int4" else [None] * len(parts)
-    weights = weights or [None] * len(parts)
-    codes8 = int8 if int8 and kernel == "int8" else [None] * len(parts)
+    sources = [s or LayerSource() for s in sources or [None] * len(parts)]
+    codes = [s.int4() if s.int4 is not None and kernel == "int4" else None for s in sources]
     if (kernel == "int4" and None not in groups
             and not all(qmatmul.available() and qmatmul.supports(p.in_features, q.group if q is not None else g)
                         for p, g, q in zip(parts, groups, codes))):
-        int4 = [q if q is not None else Int4Weight.quantize(p.weight.detach() if s is None else s(), g)
-                for p, g, q, s in zip(parts, groups, codes, weights)]
-        weights = [None] * len(parts)  # (quantized already)
+        int4 = [q if q is not None else Int4Weight.quantize(p.weight.detach() if s.weight is None else s.weight(), g)
+                for p, g, q, s in zip(parts, groups, codes, sources)]
+        sources = [LayerSource()] * len(parts)  # (quantized already)
     # bf16 and int8 on qmatmul's products: each part packs into its rows of one buffer, which the fusion then runs as
     # it is (`_joined`) instead of concatenating the packings (a copy of most of the model's weights at load)
     into: list[torch.Tensor | None] = [None] * len(parts)
@@ -783,13 +783,13 @@ def prepare_parts(parts: list[nn.Linear], kernel: str, given: list[Callable[[], 
             shapes = []
         if shapes:
             into = list(torch.empty(sum(s[0] for s in shapes), *shapes[0][1:], dtype=dtype).split([s[0] for s in shapes]))
-    packed = packed or [None] * len(parts)
     for i, p in enumerate(parts):
         wq = int4[i] if int4 is not None else codes[i]
+        rest = replace(sources[i], int4=None)  # (the codes, read above, go as `int4`)
         if isinstance(p, FastLinear):
-            p.prepare(kernel, wq, codes[i] is not None, into[i], packed[i], weights[i], codes8[i])
+            p.prepare(kernel, wq, codes[i] is not None, into[i], rest)
         else:
-            FastLinear.wrap(p, kernel, wq, codes[i] is not None, into[i], packed[i], weights[i], codes8[i])
+            FastLinear.wrap(p, kernel, wq, codes[i] is not None, into[i], rest)
     return int4
 
 
@@ -820,22 +820,16 @@ def fusable(parts: list[FastLinear], int4: list[Int4Weight] | None = None) -> bo
 
 
 def prepare_for_inference(model: nn.Module, kernel: str, skip: tuple[str, ...] = (),
-                          prepared: Callable[[FastLinear], None] | None = None, int4: Int4Sources | None = None,
-                          prefix: str = "", packed: PackedSources | None = None, weights: WeightSources | None = None,
-                          int8: Int8Sources | None = None) -> int:
+                          prepared: Callable[[FastLinear], None] | None = None, sources: Sources | None = None,
+                          prefix: str = "") -> int:
     """Swap every nn.Linear of `model` (but those whose name ends with one of `skip`) for a FastLinear prepared for
     `kernel`, and fuse each module's `fused_projections` (unless their prepared forms differ: `fusable`). Returns how
     many layers were prepared. Parameters, names and the state dict do not change. `prepared(layer)` is called for
     each layer once its prepared form (and its fusion's) exists, layer by layer: the caller may let go of its float
-    weight there (`FastLinear.release`). "int4": a layer named in `int4` runs its checkpoint's codes. `prefix`: the
-    name of `model` inside the model the names in `skip` and `int4` are from (a submodule's layers by their full names).
-    "bf16" / "bf16-native": a layer named in `packed` gets its packed copy from there (it holds no weight); "int8" /
-    "int4": a layer named in `weights` quantizes the weight from there (it holds none); "int8": a layer named in `int8`
-    runs its checkpoint's codes."""
-    int4 = int4 if kernel == "int4" and int4 else {}
-    int8 = int8 if kernel == "int8" and int8 else {}
-    packed = packed or {}
-    weights = weights or {}
+    weight there (`FastLinear.release`). A layer named in `sources` is prepared from its `LayerSource` (its checkpoint's
+    codes, packing or weight). `prefix`: the name of `model` inside the model the names in `skip` and `sources` are
+    from (a submodule's layers by their full names)."""
+    sources = sources or {}
     n = 0
     done: set[int] = set()
     skipped = lambda name: any(name.endswith(s) for s in skip)  # noqa: E731
@@ -847,8 +841,7 @@ def prepare_for_inference(model: nn.Module, kernel: str, skip: tuple[str, ...] =
             if all((type(p) is nn.Linear or isinstance(p, FastLinear)) and not skipped(f"{name}.{x}" if name else x)
                    for p, x in zip(parts, names)):
                 full = [f"{name}.{x}" if name else x for x in names]
-                fused = prepare_parts(parts, kernel, [int4.get(f) for f in full], [packed.get(f) for f in full],
-                                      [weights.get(f) for f in full], [int8.get(f) for f in full])
+                fused = prepare_parts(parts, kernel, [sources.get(f) for f in full])
                 if fusable(parts, fused):
                     m.__dict__["_fused"] = FusedProjections(parts, fused)
                 else:
@@ -861,13 +854,13 @@ def prepare_for_inference(model: nn.Module, kernel: str, skip: tuple[str, ...] =
                     fusion.versions = [p.weight._version for p in parts]  # swaps in a placeholder, it changes nothing
                 n += len(parts)
         if (type(m) is nn.Linear or isinstance(m, FastLinear)) and id(m) not in done and not skipped(name):
-            codes = int4[name]() if name in int4 else None
+            source = sources.get(name, LayerSource())
+            codes = source.int4() if source.int4 is not None and kernel == "int4" else None
+            rest = replace(source, int4=None)  # (the codes, read here, go as `int4`)
             if isinstance(m, FastLinear):
-                m.prepare(kernel, codes, codes is not None, pack=packed.get(name), weight=weights.get(name),
-                          int8=int8.get(name))
+                m.prepare(kernel, codes, codes is not None, source=rest)
             else:
-                FastLinear.wrap(m, kernel, codes, codes is not None, pack=packed.get(name), weight=weights.get(name),
-                                int8=int8.get(name))
+                FastLinear.wrap(m, kernel, codes, codes is not None, source=rest)
             done.add(id(m))
             if prepared is not None:
                 prepared(m)

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..io.safetensors_mmap import CheckpointError
 from .layer import MLP
-from .linear import FastLinear, linear_rows, quantized_kernel
+from .linear import FastLinear, LayerSource, linear_rows, quantized_kernel
 from .rowwise import rowwise
 
 
@@ -76,8 +76,8 @@ class Experts(nn.Module):
         def layer(w: torch.Tensor, given: torch.Tensor | None) -> FastLinear:
             lin = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
             lin.weight = nn.Parameter(w, requires_grad=False)
-            source = None if given is None else lambda: given
-            return FastLinear.wrap(lin, quantized_kernel(kernel, lin), weight=source)  # as the linears do
+            source = None if given is None else LayerSource(weight=lambda: given)
+            return FastLinear.wrap(lin, quantized_kernel(kernel, lin), source=source)  # as the linears do
 
         kernels = []
         for e in range(self.num_experts):

@@ -71,6 +71,16 @@ def supports(in_features: int, group: int | None = None) -> bool:
     return ok if group is None else ok and group % BLOCK == 0 and in_features % group == 0
 
 
+def out_tensor(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, who: str) -> torch.Tensor:
+    """Where a packing or decode of `who` writes: `out` (ValueError unless contiguous, of `shape` and `dtype`: e.g.
+    one part's rows of a fusion's buffer, or a load's scratch), or a new tensor."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype)
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"{who}: out must be a contiguous {dtype} {list(shape)}, got {out.dtype} {list(out.shape)}")
+    return out
+
+
 def pack_int8(codes: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """int8 codes [N, K] (K % 32 == 0) -> uint8 [ceil(N/8), K/4, 8, 4], the q8 kernel's interleaved layout: byte
     (g, c, j, i) is output 8g+j's code for input 4c+i (the last group padded with zero codes), stored as code + 128 for
@@ -85,11 +95,7 @@ def pack_int8(codes: torch.Tensor, out: torch.Tensor | None = None) -> torch.Ten
         codes = codes.clone()
     # a chunk's 4 codes move as one int32 (torch's permuted copy of 4-byte elements, not of bytes: pack_bf16)
     c = codes.view(torch.int32).reshape(-1, 8, K // 4).permute(0, 2, 1)
-    shape = (c.shape[0], K // 4, 8, 4)
-    if out is None:
-        out = torch.empty(shape, dtype=torch.uint8)
-    elif tuple(out.shape) != shape or out.dtype != torch.uint8 or not out.is_contiguous():
-        raise ValueError(f"pack_int8: out must be a contiguous uint8 {list(shape)}, got {out.dtype} {list(out.shape)}")
+    out = out_tensor(out, (c.shape[0], K // 4, 8, 4), torch.uint8, "pack_int8")
     words = out.view(torch.int32).reshape(c.shape)
     if isa() != "avx2":  # code + 128 as a byte is the code's bits with the top one flipped
         torch.bitwise_xor(c, -0x7F7F7F80, out=words)  # 0x80808080 as an int32
@@ -159,10 +165,7 @@ def pack_bf16(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     n = bf16_group()
     k = 32 if n == 16 else 2
     shape = bf16_packed_shape(N, K)
-    if out is None:
-        out = torch.empty(shape, dtype=torch.bfloat16)
-    elif tuple(out.shape) != shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
-        raise ValueError(f"pack_bf16: out must be contiguous bf16 {list(shape)}, got {out.dtype} {list(out.shape)}")
+    out = out_tensor(out, shape, torch.bfloat16, "pack_bf16")
     if N % n or K % k:  # (only then: a pad is a copy, and an output head's weight is the largest there is)
         w = F.pad(w, (0, -K % k, 0, -N % n))
     # each pair of inputs moves as one int32: torch's permuted copy of 4-byte elements ran 2-4x faster than of the

@@ -141,7 +141,7 @@ class QuantizedIndex(dict):
         for name, entry in raw.items():
             if name not in hidden and name not in decoded:
                 self[name] = entry
-        for name, (parts, shape, decode, *extra) in decoded.items():  # (extra: int4 codes, a packing decoder)
+        for name, (parts, shape, decode, *extra) in decoded.items():  # (extra: int4, pack, into, int8: DecodedTensor's)
             self[name] = (DecodedTensor(self, parts, shape, decode, *extra), name)
         self.decoded = set(decoded)
 

@@ -20,6 +20,7 @@ import ctypes
 
 import torch
 
+from . import qmatmul
 from .native import NativeLibrary
 
 
@@ -100,11 +101,7 @@ def quantize_int8_packed(w: torch.Tensor, in_padded: int, flip: bool, out: torch
     N, K = w.shape if w.dim() == 2 else (0, 0)
     if not _usable(w) or in_padded % 32 or in_padded < K:
         return None
-    shape = ((N + 7) // 8, in_padded // 4, 8, 4)
-    if out is None:
-        out = torch.empty(shape, dtype=torch.uint8)
-    elif out.shape != shape or out.dtype != torch.uint8 or not out.is_contiguous():
-        raise ValueError(f"quantize_int8_packed: out must be a contiguous uint8 {list(shape)}, got {out.dtype} {list(out.shape)}")
+    out = qmatmul.out_tensor(out, ((N + 7) // 8, in_padded // 4, 8, 4), torch.uint8, "quantize_int8_packed")
     scale = torch.empty(N)
     ok = LIBRARY.lib().q8_quantize_packed(N, K, in_padded, w.data_ptr(), w.stride(0), int(w.dtype == torch.bfloat16),
                                           int(flip), out.data_ptr(), scale.data_ptr(), torch.get_num_threads()) == 0
