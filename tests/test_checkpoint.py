@@ -138,3 +138,29 @@ def test_memory_mapped_loading_is_lazy(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # copy-on-write mapping: no non-writable-buffer warning
         st.tensor(key).add_(1)
+
+
+LOAD_IMPORTS = """
+import sys
+import mtp
+for path, quantize in zip(sys.argv[1::2], sys.argv[2::2]):
+    mtp.load_model(path, **({} if quantize == "-" else dict(dtype="bfloat16", quantize=quantize)))
+print(sorted(m for m in sys.modules if m.startswith("torch._dynamo")))
+"""
+
+
+def test_a_load_does_not_import_torch_dynamo(tmp_path):
+    """Initializers and elementwise ops on the meta device run torch's Python references, whose first call imports
+    torch._dynamo (1.1 s, more than the rest of loading the shipped model): a model built for a checkpoint runs none
+    (budget.MetaFills, the DeltaNet's A_log). A fresh process, as a user's command is."""
+    import subprocess
+    import sys
+
+    from mtp.cli_common import DEFAULT_MODEL
+
+    mtp.save_model(tiny_model(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                              shared_expert_intermediate_size=16), tmp_path)
+    r = subprocess.run([sys.executable, "-c", LOAD_IMPORTS, str(DEFAULT_MODEL), "-", str(DEFAULT_MODEL), "int4",
+                        str(tmp_path), "-", str(tmp_path), "int8"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"

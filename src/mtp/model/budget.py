@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
+from torch.overrides import TorchFunctionMode
 
 from ..config import ConfigError
 
@@ -80,6 +81,25 @@ def lower_bound_bytes(config, itemsize: int) -> int:
     H, V = config.hidden_size, config.vocab_size
     layers = config.num_hidden_layers + config.mtp_num_hidden_layers
     return (V * H + layers * 2 * H) * itemsize + layers * MIN_MODULES_PER_LAYER * MODULE_BYTES
+
+
+# Initializers (torch.nn.init's and the tensors' own): a model built for a checkpoint takes every value from it.
+FILLS = frozenset({"normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+                   "xavier_normal_", "orthogonal_", "constant_", "zeros_", "ones_", "fill_", "zero_"})
+
+
+class MetaFills(TorchFunctionMode):
+    """Initializers do nothing to a meta tensor (it has no values): returned as they are, uncalled. torch runs some of
+    them on the meta device (`normal_`, as every nn.Embedding's init calls it) through Python reference
+    implementations whose first call imports torch._dynamo: 1.1 s of every load (docs/decisions.md, 2026-12-07
+    fourteenth session). Elementwise ops on meta tensors do the same; a constructor leaves them out on meta."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        t = args[0] if args else kwargs.get("tensor")  # torch.nn.init's pass theirs by name
+        if func.__name__ in FILLS and isinstance(t, torch.Tensor) and t.is_meta:
+            return t
+        return func(*args, **kwargs)
 
 
 @contextmanager
@@ -147,7 +167,7 @@ def build_on_meta(cls, config, dtype: torch.dtype, device: torch.device | str, w
                         f"({config.hidden_size}) and 'vocab_size' ({config.vocab_size}) describe a model of at least")
     try:
         with counting(limit, itemsize, lambda n: refuse(n, "the model this config describes takes more than")), \
-                torch.device("meta"):
+                torch.device("meta"), MetaFills():
             model = cls(config, with_mtp=with_mtp)
     except TooLargeError:
         raise

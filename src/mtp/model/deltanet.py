@@ -119,7 +119,8 @@ class GatedDeltaNet(nn.Module):
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim,
                                 padding=self.kernel - 1, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
-        self.A_log = nn.Parameter(torch.empty(self.num_v_heads).uniform_(0.01, 16).log())
+        a = torch.empty(self.num_v_heads)  # on the meta device (a checkpoint's model) no values: log() there imports
+        self.A_log = nn.Parameter(a if a.is_meta else a.uniform_(0.01, 16).log())  # torch._dynamo (budget.MetaFills)
         self.norm = RMSNormGated(self.head_v_dim, c.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, c.hidden_size, bias=False)
 
