@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 import mtp
 from conftest import tiny_model
 from mtp.model import dequant, packed, qmatmul
-from mtp.model.checkpoint import NonFiniteWeightsWarning
+from mtp.model.checkpoint import NonFiniteWeightsWarning, non_finite
 from test_quantized import release_fp8
 
 pytestmark = pytest.mark.skipif(not dequant.LIBRARY.available(), reason=f"dequant.c unavailable: {dequant.LIBRARY.reason()}")
@@ -130,6 +130,56 @@ def test_a_packed_decode_is_the_packing_of_the_decode(monkeypatch, group, layout
                 assert torch.equal(fresh.view(torch.int16), want) and torch.equal(into.view(torch.int16), want), (code, t)
         finally:
             torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("group", [8, 16])
+@pytest.mark.parametrize("N, K", [(16, 64), (17, 33), (1, 2), (3, 1), (40, 384), (9, 70)])
+def test_a_bf16_weight_packs_in_c_as_in_torch(monkeypatch, group, N, K):
+    """`dequant.pack_bf16` (a bf16 load's packing) is `qmatmul.pack_bf16` bit for bit in both layouts, pads included
+    (zeros, whatever `out` held), NaN and infinities moved as they are and counted, at one and two threads."""
+    if not qmatmul.available():
+        pytest.skip(f"the qmatmul kernels do not run here: {qmatmul.reason()}")
+    monkeypatch.setattr(qmatmul, "bf16_group", lambda: group)
+    g = torch.Generator().manual_seed(N * K + group)
+    w = torch.randn(N, K, generator=g).bfloat16()
+    bad = torch.randperm(N * K, generator=g)[: min(5, N * K)]
+    w.view(-1)[bad] = torch.tensor([float("nan"), float("inf"), -float("inf"), float("nan"), 1.0])[: bad.numel()].bfloat16()
+    want, count = qmatmul.pack_bf16(w).view(torch.int16), int((~torch.isfinite(w)).sum())
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            fresh, n1 = dequant.pack_bf16(w)
+            given = torch.full(want.shape, -1, dtype=torch.int16).view(torch.bfloat16)
+            into, n2 = dequant.pack_bf16(w, given)
+            assert into is given and n1 == n2 == count
+            assert torch.equal(fresh.view(torch.int16), want) and torch.equal(into.view(torch.int16), want)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_non_finite_values_are_counted_in_c(dtype):
+    """`dequant.count_nonfinite` (the loader's check of the weights it keeps as stored) counts NaN and +-Inf as
+    `isfinite` does, across its blocks and vector tails and at one and two threads; the loader's `non_finite` gives
+    the same count with the C pass or without it."""
+    g = torch.Generator().manual_seed(7)
+    threads = torch.get_num_threads()
+    try:
+        for n in (0, 1, 15, 33, 1000, (1 << 16) + 17, (1 << 22) + 5):
+            x = torch.randn(n, generator=g).to(dtype)
+            if n:
+                at = torch.randint(0, n, (min(n, 40),), generator=g)
+                x[at] = torch.tensor([float("nan"), float("inf"), -float("inf"), 2.0]).to(dtype)[torch.arange(at.numel()) % 4]
+            want = int((~torch.isfinite(x)).sum())
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                assert dequant.count_nonfinite(x) == want, (n, t)
+            assert non_finite(x) == want
+    finally:
+        torch.set_num_threads(threads)
+    assert dequant.count_nonfinite(torch.ones(4, 4).t()) is None  # not contiguous: the torch form counts it
+    assert non_finite(torch.tensor([[1.0, float("nan")], [2.0, 3.0]]).t()) == 1
 
 
 @pytest.mark.parametrize("R, N", [(16, 64), (4, 24), (6, 13), (2, 17), (3, 1), (1, 7)])

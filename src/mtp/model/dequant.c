@@ -8,7 +8,9 @@
  * format against torch), times its scale in fp32 (one rounding), then rounded to bf16 as torch rounds (nearest even; a
  * NaN stays a NaN) or kept in fp32; the NaN / Inf written are counted on the way (the loader's check then need not read
  * the weight again). Built with -ffp-contract=off. Rows are independent: the threads' split does not change a bit.
- * The AVX-512 build (native.py's AVX512_VNNI) decodes 16 codes a vector with the same operations: the same bits. */
+ * The AVX-512 build (native.py's AVX512_VNNI) decodes 16 codes a vector with the same operations: the same bits.
+ * The same packing takes bf16 weights as stored (kind 5: a bf16 load's), and count_nonfinite checks a weight the loader
+ * keeps as stored. */
 
 #include <immintrin.h>
 #include <stdint.h>
@@ -121,9 +123,32 @@ static int64_t decode_row_q4(int64_t K, const uint32_t* w, const uint8_t* zr, co
     return nonfinite;
 }
 
-/* Row n of scaled_decode's codes (its arguments) -> o; its NaN / Inf count. */
+/* How many of the n 16-bit floats at h have every bit of the exponent mask m set (NaN or +-Inf) */
+static int64_t count16(const uint16_t* h, int64_t n, uint16_t m) {
+    int64_t i = 0, c = 0;
+#if defined(__AVX512F__)
+    const __m512i vm = _mm512_set1_epi16((short)m);
+    for (; i + 32 <= n; i += 32)
+        c += __builtin_popcount(_mm512_cmpeq_epi16_mask(_mm512_and_si512(_mm512_loadu_si512(h + i), vm), vm));
+#else
+    const __m256i vm = _mm256_set1_epi16((short)m);
+    for (; i + 16 <= n; i += 16)
+        c += __builtin_popcount(_mm256_movemask_epi8(
+                 _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_loadu_si256((const __m256i*)(h + i)), vm), vm))) / 2;
+#endif
+    for (; i < n; i++) c += (h[i] & m) == m;
+    return c;
+}
+
+/* Row n of scaled_decode's codes (its arguments) -> o; its NaN / Inf count. kind 5: bf16 weights as stored (q [N, K]
+ * bf16, copied; s, lut, b0, b1 unused). */
 static inline int64_t decode_nth(int64_t n, int64_t K, const uint8_t* q, int kind, const float* lut, const float* s,
                                  const uint8_t* zero, int64_t b0, int64_t b1, int64_t ss, int bf16, void* o) {
+    if (kind == 5) {
+        const uint16_t* r = (const uint16_t*)q + n * K;
+        memcpy(o, r, K * 2);
+        return count16(r, K, 0x7f80);
+    }
     if (kind == 4) return decode_row_q4(K, (const uint32_t*)q + (n / 8) * K + n % 8, zero + n * ss, s + n * ss, b1, bf16, o);
     return decode_row(K, q + n * K, kind, lut, s + (n / b0) * ss, b1, bf16, o);
 }
@@ -258,4 +283,36 @@ void awq_int4_pack(int64_t K, int64_t C, const uint32_t* w, uint32_t* out, int n
         for (int64_t c = C8; c < C; c++)
             for (int j = 0; j < 8; j++) out[(c * R + r) * 8 + j] = awq_word(src + c, C, j);
     });
+}
+
+/* How many of the n floats at p are NaN or +-Inf (every bit of the exponent set): width 2 with emask 0x7f80 (bf16) or
+ * 0x7c00 (fp16), width 4 with 0x7f800000 (fp32). The loader's check of a weight it keeps as stored (checkpoint.py's
+ * non_finite), one pass at memory speed: torch's aminmax, which widened each bf16 to fp32 first, took twice as long
+ * (docs/decisions.md, 2026-12-07 fourteenth session). Blocks of 2^16 elements are split over the threads. */
+int64_t count_nonfinite(const void* p, int64_t n, int width, uint32_t emask, int nthreads) {
+    const int64_t BLOCK = 1 << 16, blocks = (n + BLOCK - 1) / BLOCK;
+    int64_t total = 0;
+#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(+ : total) if (nthreads > 1 && n >= (1 << 22))
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t i0 = b * BLOCK, i1 = i0 + BLOCK < n ? i0 + BLOCK : n;
+        if (width == 2) {
+            total += count16((const uint16_t*)p + i0, i1 - i0, (uint16_t)emask);
+            continue;
+        }
+        const uint32_t* w = (const uint32_t*)p;
+        int64_t i = i0, c = 0;
+#if defined(__AVX512F__)
+        const __m512i vm = _mm512_set1_epi32((int)emask);
+        for (; i + 16 <= i1; i += 16)
+            c += __builtin_popcount(_mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_loadu_si512(w + i), vm), vm));
+#else
+        const __m256i vm = _mm256_set1_epi32((int)emask);
+        for (; i + 8 <= i1; i += 8)
+            c += __builtin_popcount(_mm256_movemask_ps(_mm256_castsi256_ps(
+                     _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_loadu_si256((const __m256i*)(w + i)), vm), vm))));
+#endif
+        for (; i < i1; i++) c += (w[i] & emask) == emask;
+        total += c;
+    }
+    return total;
 }

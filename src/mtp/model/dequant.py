@@ -30,6 +30,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gptq_int4_pack.argtypes = [i64, i64, p, p, i32]
     lib.awq_int4_pack.argtypes = [i64, i64, p, p, i32]
     lib.gptq_int4_pack.restype = lib.awq_int4_pack.restype = None
+    lib.count_nonfinite.argtypes = [p, i64, i32, ctypes.c_uint32, i32]
+    lib.count_nonfinite.restype = i64
 
 
 LIBRARY = NativeLibrary("dequant.c", None, "decoding scaled codes runs in torch ops", _declare, isas=(AVX512_VNNI,))
@@ -75,6 +77,19 @@ def scaled(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, 
     return None if decoded is None else decoded[0]
 
 
+# float dtype -> (bytes an element, its exponent's bits) for `count_nonfinite`
+EXPONENTS = {torch.bfloat16: (2, 0x7F80), torch.float16: (2, 0x7C00), torch.float32: (4, 0x7F800000)}
+
+
+def count_nonfinite(t: torch.Tensor) -> int | None:
+    """How many elements of t (a contiguous bf16 / fp16 / fp32 CPU tensor) are NaN or +-Inf, in C (dequant.c); or
+    None (another dtype, layout or device, or no native library)."""
+    if t.device.type != "cpu" or t.dtype not in EXPONENTS or not t.is_contiguous() or not LIBRARY.available():
+        return None
+    width, exponent = EXPONENTS[t.dtype]
+    return int(LIBRARY.lib().count_nonfinite(t.data_ptr(), t.numel(), width, exponent, torch.get_num_threads()))
+
+
 @torch.no_grad()
 def scaled_counted(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, dtype: torch.dtype,
                    out: torch.Tensor | None = None) -> tuple[torch.Tensor, int] | None:
@@ -108,19 +123,43 @@ def scaled_packed(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] |
     """`qmatmul.pack_bf16(scaled(w, scale, block, torch.bfloat16), out)` in one pass, with no [N, K] weight between
     (what a load that runs the weight on qmatmul's bf16 product keeps), and its NaN / Inf count as `scaled_counted`
     gives it; or None (module docstring; also for stacked codes). w [N, K] 8-bit codes; scale as for `scaled`."""
-    if (w.device.type != "cpu" or w.dtype not in KINDS or w.dim() != 2 or not LIBRARY.available()
-            or not qmatmul.available()):
+    if w.device.type != "cpu" or w.dtype not in KINDS or w.dim() != 2 or not LIBRARY.available():
         return None
     N, K = w.shape
+    t, b0, b1, stride = _tiles(_by_matrix(scale, 1, N, block)[0], N, K, block)
+    return _packed(w.contiguous().view(torch.uint8), KINDS[w.dtype], _table(w.dtype), t, b0, b1, stride, out,
+                   "scaled_packed")
+
+
+@torch.no_grad()
+def pack_bf16(w: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int | None]:
+    """`qmatmul.pack_bf16(w, out)`, and how many of w's values are NaN or +-Inf (counted as they are moved; None where
+    the torch form packed them). bf16 weight [N, K]. In C (scaled_decode's packing, the rows copied as they are) where
+    it can: torch's permuted copy took ~1 s of loading a bf16 checkpoint of the Qwen3.5-0.8B shape
+    (docs/decisions.md, 2026-12-07 fourteenth session)."""
+    if w.device.type == "cpu" and w.dtype == torch.bfloat16 and w.dim() == 2 and LIBRARY.available():
+        got = _packed(w.contiguous(), 5, None, None, 1, 1, 0, out, "pack_bf16")
+        if got is not None:
+            return got
+    return qmatmul.pack_bf16(w, out), None
+
+
+def _packed(codes: torch.Tensor, kind: int, lut: torch.Tensor | None, tiles: torch.Tensor | None, b0: int, b1: int,
+            stride: int, out: torch.Tensor | None, what: str) -> tuple[torch.Tensor, int] | None:
+    """scaled_decode of codes [N, K] (`kind`, its table and scale tiles) into qmatmul's bf16 packing, and the NaN / Inf
+    count; None where qmatmul does not run."""
+    if not qmatmul.available():
+        return None
+    N, K = codes.shape
     group = qmatmul.bf16_group()
-    out = qmatmul.out_tensor(out, qmatmul.bf16_packed_shape(N, K), torch.bfloat16, "scaled_packed")
+    out = qmatmul.out_tensor(out, qmatmul.bf16_packed_shape(N, K), torch.bfloat16, what)
     if N == 0 or K == 0:
         return out.zero_(), 0
-    t, b0, b1, stride = _tiles(_by_matrix(scale, 1, N, block)[0], N, K, block)
-    bad, codes, lut = torch.empty(N, dtype=torch.int64), w.contiguous().view(torch.uint8), _table(w.dtype)
-    if LIBRARY.lib().scaled_decode(N, K, codes.data_ptr(), KINDS[w.dtype], lut.data_ptr(), t.data_ptr(), b0, b1, stride,
-                                   1, out.data_ptr(), bad.data_ptr(), group, torch.get_num_threads(), None):
-        raise MemoryError(f"scaled_packed: no memory for a scratch block of {group} rows x {K} inputs")
+    bad = torch.empty(N, dtype=torch.int64)
+    if LIBRARY.lib().scaled_decode(N, K, codes.data_ptr(), kind, None if lut is None else lut.data_ptr(),
+                                   None if tiles is None else tiles.data_ptr(), b0, b1, stride, 1, out.data_ptr(),
+                                   bad.data_ptr(), group, torch.get_num_threads(), None):
+        raise MemoryError(f"{what}: no memory for a scratch block of {group} rows x {K} inputs")
     return out, int(bad.sum())
 
 

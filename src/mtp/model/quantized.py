@@ -34,7 +34,7 @@ import torch
 
 from ..config.quantization import Quantization, parse_quantization
 from ..io.safetensors_mmap import CheckpointError
-from . import dequant, qmatmul
+from . import dequant
 from .compressed_tensors import ct_entries
 from .linear import Int4Codes, Int4Weight, Int8Codes
 from .packed import AWQ_REVERSE, SCALE_DTYPES, awq_weight, dequantize_scaled, gptq_weight, int4_nibbles
@@ -109,7 +109,7 @@ class DecodedTensor:
             raise ValueError(f"packed_bf16: the weight decodes to {self.index.dtype}, not bfloat16")
         got = None if self.pack is None else self._from_stored(lambda t: self.pack(t, out))
         if got is None:  # the format's decoder, then the packing (`non_finite` as the decoder set it: maybe None)
-            return qmatmul.pack_bf16(self.tensor(""), out)
+            return dequant.pack_bf16(self.tensor(""), out)[0]
         out, self.non_finite = got
         return out
 
