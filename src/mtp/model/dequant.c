@@ -162,7 +162,7 @@ static inline void move8x8(const uint32_t* src, int64_t stride, uint32_t* dst, i
 }
 
 /* codes q [N, K] (kind 4: int4 codes in the q4 kernel's layout, [N/8][K/8][8] words, with zero points zero [N, K/b1]
- * beside the scales; b0 = 1), scales s (row n, column k takes s[(n / b0) * ss + k / b1]) -> out: group 0, [N, K] bf16
+ * beside the scales; b0 = 1; kind 5: bf16 weights, copied, bf16 = 1), scales s (row n, column k takes s[(n / b0) * ss + k / b1]) -> out: group 0, [N, K] bf16
  * (bf16 != 0)
  * or fp32; group 8 / 16, bf16 in qmatmul.py's pack_bf16 layout of that output group ([ceil(N/8)][ceil(K/2)][8][2], or
  * the AMX tiles' [ceil(N/16)][ceil(K/32)][16][16][2], pads zero): a group's rows are decoded to a scratch block (rows
