@@ -262,6 +262,11 @@ class ReleasedWeightError(RuntimeError):
     """A call needed the float weight of a linear layer that let it go (`FastLinear.release`)."""
 
 
+# Where `FastLinear.prepare` writes its prepared form (one part's rows of its fusion's buffers, `prepare_parts`): a
+# bf16 packing's or int8 codes' buffer, or int4's three (codes, scales, lows); None: new tensors.
+Into = torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+
+
 class FastLinear(nn.Linear):
     """nn.Linear with a prepared inference copy of its weight: [..., in] -> [..., out].
 
@@ -279,7 +284,7 @@ class FastLinear(nn.Linear):
 
     @classmethod
     def wrap(cls, linear: nn.Linear, kernel: str, int4: Int4Weight | None = None, from_checkpoint: bool = False,
-             packed_into: torch.Tensor | None = None, source: LayerSource | None = None) -> FastLinear:
+             packed_into: Into = None, source: LayerSource | None = None) -> FastLinear:
         """The same module (same parameters) with a prepared copy for `kernel` (int4: from `int4`'s codes when given;
         `packed_into`, `source`: `prepare`'s)."""
         linear.__class__ = cls
@@ -288,13 +293,14 @@ class FastLinear(nn.Linear):
 
     @torch.no_grad()
     def prepare(self, kernel: str, int4: Int4Weight | None = None, from_checkpoint: bool = False,
-                packed_into: torch.Tensor | None = None, source: LayerSource | None = None) -> None:
+                packed_into: Into = None, source: LayerSource | None = None) -> None:
         """Build the prepared copy of the weight for `kernel`; "int4" from `int4` when given (the codes of this weight,
         `Int4Weight.quantize` of it, or `from_checkpoint`: an int4 checkpoint's own codes, any kernel group size and
         act order, which the weight - when the layer holds one - is only their decode of), else quantized here.
-        `packed_into`: where a "bf16-native" packing or qmatmul's int8 codes go (this part's rows of its fusion's
-        buffer: `prepare_parts`). `source`: where a layer loaded with no weight gets what it runs (`LayerSource`; its
-        `int4` is read by the caller, which passes the codes as `int4`)."""
+        `packed_into`: where a "bf16-native" packing or qmatmul's int8 codes go, or (a tuple) the int4 codes it
+        quantizes for qmatmul with their scales and lows (`Into`: this part's rows of its fusion's buffers).
+        `source`: where a layer loaded with no weight gets what it runs (`LayerSource`; its `int4` is read by the
+        caller, which passes the codes as `int4`)."""
         if kernel not in KERNELS:
             raise ValueError(f"unknown linear kernel {kernel!r}; expected one of {KERNELS}")
         if self._released is not None:
@@ -326,7 +332,7 @@ class FastLinear(nn.Linear):
             if group is None or not int4_supported(self.out_features, self.in_features, group):
                 raise ValueError(f"int4 needs out_features % 16 == 0 and in_features % 32 == 0, got {list(w.shape)}")
             if int4 is None and qmatmul.available() and qmatmul.supports(self.in_features, group):
-                self._set_int4_rows(w, group)
+                self._set_int4_rows(w, group, packed_into if isinstance(packed_into, tuple) else None)
             else:
                 self._set_int4(int4 if int4 is not None else Int4Weight.quantize(w, group))
         elif int8 is not None:
@@ -373,18 +379,20 @@ class FastLinear(nn.Linear):
         else:
             self._packed, self._sz, self._group = _int4_pack(wq)
 
-    def _set_int4_rows(self, w: torch.Tensor, group: int) -> None:
+    def _set_int4_rows(self, w: torch.Tensor, group: int,
+                       into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         """`_set_int4(Int4Weight.quantize(w, group))` for the qmatmul kernel, QUANT_ROWS output rows at a time (its
         packing is by groups of 8 rows, so the result is the same): the [N, K] unpacked codes are never held at once.
-        In one C pass where it runs (`rtn.quantize_int4_packed`: the codes straight into the kernel's layout)."""
+        In one C pass where it runs (`rtn.quantize_int4_packed`: the codes straight into the kernel's layout). `into`:
+        the (packed, scale, low) buffers to write, as `rtn.quantize_int4_packed` takes them."""
         N, K = w.shape
         self._perm, self._native, self._group = None, True, group
-        fast = rtn.quantize_int4_packed(w, group)
+        fast = rtn.quantize_int4_packed(w, group, into=into)
         if fast is not None:
             self._packed, self._sz, self._low = fast
             return
-        self._packed = torch.empty(N // 8, 4 * K, dtype=torch.uint8)
-        self._sz, self._low = torch.empty(N // 8, K // group * 8), torch.empty(N // 8, K // group * 8)
+        self._packed, self._sz, self._low = into or (torch.empty(N // 8, 4 * K, dtype=torch.uint8),
+                                                     torch.empty(N // 8, K // group * 8), torch.empty(N // 8, K // group * 8))
         for i in range(0, N, QUANT_ROWS):  # (QUANT_ROWS % 8 == 0)
             groups = slice(i // 8, (i + QUANT_ROWS) // 8)
             self._packed[groups], self._sz[groups], self._low[groups] = _native_int4(Int4Weight.quantize(w[i : i + QUANT_ROWS], group))
@@ -768,21 +776,21 @@ def prepare_parts(parts: list[nn.Linear], kernel: str, sources: list[LayerSource
         int4 = [q if q is not None else Int4Weight.quantize(p.weight.detach() if s.weight is None else s.weight(), g)
                 for p, g, q, s in zip(parts, groups, codes, sources)]
         sources = [LayerSource()] * len(parts)  # (quantized already)
-    # bf16 and int8 on qmatmul's products: each part packs into its rows of one buffer, which the fusion then runs as
-    # it is (`_joined`) instead of concatenating the packings (a copy of most of the model's weights at load)
-    into: list[torch.Tensor | None] = [None] * len(parts)
+    # bf16, int8 and quantized int4 on qmatmul's products: each part packs into its rows of one buffer (int4: three,
+    # its codes, scales and lows), which the fusion then runs as it is (`_joined`) instead of concatenating the
+    # packings (a copy of most of the model's weights at load)
+    into: list[Into] = [None] * len(parts)
     if qmatmul.available() and len(parts) > 1 and len({p.in_features for p in parts}) == 1:
-        K = parts[0].in_features
+        K, g = parts[0].in_features, groups[0]
         if kernel == "bf16-native" or kernel == "bf16" and bf16_kernel() == "bf16-native":
-            shapes = [qmatmul.bf16_packed_shape(p.out_features, K) for p in parts]
-            dtype = torch.bfloat16
+            into = _rows([qmatmul.bf16_packed_shape(p.out_features, K) for p in parts], torch.bfloat16)
         elif kernel == "int8":
-            shapes = [(-(-p.out_features // 8), -(-K // qmatmul.BLOCK) * qmatmul.BLOCK // 4, 8, 4) for p in parts]
-            dtype = torch.uint8
-        else:
-            shapes = []
-        if shapes:
-            into = list(torch.empty(sum(s[0] for s in shapes), *shapes[0][1:], dtype=dtype).split([s[0] for s in shapes]))
+            into = _rows([(-(-p.out_features // 8), -(-K // qmatmul.BLOCK) * qmatmul.BLOCK // 4, 8, 4) for p in parts],
+                         torch.uint8)
+        elif (kernel == "int4" and int4 is None and g is not None and len(set(groups)) == 1 and codes == [None] * len(parts)
+              and qmatmul.supports(K, g) and all(int4_supported(p.out_features, K, g) for p in parts)):
+            into = list(zip(_rows([(p.out_features // 8, 4 * K) for p in parts], torch.uint8),
+                            *(_rows([(p.out_features // 8, K // g * 8) for p in parts], torch.float32) for _ in range(2))))
     for i, p in enumerate(parts):
         wq = int4[i] if int4 is not None else codes[i]
         rest = replace(sources[i], int4=None)  # (the codes, read above, go as `int4`)
@@ -791,6 +799,11 @@ def prepare_parts(parts: list[nn.Linear], kernel: str, sources: list[LayerSource
         else:
             FastLinear.wrap(p, kernel, wq, codes[i] is not None, into[i], rest)
     return int4
+
+
+def _rows(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
+    """One new buffer split into consecutive row blocks of these shapes (alike but in dim 0), one a part."""
+    return list(torch.empty(sum(s[0] for s in shapes), *shapes[0][1:], dtype=dtype).split([s[0] for s in shapes]))
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:

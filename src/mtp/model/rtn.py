@@ -63,16 +63,18 @@ def quantize_int4(w: torch.Tensor, group: int, symmetric: bool = False
 
 
 @torch.no_grad()
-def quantize_int4_packed(w: torch.Tensor, group: int, symmetric: bool = False
+def quantize_int4_packed(w: torch.Tensor, group: int, symmetric: bool = False,
+                         into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """`linear._native_int4(Int4Weight.quantize(w, group, symmetric))` of w [N, K] (N % 8 == 0) in one pass: the q4
-    kernel's packed codes uint8 [N/8, 4K], scale and low (-zero * scale) fp32 [N/8, K/group * 8]; or None (module
-    docstring)."""
+    kernel's packed codes uint8 [N/8, 4K], scale and low (-zero * scale) fp32 [N/8, K/group * 8], written into `into`
+    (those three, contiguous: e.g. one part's rows of a fusion's buffers) when given; or None (module docstring)."""
     if not int4_fits(w, group) or w.shape[0] % 8:
         return None
     N, K = w.shape
-    packed = torch.empty(N // 8, 4 * K, dtype=torch.uint8)
-    scale, low = torch.empty(N // 8, K // group * 8), torch.empty(N // 8, K // group * 8)
+    given = into or (None, None, None)
+    packed = qmatmul.out_tensor(given[0], (N // 8, 4 * K), torch.uint8, "quantize_int4_packed")
+    scale, low = (qmatmul.out_tensor(t, (N // 8, K // group * 8), torch.float32, "quantize_int4_packed") for t in given[1:])
     ok = LIBRARY.lib().q4_quantize_packed(N, K, w.data_ptr(), w.stride(0), int(w.dtype == torch.bfloat16), group,
                                           int(symmetric), packed.data_ptr(), scale.data_ptr(), low.data_ptr(),
                                           torch.get_num_threads()) == 0
