@@ -97,7 +97,7 @@ class MetaFills(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         t = args[0] if args else kwargs.get("tensor")  # torch.nn.init's pass theirs by name
-        if func.__name__ in FILLS and isinstance(t, torch.Tensor) and t.is_meta:
+        if getattr(func, "__name__", None) in FILLS and isinstance(t, torch.Tensor) and t.is_meta:
             return t
         return func(*args, **kwargs)
 

@@ -787,7 +787,7 @@ def prepare_parts(parts: list[nn.Linear], kernel: str, sources: list[LayerSource
         elif kernel == "int8":
             into = _rows([(-(-p.out_features // 8), -(-K // qmatmul.BLOCK) * qmatmul.BLOCK // 4, 8, 4) for p in parts],
                          torch.uint8)
-        elif (kernel == "int4" and int4 is None and g is not None and len(set(groups)) == 1 and codes == [None] * len(parts)
+        elif (kernel == "int4" and int4 is None and g is not None and len(set(groups)) == 1 and all(q is None for q in codes)
               and qmatmul.supports(K, g) and all(int4_supported(p.out_features, K, g) for p in parts)):
             into = list(zip(_rows([(p.out_features // 8, 4 * K) for p in parts], torch.uint8),
                             *(_rows([(p.out_features // 8, K // g * 8) for p in parts], torch.float32) for _ in range(2))))
