@@ -79,7 +79,8 @@ ISA_NAMES = ("avx2", AVX512_VNNI.name, AVX512_BF16.name, AMX.name)
 def cpu_flags() -> list[str]:
     """This CPU's /proc/cpuinfo flags ([] where there is none)."""
     try:
-        return next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+        with open("/proc/cpuinfo") as f:  # (closed here: stopping at the first "flags" line left it to the collector)
+            return next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     except OSError:
         return []
 
