@@ -214,17 +214,24 @@ def test_bf16_native_fusions_view_their_parts_and_loads_drop_the_mapped_weights(
 def test_released_bf16_layers_hold_their_packed_copies_and_decode_the_same(tmp_path, monkeypatch):
     """release=True on a bf16 load (what the inference commands load: a checkpoint decoded at load, FP8 or GPTQ,
     would otherwise hold each weight twice): every layer on qmatmul's bf16 product but the output heads keeps only its
-    packed copy; `restore` unpacks exactly the weight it let go; greedy plain and speculative decoding, and int4 drafts
-    quantized from the restored MTP weights, give the unreleased load's tokens and drafts; a training forward or
-    a save refuses clearly."""
+    packed copy, packed straight from the file's pages (never loaded as a weight, its NaN / Inf counted as it is
+    moved: a NaN is named as the unreleased load names it, and refused under strict); `restore` unpacks exactly the
+    weight it let go; greedy plain and speculative decoding, and int4 drafts quantized from the restored MTP weights,
+    give the unreleased load's tokens and drafts; a training forward or a save refuses clearly."""
+    from mtp.model import checkpoint
+
     kernels(monkeypatch, "native")
     monkeypatch.setenv("MTP_BF16", "native")
     mtp.save_model(bf16_model(), tmp_path / "m")
     kept = mtp.load_model(tmp_path / "m")
+    straight = []
+    pack = checkpoint._StoredPack.packed_bf16
+    monkeypatch.setattr(checkpoint._StoredPack, "packed_bf16", lambda self, out=None: straight.append(self.key) or pack(self, out))
     released = mtp.load_model(tmp_path / "m", release=True)
     packed = {n: m for n, m in released.named_modules() if isinstance(m, FastLinear) and m.kernel == "bf16-native"}
     heads = {"lm_head"} | {n for n, m in packed.items() if any(m is h for h in released._output_heads())}
     assert packed and all(m.released == (n not in heads) and m.weight.is_meta == m.released for n, m in packed.items())
+    assert len(straight) == len(set(straight)) == sum(m.released for m in packed.values())
     for n in ("model.layers.0.mlp.down_proj", "model.layers.0.linear_attn.in_proj_qkv"):
         layer = released.get_submodule(n)
         layer.restore()
@@ -249,6 +256,21 @@ def test_released_bf16_layers_hold_their_packed_copies_and_decode_the_same(tmp_p
         released(torch.tensor([[1, 2, 3]]))  # training forward: grad is on
     with pytest.raises(ValueError, match="cannot save tensor"):
         mtp.save_model(released, tmp_path / "out")
+    from safetensors.torch import load_file, save_file
+
+    from mtp.model.checkpoint import NonFiniteWeightsWarning
+
+    tensors, key = load_file(tmp_path / "m" / "model.safetensors"), "model.layers.0.mlp.down_proj.weight"
+    tensors[key][0, 0], tensors[key][1, 1] = float("nan"), float("inf")
+    save_file(tensors, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.warns(NonFiniteWeightsWarning) as unreleased:
+        mtp.load_model(tmp_path / "m")
+    assert f"'{key}' (2 values)" in str(unreleased[0].message)
+    with pytest.warns(NonFiniteWeightsWarning) as got:
+        mtp.load_model(tmp_path / "m", release=True)
+    assert str(got[0].message) == str(unreleased[0].message)
+    with pytest.raises(mtp.CheckpointError, match="NaN or Inf in tensor"):
+        mtp.load_model(tmp_path / "m", release=True, strict=True)
 
 
 def test_a_released_fp8_load_decodes_straight_into_the_packed_copies(tmp_path, monkeypatch):

@@ -260,17 +260,38 @@ def _int8_sources(model: CausalLM, files, sources: dict, quantize: str) -> dict[
     return {m: entries[m] for m in model.int8_checkpoint_layers(list(entries), quantize)}
 
 
-def _packed_sources(model: CausalLM, files, sources: dict) -> dict[str, DecodedTensor]:
+def _packed_sources(model: CausalLM, files, sources: dict) -> dict[str, DecodedTensor | _StoredPack]:
     """module name -> the checkpoint entry of each layer that a released load packs for qmatmul's bf16 product
-    (`packed_bf16_layers`) and whose weight is decoded from a quantized checkpoint: decoded as it is packed, one at a
-    time (`DecodedTensor.packed_bf16`; scaled FP8 / int8 codes straight into the packing)."""
+    (`packed_bf16_layers`), packed at prepare one at a time, never held as a loaded [out, in] weight: a weight decoded
+    from a quantized checkpoint as it is packed (`DecodedTensor.packed_bf16`; scaled FP8 / int8 codes straight into
+    the packing), a bf16 one straight from its file pages (`_StoredPack`)."""
     out = {}
     for m in model.packed_bf16_layers():
         src = sources.get(f"{m}.weight")
         # (a parameter kept in fp32 is loaded as such: its decode is not the bf16 one)
-        if isinstance(src, str) and isinstance(files[src][0], DecodedTensor) and not model.keeps_fp32(f"{m}.weight"):
-            out[m] = files[src][0]
+        if not isinstance(src, str) or model.keeps_fp32(f"{m}.weight"):
+            continue
+        st, key = files[src]
+        if isinstance(st, DecodedTensor):
+            out[m] = st
+        elif isinstance(st, SafetensorsFile) and st.dtype(key) == torch.bfloat16:
+            out[m] = _StoredPack(st, key)
     return out
+
+
+class _StoredPack:
+    """A bf16 weight stored as such, packed for qmatmul's bf16 product straight from the file's pages, its NaN / Inf
+    counted as it is moved (`dequant.pack_bf16`: the loader's check need not read it before; `non_finite` None where
+    the torch form packed it), the pages then dropped. What `DecodedTensor.packed_bf16` is for a quantized weight."""
+
+    def __init__(self, st: SafetensorsFile, key: str):
+        self.st, self.key = st, key
+        self.non_finite: int | None = None
+
+    def packed_bf16(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        packed, self.non_finite = dequant.pack_bf16(self.st.tensor(self.key), out)
+        self.st.release(self.key)
+        return packed
 
 
 class _ScratchDecode:
