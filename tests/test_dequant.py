@@ -135,7 +135,7 @@ def test_a_packed_decode_is_the_packing_of_the_decode(monkeypatch, group, layout
 @pytest.mark.parametrize("group", [8, 16])
 @pytest.mark.parametrize("N, K", [(16, 64), (17, 33), (1, 2), (3, 1), (40, 384), (9, 70)])
 def test_a_bf16_weight_packs_in_c_as_in_torch(monkeypatch, group, N, K):
-    """`dequant.pack_bf16` (a bf16 load's packing) is `qmatmul.pack_bf16` bit for bit in both layouts, pads included
+    """`dequant.pack_bf16_counted` (a bf16 load's packing) is `qmatmul.pack_bf16` bit for bit in both layouts, pads included
     (zeros, whatever `out` held), NaN and infinities moved as they are and counted, at one and two threads."""
     if not qmatmul.available():
         pytest.skip(f"the qmatmul kernels do not run here: {qmatmul.reason()}")
@@ -149,9 +149,9 @@ def test_a_bf16_weight_packs_in_c_as_in_torch(monkeypatch, group, N, K):
     try:
         for t in (1, 2):
             torch.set_num_threads(t)
-            fresh, n1 = dequant.pack_bf16(w)
+            fresh, n1 = dequant.pack_bf16_counted(w)
             given = torch.full(want.shape, -1, dtype=torch.int16).view(torch.bfloat16)
-            into, n2 = dequant.pack_bf16(w, given)
+            into, n2 = dequant.pack_bf16_counted(w, given)
             assert into is given and n1 == n2 == count
             assert torch.equal(fresh.view(torch.int16), want) and torch.equal(into.view(torch.int16), want)
     finally:

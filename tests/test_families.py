@@ -298,6 +298,19 @@ def test_more_mtp_layers_are_named_in_order_and_reused_cyclically(tmp_path):
 
 # ---------------------------------------------------------------------- decoding
 @pytest.mark.parametrize("name", MAIN)
+def test_a_released_bf16_load_decodes_as_the_kept_one(tmp_path, name):
+    """A released bf16 load (what the commands load: each weight the model runs packed is packed straight from its
+    file pages, checkpoint._StoredPack) gives the greedy tokens of the load that keeps its weights, plain and
+    speculative."""
+    mtp.save_model(tiny(name, seed=3).to(torch.bfloat16), tmp_path)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    kept, released = mtp.load_model(tmp_path), mtp.load_model(tmp_path, release=True)
+    want = mtp.generate(kept, prompt, max_new_tokens=16, eos_token_ids=[]).tokens
+    for k in (None, 2):
+        assert mtp.generate(released, prompt, max_new_tokens=16, draft_tokens=k, eos_token_ids=[]).tokens == want, k
+
+
+@pytest.mark.parametrize("name", MAIN)
 @torch.no_grad()
 def test_cached_mtp_steps_equal_teacher_forcing(name):
     """The drafter's catch-up runs depth 1 in pieces over its KV cache: the same as one teacher-forced pass."""

@@ -281,7 +281,7 @@ def _packed_sources(model: CausalLM, files, sources: dict) -> dict[str, DecodedT
 
 class _StoredPack:
     """A bf16 weight stored as such, packed for qmatmul's bf16 product straight from the file's pages, its NaN / Inf
-    counted as it is moved (`dequant.pack_bf16`: the loader's check need not read it before; `non_finite` None where
+    counted as it is moved (`dequant.pack_bf16_counted`: the loader's check need not read it before; `non_finite` None where
     the torch form packed it), the pages then dropped. What `DecodedTensor.packed_bf16` is for a quantized weight."""
 
     def __init__(self, st: SafetensorsFile, key: str):
@@ -289,7 +289,7 @@ class _StoredPack:
         self.non_finite: int | None = None
 
     def packed_bf16(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        packed, self.non_finite = dequant.pack_bf16(self.st.tensor(self.key), out)
+        packed, self.non_finite = dequant.pack_bf16_counted(self.st.tensor(self.key), out)
         self.st.release(self.key)
         return packed
 

@@ -127,30 +127,30 @@ def scaled_packed(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] |
         return None
     N, K = w.shape
     t, b0, b1, stride = _tiles(_by_matrix(scale, 1, N, block)[0], N, K, block)
-    return _packed(w.contiguous().view(torch.uint8), KINDS[w.dtype], _table(w.dtype), t, b0, b1, stride, out,
+    return _packed(w.contiguous().view(torch.uint8), N, K, KINDS[w.dtype], _table(w.dtype), t, b0, b1, stride, out,
                    "scaled_packed")
 
 
 @torch.no_grad()
-def pack_bf16(w: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int | None]:
+def pack_bf16_counted(w: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int | None]:
     """`qmatmul.pack_bf16(w, out)`, and how many of w's values are NaN or +-Inf (counted as they are moved; None where
     the torch form packed them). bf16 weight [N, K]. In C (scaled_decode's packing, the rows copied as they are) where
     it can: torch's permuted copy took ~1 s of loading a bf16 checkpoint of the Qwen3.5-0.8B shape
     (docs/decisions.md, 2026-12-07 fourteenth session)."""
     if w.device.type == "cpu" and w.dtype == torch.bfloat16 and w.dim() == 2 and LIBRARY.available():
-        got = _packed(w.contiguous(), 5, None, None, 1, 1, 0, out, "pack_bf16")
+        got = _packed(w.contiguous(), *w.shape, 5, None, None, 1, 1, 0, out, "pack_bf16_counted")
         if got is not None:
             return got
     return qmatmul.pack_bf16(w, out), None
 
 
-def _packed(codes: torch.Tensor, kind: int, lut: torch.Tensor | None, tiles: torch.Tensor | None, b0: int, b1: int,
-            stride: int, out: torch.Tensor | None, what: str) -> tuple[torch.Tensor, int] | None:
-    """scaled_decode of codes [N, K] (`kind`, its table and scale tiles) into qmatmul's bf16 packing, and the NaN / Inf
-    count; None where qmatmul does not run."""
+def _packed(codes: torch.Tensor, N: int, K: int, kind: int, lut: torch.Tensor | None, tiles: torch.Tensor | None,
+            b0: int, b1: int, stride: int, out: torch.Tensor | None, what: str, zero: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, int] | None:
+    """scaled_decode of the codes of an [N, K] weight (`kind`, its table, scale tiles and zero points) into qmatmul's
+    bf16 packing, and the NaN / Inf count; None where qmatmul does not run."""
     if not qmatmul.available():
         return None
-    N, K = codes.shape
     group = qmatmul.bf16_group()
     out = qmatmul.out_tensor(out, qmatmul.bf16_packed_shape(N, K), torch.bfloat16, what)
     if N == 0 or K == 0:
@@ -158,7 +158,7 @@ def _packed(codes: torch.Tensor, kind: int, lut: torch.Tensor | None, tiles: tor
     bad = torch.empty(N, dtype=torch.int64)
     if LIBRARY.lib().scaled_decode(N, K, codes.data_ptr(), kind, None if lut is None else lut.data_ptr(),
                                    None if tiles is None else tiles.data_ptr(), b0, b1, stride, 1, out.data_ptr(),
-                                   bad.data_ptr(), group, torch.get_num_threads(), None):
+                                   bad.data_ptr(), group, torch.get_num_threads(), None if zero is None else zero.data_ptr()):
         raise MemoryError(f"{what}: no memory for a scratch block of {group} rows x {K} inputs")
     return out, int(bad.sum())
 
@@ -173,19 +173,11 @@ def int4_packed_bf16(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tens
     multiple of 8, or the libraries not available. What a GPTQ / AWQ release decoded to bf16 (`--quantize none`)
     keeps."""
     N, K = scale.shape[0], scale.shape[1] * group
-    if group % 8 or not LIBRARY.available() or not qmatmul.available():
+    if group % 8 or not LIBRARY.available():
         return None
-    out = qmatmul.out_tensor(out, qmatmul.bf16_packed_shape(N, K), torch.bfloat16, "int4_packed_bf16")
-    if N == 0 or K == 0:
-        return out.zero_(), 0
-    bf16_group = qmatmul.bf16_group()
-    scale, zero, codes = scale.float().contiguous(), zero.to(torch.uint8).contiguous(), packed.contiguous()
-    bad, lut = torch.empty(N, dtype=torch.int64), _table(torch.int8)
-    if LIBRARY.lib().scaled_decode(N, K, codes.data_ptr(), 4, lut.data_ptr(), scale.data_ptr(), 1, group,
-                                   scale.shape[1], 1, out.data_ptr(), bad.data_ptr(), bf16_group, torch.get_num_threads(),
-                                   zero.data_ptr()):
-        raise MemoryError(f"int4_packed_bf16: no memory for a scratch block of {bf16_group} rows x {K} inputs")
-    return out, int(bad.sum())
+    scale = scale.float().contiguous()
+    return _packed(packed.contiguous(), N, K, 4, None, scale, 1, group, scale.shape[1], out, "int4_packed_bf16",
+                   zero.to(torch.uint8).contiguous())
 
 
 @torch.no_grad()

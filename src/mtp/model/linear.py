@@ -321,7 +321,7 @@ class FastLinear(nn.Linear):
             # memory-mapped tensor sits wherever the file put it), and the same checkpoint should give the same bits
             self._packed = w if w.is_contiguous() and w.data_ptr() % 64 == 0 else w.clone(memory_format=torch.contiguous_format)
         elif kernel == "bf16-native" and qmatmul.available():
-            self._packed = dequant.pack_bf16(w.to(torch.bfloat16), packed_into)[0] if pack is None else pack(packed_into)
+            self._packed = dequant.pack_bf16_counted(w.to(torch.bfloat16), packed_into)[0] if pack is None else pack(packed_into)
             self._native = True
         elif kernel in ("bf16", "bf16-native"):
             self.kernel = "bf16"

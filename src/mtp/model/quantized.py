@@ -109,7 +109,7 @@ class DecodedTensor:
             raise ValueError(f"packed_bf16: the weight decodes to {self.index.dtype}, not bfloat16")
         got = None if self.pack is None else self._from_stored(lambda t: self.pack(t, out))
         if got is None:  # the format's decoder, then the packing (`non_finite` as the decoder set it: maybe None)
-            return dequant.pack_bf16(self.tensor(""), out)[0]
+            return dequant.pack_bf16_counted(self.tensor(""), out)[0]
         out, self.non_finite = got
         return out
 
