@@ -224,11 +224,12 @@ def test_awq_words_go_straight_to_the_q4_kernels_layout(K, C):
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 @pytest.mark.parametrize("K, N, group", [(64, 16, 32), (128, 24, 8), (256, 40, 128), (96, 8, 16)])
-def test_int4_codes_decode_straight_into_the_bf16_packing(method, K, N, group):
-    """`dequant.int4_packed_bf16` of a GPTQ / AWQ release's codes (in the q4 kernel's layout) == `qmatmul.pack_bf16` of the
-    format's own decode to bf16, bit for bit, with NaN / Inf scales (and products that overflow bf16) counted as the
-    loader's check counts them; act order is left to the decoder (None)."""
-    from mtp.model.quantized import _int4_packed_bf16, awq_int4, gptq_int4
+def test_int4_words_decode_straight_into_the_bf16_packing(method, K, N, group):
+    """`dequant.int4_packed_bf16` of a GPTQ / AWQ release's words as stored == `qmatmul.pack_bf16` of the format's own
+    decode to bf16, bit for bit, with NaN / Inf scales (and products that overflow bf16) counted as the loader's check
+    counts them; act order is left to the decoder (None), as are widths it does not take."""
+    from mtp.config.quantization import Quantization
+    from mtp.model.quantized import _words_packed_bf16
 
     if not qmatmul.available():  # (the bf16 packing is qmatmul's)
         pytest.skip(f"the qmatmul kernels do not run here: {qmatmul.reason()}")
@@ -237,22 +238,25 @@ def test_int4_codes_decode_straight_into_the_bf16_packing(method, K, N, group):
     zeros = torch.randint(0, 16, (N, K // group), generator=g, dtype=torch.int32)
     scales = (torch.rand(K // group, N, generator=g) * 0.1).half()
     scales[0, 0], scales[0, -1] = float("nan"), float("inf")
+    quant = Quantization(method, bits=4, group=group, zero_offset=1 if method == "gptq" else 0)
     if method == "gptq":
         words, qzeros = packed.pack_rows(codes.t().contiguous(), 4), packed.pack_cols(((zeros - 1) & 15).t().contiguous(), 4)
-        wq = gptq_int4(words, qzeros, scales, None, group, 1)
         want = packed.gptq_weight(words, qzeros, scales, None, 4, group, 1, torch.bfloat16)
     else:
         words, qzeros = packed.awq_pack(codes.t().contiguous()), packed.awq_pack(zeros.t().contiguous())
-        wq = awq_int4(words, qzeros, scales, group)
         want = packed.awq_weight(words, qzeros, scales, group, torch.bfloat16)
-    got, n = _int4_packed_bf16(wq, None)
+    t = {"qweight": words, "qzeros": qzeros, "scales": scales}
+    got, n = _words_packed_bf16(t, quant, group, None)
     assert same_bits(got, qmatmul.pack_bf16(want))
     assert n == int((~torch.isfinite(want.float())).sum()) > 0
     into = torch.empty_like(got)
-    assert _int4_packed_bf16(wq, into)[0] is into and torch.equal(into.view(torch.int16), got.view(torch.int16))
+    assert _words_packed_bf16(t, quant, group, into)[0] is into and torch.equal(into.view(torch.int16), got.view(torch.int16))
     if method == "gptq":
         g_idx = (torch.arange(K) // group)[torch.randperm(K, generator=g)].to(torch.int32)
-        assert _int4_packed_bf16(gptq_int4(words, qzeros, scales, g_idx, group, 1), None) is None
+        assert _words_packed_bf16({**t, "g_idx": g_idx}, quant, group, None) is None
+        ordered = (torch.arange(K) // group).to(torch.int32)  # (a g_idx in input order is no act order)
+        assert same_bits(_words_packed_bf16({**t, "g_idx": ordered}, quant, group, None)[0], got)
+        assert _words_packed_bf16({**t, "qweight": words[:, :-1], "scales": scales[:, :-1]}, quant, group, None) is None
 
 
 def test_the_count_of_non_finite_weights_includes_overflow():

@@ -65,6 +65,21 @@ static inline int store8(__m256 v, int bf16, void* o, int64_t k) {
     return __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(d, d, _CMP_UNORD_Q)));
 }
 
+#if defined(__AVX512F__)
+/* store8 on 16 weights (the same operations lane for lane: the same bits) */
+static inline int store16(__m512 v, int bf16, void* o, int64_t k) {
+    if (bf16) {
+        uint16_t* ob = (uint16_t*)o + k;
+        f_to_bf16x16(ob, v, 0xffff);
+        const __m256i e = _mm256_and_si256(_mm256_loadu_si256((const __m256i*)ob), _mm256_set1_epi16(0x7f80));
+        return __builtin_popcount(_mm256_cmpeq_epi16_mask(e, _mm256_set1_epi16(0x7f80)));
+    }
+    _mm512_storeu_ps((float*)o + k, v);
+    const __m512 d = _mm512_sub_ps(v, v);
+    return __builtin_popcount(_mm512_cmp_ps_mask(d, d, _CMP_UNORD_Q));
+}
+#endif
+
 /* Row n of the codes q [N, K] (row stride K) of `kind` (decode8; lut [256]: each code's fp32 value as torch converts
  * it, for the scalar tail), scales s: column k takes sr[k / b1] -> o [K]: bf16 (bf16 != 0) or fp32. Returns how many of
  * the row's outputs are NaN or +-Inf (what the loader's check of the weight would count: it need not read it again). */
@@ -77,19 +92,7 @@ static int64_t decode_row(int64_t K, const uint8_t* qr, int kind, const float* l
         const __m256 sv = _mm256_set1_ps(sc);
         int64_t k = k0;
 #if defined(__AVX512F__)
-        for (; k + 16 <= k1; k += 16) {
-            const __m512 v = _mm512_mul_ps(decode16(qr + k, kind), _mm512_set1_ps(sc));
-            if (bf16) {
-                uint16_t* ob = (uint16_t*)o + k;
-                f_to_bf16x16(ob, v, 0xffff);
-                const __m256i e = _mm256_and_si256(_mm256_loadu_si256((const __m256i*)ob), _mm256_set1_epi16(0x7f80));
-                nonfinite += __builtin_popcount(_mm256_cmpeq_epi16_mask(e, _mm256_set1_epi16(0x7f80)));
-            } else {
-                _mm512_storeu_ps((float*)o + k, v);
-                const __m512 d = _mm512_sub_ps(v, v);
-                nonfinite += __builtin_popcount(_mm512_cmp_ps_mask(d, d, _CMP_UNORD_Q));
-            }
-        }
+        for (; k + 16 <= k1; k += 16) nonfinite += store16(_mm512_mul_ps(decode16(qr + k, kind), _mm512_set1_ps(sc)), bf16, o, k);
 #endif
         for (; k + 8 <= k1; k += 8) nonfinite += store8(_mm256_mul_ps(decode8(qr + k, kind), sv), bf16, o, k);
         for (; k < k1; k++) {
@@ -107,20 +110,71 @@ static int64_t decode_row(int64_t K, const uint8_t* qr, int kind, const float* l
     return nonfinite;
 }
 
-/* One row's int4 codes in the q4 kernel's layout (qmatmul.py's pack_int4: word c at w[8 c] holds inputs 8c..8c+7 as
- * bytes i = q[8c+i] | q[8c+4+i] << 4), zero points zr and scales sr per `group` inputs (group % 8 == 0, K % 8 == 0)
- * -> o [K]: (q - zero) * scale in fp32, as packed.py's dequantize_codes (GPTQ's and AWQ's decoders alike), stored and
- * counted as decode_row does. */
-static int64_t decode_row_q4(int64_t K, const uint32_t* w, const uint8_t* zr, const float* sr, int64_t group, int bf16,
-                             void* o) {
-    const __m256i shifts = _mm256_setr_epi32(0, 8, 16, 24, 4, 12, 20, 28), low = _mm256_set1_epi32(15);
-    int64_t nonfinite = 0;
-    for (int64_t k = 0; k < K; k += 8) {
-        const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w[k]), shifts), low);
+/* One row of a GPTQ release's 4-bit qweight [K/8, N] read in place (word r of output n holds its inputs 8r..8r+7,
+ * input 8r + e in nibble e): w = the row's column of words (word r at w[r * N]), zero points zr and scales sr per
+ * `group` inputs (group % 8 == 0, K % 8 == 0) -> o [K]: (q - zero) * scale in fp32, as packed.py's dequantize_codes
+ * (GPTQ's and AWQ's decoders alike), stored and counted as decode_row does. */
+static int64_t decode_row_gptq(int64_t K, const uint32_t* w, int64_t N, const uint8_t* zr, const float* sr,
+                               int64_t group, int bf16, void* o) {
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), low = _mm256_set1_epi32(15);
+    int64_t nonfinite = 0, k = 0;
+#if defined(__AVX512F__)
+    if (group % 16 == 0) /* 16 inputs a step: two words, one group (the same operations lane for lane) */
+        for (; k < K; k += 16) {
+            const __m512i two = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32((int)w[k / 8 * N])),
+                                                   _mm256_set1_epi32((int)w[(k / 8 + 1) * N]), 1);
+            const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(two, _mm512_broadcast_i64x4(shifts)), _mm512_set1_epi32(15));
+            const __m512 v = _mm512_sub_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps((float)zr[k / group]));
+            nonfinite += store16(_mm512_mul_ps(v, _mm512_set1_ps(sr[k / group])), bf16, o, k);
+        }
+#endif
+    for (; k < K; k += 8) {
+        const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w[k / 8 * N]), shifts), low);
         const __m256 v = _mm256_sub_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps((float)zr[k / group]));
         nonfinite += store8(_mm256_mul_ps(v, _mm256_set1_ps(sr[k / group])), bf16, o, k);
     }
     return nonfinite;
+}
+
+/* output 8c + j of an AWQ word's eight: its nibble AWQ_REVERSE[j] (model/packed.py) */
+static const int AWQ_REVERSE[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+
+/* The 8 rows of outputs 8c..8c+7 of an AWQ release's qweight [K, N/8] read in place (GEMM packing: word (k, c) holds
+ * input k of those outputs, output 8c + j in nibble AWQ_REVERSE[j]): w = their column of words (word k at w[k * C]),
+ * zr / sr the first row's zero points and scales (rows ss apart) -> o, rows `ostride` elements apart; each row decoded,
+ * stored and counted as decode_row_gptq (bad[j]). The 8 words of 8 inputs are gathered once for the 8 rows (a gather
+ * a row made the decode slower than moving the words to the q4 layout first). */
+static void decode_rows_awq(int64_t K, const uint32_t* w, int64_t C, const uint8_t* zr, const float* sr, int64_t ss,
+                            int64_t group, int bf16, void* o, int64_t ostride, int64_t* bad) {
+    const __m256i low = _mm256_set1_epi32(15);
+    const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)C));
+    const size_t esize = bf16 ? 2 : 4;
+    for (int j = 0; j < 8; j++) bad[j] = 0;
+    int64_t k = 0;
+#if defined(__AVX512F__)
+    if (group % 16 == 0) { /* 16 inputs a step, one group (the same operations lane for lane) */
+        const __m512i at16 = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                _mm512_set1_epi32((int)C));
+        for (; k < K; k += 16) {
+            const __m512i words = _mm512_i32gather_epi32(at16, (const int*)(w + k * C), 4);
+            for (int j = 0; j < 8; j++) {
+                const __m512i q = _mm512_and_si512(_mm512_srli_epi32(words, 4 * AWQ_REVERSE[j]), _mm512_set1_epi32(15));
+                const __m512 v = _mm512_sub_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps((float)zr[j * ss + k / group]));
+                bad[j] += store16(_mm512_mul_ps(v, _mm512_set1_ps(sr[j * ss + k / group])), bf16,
+                                  (char*)o + (size_t)(j * ostride) * esize, k);
+            }
+        }
+    }
+#endif
+    for (; k < K; k += 8) {
+        const __m256i words = _mm256_i32gather_epi32((const int*)(w + k * C), at, 4);
+        for (int j = 0; j < 8; j++) {
+            const __m256i q = _mm256_and_si256(_mm256_srli_epi32(words, 4 * AWQ_REVERSE[j]), low);
+            const __m256 v = _mm256_sub_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps((float)zr[j * ss + k / group]));
+            bad[j] += store8(_mm256_mul_ps(v, _mm256_set1_ps(sr[j * ss + k / group])), bf16,
+                             (char*)o + (size_t)(j * ostride) * esize, k);
+        }
+    }
 }
 
 /* How many of the n 16-bit floats at h have every bit of the exponent mask m set (NaN or +-Inf) */
@@ -142,15 +196,31 @@ static int64_t count16(const uint16_t* h, int64_t n, uint16_t m) {
 
 /* Row n of scaled_decode's codes (its arguments) -> o; its NaN / Inf count. kind 5: bf16 weights as stored (q [N, K]
  * bf16, copied; s, lut, b0, b1 unused). */
-static inline int64_t decode_nth(int64_t n, int64_t K, const uint8_t* q, int kind, const float* lut, const float* s,
-                                 const uint8_t* zero, int64_t b0, int64_t b1, int64_t ss, int bf16, void* o) {
+static inline int64_t decode_nth(int64_t n, int64_t N, int64_t K, const uint8_t* q, int kind, const float* lut,
+                                 const float* s, const uint8_t* zero, int64_t b0, int64_t b1, int64_t ss, int bf16,
+                                 void* o) {
+    const uint32_t* w = (const uint32_t*)q;
     if (kind == 5) {
         const uint16_t* r = (const uint16_t*)q + n * K;
         memcpy(o, r, K * 2);
         return count16(r, K, 0x7f80);
     }
-    if (kind == 4) return decode_row_q4(K, (const uint32_t*)q + (n / 8) * K + n % 8, zero + n * ss, s + n * ss, b1, bf16, o);
+    if (kind == 4) return decode_row_gptq(K, w + n, N, zero + n * ss, s + n * ss, b1, bf16, o);
     return decode_row(K, q + n * K, kind, lut, s + (n / b0) * ss, b1, bf16, o);
+}
+
+/* rows n0..n0+rows-1 of scaled_decode's codes -> o (rows ostride elements apart), their counts into bad: kind 6 (AWQ,
+ * rows a multiple of 8 from a multiple of 8) 8 rows a call, the others a row at a time */
+static void decode_block(int64_t n0, int64_t rows, int64_t N, int64_t K, const uint8_t* q, int kind, const float* lut,
+                         const float* s, const uint8_t* zero, int64_t b0, int64_t b1, int64_t ss, int bf16, void* o,
+                         int64_t ostride, int64_t* bad) {
+    const size_t esize = bf16 ? 2 : 4;
+    for (int64_t j = 0; j < rows; j += kind == 6 ? 8 : 1) {
+        const int64_t n = n0 + j;
+        void* oj = (char*)o + (size_t)(j * ostride) * esize;
+        if (kind == 6) decode_rows_awq(K, (const uint32_t*)q + n / 8, N / 8, zero + n * ss, s + n * ss, ss, b1, bf16, oj, ostride, bad + n);
+        else bad[n] = decode_nth(n, N, K, q, kind, lut, s, zero, b0, b1, ss, bf16, oj);
+    }
 }
 
 /* words src[j * stride + i] for j, i < 8 -> dst[i * dstride + j] */
@@ -161,10 +231,9 @@ static inline void move8x8(const uint32_t* src, int64_t stride, uint32_t* dst, i
     for (int i = 0; i < 8; i++) _mm256_storeu_ps((float*)(dst + i * dstride), r[i]);
 }
 
-/* codes q [N, K] (kind 4: int4 codes in the q4 kernel's layout, [N/8][K/8][8] words, with zero points zero [N, K/b1]
- * beside the scales; b0 = 1; kind 5: bf16 weights, copied, bf16 = 1), scales s (row n, column k takes s[(n / b0) * ss + k / b1]) -> out: group 0, [N, K] bf16
- * (bf16 != 0)
- * or fp32; group 8 / 16, bf16 in qmatmul.py's pack_bf16 layout of that output group ([ceil(N/8)][ceil(K/2)][8][2], or
+/* codes q [N, K] (kinds 4 and 6: int4 codes, a GPTQ release's qweight [K/8, N] / an AWQ one's [K, N/8] as stored
+ * (N % 8 == 0), with zero points zero [N, K/b1] beside the scales, b0 = 1; kind 5: bf16 weights, copied, bf16 = 1),
+ * scales s (row n, column k takes s[(n / b0) * ss + k / b1]) -> out: group 0, [N, K] bf16 (bf16 != 0) or fp32; group 8 / 16, bf16 in qmatmul.py's pack_bf16 layout of that output group ([ceil(N/8)][ceil(K/2)][8][2], or
  * the AMX tiles' [ceil(N/16)][ceil(K/32)][16][16][2], pads zero): a group's rows are decoded to a scratch block (rows
  * past N and inputs past K zero), whose input pairs then move as 4-byte words, 8 x 8 transposes of them. bad [N]: each
  * row's NaN / Inf count. Returns 0, or -1 where a scratch block could not be allocated (nothing is then complete). */
@@ -172,9 +241,9 @@ int scaled_decode(int64_t N, int64_t K, const uint8_t* q, int kind, const float*
                    int64_t b1, int64_t ss, int bf16, void* out, int64_t* bad, int group, int nthreads,
                    const uint8_t* zero) {
     if (group == 0) {
-        PARALLEL_FOR(N * K >= (1 << 20), n, N, {
-            void* o = bf16 ? (void*)((uint16_t*)out + n * K) : (void*)((float*)out + n * K);
-            bad[n] = decode_nth(n, K, q, kind, lut, s, zero, b0, b1, ss, bf16, o);
+        PARALLEL_FOR(N * K >= (1 << 20), b, (N + 7) / 8, {
+            void* o = (char*)out + (size_t)(b * 8 * K) * (bf16 ? 2 : 4);
+            decode_block(b * 8, N - b * 8 < 8 ? N - b * 8 : 8, N, K, q, kind, lut, s, zero, b0, b1, ss, bf16, o, K, bad);
         });
         return 0;
     }
@@ -191,10 +260,8 @@ int scaled_decode(int64_t N, int64_t K, const uint8_t* q, int kind, const float*
             continue;
         }
         uint32_t* o = (uint32_t*)out + b * group * pairs;
-        for (int64_t j = 0; j < group && b * group + j < N; j++) {
-            const int64_t n = b * group + j;
-            bad[n] = decode_nth(n, K, q, kind, lut, s, zero, b0, b1, ss, 1, scr + j * stride);
-        }
+        decode_block(b * group, N - b * group < group ? N - b * group : group, N, K, q, kind, lut, s, zero, b0, b1, ss,
+                     1, scr, 2 * stride, bad);
         if (group == 16) {  /* tile c, its row p (pair c * 16 + p), column j: o[c * 256 + p * 16 + j] */
             for (int64_t c = 0; c < pairs / 16; c++)
                 for (int pb = 0; pb < 2; pb++)
@@ -253,8 +320,6 @@ void gptq_int4_pack(int64_t R, int64_t N, const uint32_t* w, uint32_t* out, int 
  * (K % 8 == 0): output group c is one column of words, and its word (r, j) gathers nibble AWQ_REVERSE[j] of the 8
  * words of inputs 8r..8r+7 (input 8r+i to bits 8i, 8r+4+i to bits 8i+4): an 8 x 8 transpose of nibbles, done on 8
  * columns at once and then moved to their groups by an 8 x 8 transpose of words. */
-static const int AWQ_REVERSE[8] = {0, 4, 1, 5, 2, 6, 3, 7};
-
 static inline uint32_t awq_word(const uint32_t* src, int64_t C, int j) {
     uint32_t o = 0;
     for (int k = 0; k < 8; k++) o |= ((src[k * C] >> (4 * AWQ_REVERSE[j])) & 15u) << (8 * (k & 3) + 4 * (k >> 2));

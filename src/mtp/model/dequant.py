@@ -164,20 +164,22 @@ def _packed(codes: torch.Tensor, N: int, K: int, kind: int, lut: torch.Tensor | 
 
 
 @torch.no_grad()
-def int4_packed_bf16(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
+def int4_packed_bf16(words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, layout: str,
                      out: torch.Tensor | None = None) -> tuple[torch.Tensor, int] | None:
-    """int4 codes in the q4 kernel's layout (`qmatmul.pack_int4`'s, uint8 [N/8, 4K]; a GPTQ or AWQ release's words
-    moved by `gptq_int4_packed` / `awq_int4_packed`), scale float [N, K/group] and zero points [N, K/group] ->
+    """A GPTQ or AWQ release's 4-bit words read in place, scale float [N, K/group] and zero points [N, K/group] ->
     `qmatmul.pack_bf16` of the weight (q - zero) * scale (fp32, then bf16: `packed.dequantize_codes`), into `out`
-    when given, in one pass with no [N, K] weight between, and its NaN / Inf count; or None: a group that is not a
+    when given, in one pass with no [N, K] weight between, and its NaN / Inf count; or None: a group or N that is not a
     multiple of 8, or the libraries not available. What a GPTQ / AWQ release decoded to bf16 (`--quantize none`)
-    keeps."""
+    keeps. `layout` "gptq": qweight int32 [K/8, N], input 8r+i of output n in nibble i of word (r, n); "awq": int32
+    [K, N/8], GEMM packing, output 8c+j of input k in nibble AWQ_REVERSE[j] of word (k, c). (Moving the words to the
+    q4 kernel's layout first cost a pass over fresh pages: ~0.1 s of a 0.8B-shape GPTQ load.)"""
     N, K = scale.shape[0], scale.shape[1] * group
-    if group % 8 or not LIBRARY.available():
+    if (group % 8 or N % 8 or not LIBRARY.available() or words.device.type != "cpu" or words.dtype != torch.int32
+            or tuple(words.shape) != {"gptq": (K // 8, N), "awq": (K, N // 8)}[layout]):
         return None
     scale = scale.float().contiguous()
-    return _packed(packed.contiguous(), N, K, 4, None, scale, 1, group, scale.shape[1], out, "int4_packed_bf16",
-                   zero.to(torch.uint8).contiguous())
+    return _packed(words.contiguous(), N, K, 4 if layout == "gptq" else 6, None, scale, 1, group, scale.shape[1], out,
+                   "int4_packed_bf16", zero.to(torch.uint8).contiguous())
 
 
 @torch.no_grad()

@@ -338,19 +338,41 @@ def packed_entries(raw, quant: Quantization) -> tuple[dict, set[str]]:
             decode = lambda t, dtype, q=quant: awq_weight(t["qweight"], t["qzeros"], t["scales"], q.group, dtype)  # noqa: E731
             codes = lambda t, group=group: awq_int4(t["qweight"], t["qzeros"], t["scales"], group)  # noqa: E731
         int4 = Int4Codes(group, codes) if quant.bits == 4 and whole else None
-        # decoded to bf16 (no --quantize): from the codes in the q4 kernel's layout straight into qmatmul's bf16 packing
-        pack = None if int4 is None else lambda t, out, codes=codes: _int4_packed_bf16(codes(t), out)
+        # decoded to bf16 (no --quantize): from the stored words straight into qmatmul's bf16 packing
+        pack = None if int4 is None else lambda t, out, q=quant, group=group: _words_packed_bf16(t, q, group, out)
         decoded[weight] = (parts, (N, K), decode, int4, pack)
         hidden |= set(parts.values())
     return decoded, hidden
 
 
-def _int4_packed_bf16(wq: Int4Weight, out: torch.Tensor | None) -> tuple[torch.Tensor, int] | None:
-    """`dequant.int4_packed_bf16` of an int4 release's codes where they are in the q4 kernel's layout and in input
-    order (no act order), else None (the format's decoder, then the packing)."""
-    if wq.packed is None or wq.perm is not None:
-        return None
-    return dequant.int4_packed_bf16(wq.packed, wq.scale, wq.zero, wq.group, out)
+def _words_packed_bf16(t: dict[str, torch.Tensor], quant, group: int, out: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, int] | None:
+    """`dequant.int4_packed_bf16` of a GPTQ / AWQ 4-bit weight's tensors `t` (qweight, qzeros, scales, g_idx), its
+    words read as stored; None where it does not run them (act order, N not a multiple of 8, no library): the
+    format's decoder, then the packing."""
+    qweight = t["qweight"]
+    if quant.method == "gptq":
+        K = qweight.shape[0] * 8
+        if t.get("g_idx") is not None and not torch.equal(t["g_idx"].long(), torch.arange(K) // group):
+            return None
+        zero, scale = gptq_groups(t["qzeros"], t["scales"], quant.zero_offset)
+    else:
+        zero, scale = awq_groups(t["qzeros"], t["scales"])
+    return dequant.int4_packed_bf16(qweight, scale, zero, group, quant.method, out)
+
+
+def gptq_groups(qzeros: torch.Tensor, scales: torch.Tensor, zero_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GPTQ 4-bit weight's qzeros int32 [G, N/8] and scales [G, N] -> zero points uint8 and scales fp32, [N, G]."""
+    N = scales.shape[1]
+    zero = (int4_nibbles(qzeros).reshape(qzeros.shape[0], -1)[:, :N] + zero_offset) & 15  # [G, N]
+    return zero.t().contiguous(), scales.float().t().contiguous()
+
+
+def awq_groups(qzeros: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An AWQ 4-bit weight's qzeros int32 [G, N/8] (GEMM packing) and scales [G, N] -> zero points uint8 and scales
+    fp32, [N, G]."""
+    zero = int4_nibbles(qzeros)[..., list(AWQ_REVERSE)].reshape(qzeros.shape[0], -1)  # [G, N]
+    return zero.t().contiguous(), scales.float().t().contiguous()
 
 
 def gptq_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
@@ -360,30 +382,27 @@ def gptq_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
     g_idx every group holds `group` inputs."""
     R, N = qweight.shape
     K = R * 8
-    zero = (int4_nibbles(qzeros).reshape(qzeros.shape[0], -1)[:, :N] + zero_offset) & 15  # [G, N]
-    scale = scales.float().t().contiguous()
+    zero, scale = gptq_groups(qzeros, scales, zero_offset)
     perm = None
     if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(K) // group):
         perm = torch.argsort(g_idx.long(), stable=True)  # group g's inputs contiguous, in order
     elif (packed := dequant.gptq_int4_packed(qweight)) is not None:  # the stored words straight to the kernel's
-        return Int4Weight(None, scale, zero.t().contiguous(), group, None, packed)
+        return Int4Weight(None, scale, zero, group, None, packed)
     # transposed as words (an eighth of the elements a transpose of the codes moves), then input k = 8 r + i is
     # nibble i of word r of each row
     codes = int4_nibbles(qweight.t().contiguous()).reshape(N, K)
     if perm is not None:
         codes = codes[:, perm]
-    return Int4Weight(codes.contiguous(), scale, zero.t().contiguous(), group, perm)
+    return Int4Weight(codes.contiguous(), scale, zero, group, perm)
 
 
 def awq_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group: int) -> Int4Weight:
     """AWQ GEMM tensors -> their codes as an Int4Weight [N, K], exactly `awq_weight`'s weight when dequantized."""
-    unorder = list(AWQ_REVERSE)  # output c of a word's eight is nibble AWQ_REVERSE[c]
-    zero = int4_nibbles(qzeros)[..., unorder].reshape(qzeros.shape[0], -1)  # [G, N]
-    scale = scales.float().t().contiguous()
+    zero, scale = awq_groups(qzeros, scales)
     if (packed := dequant.awq_int4_packed(qweight)) is not None:  # the stored words straight to the kernel's layout
-        return Int4Weight(None, scale, zero.t().contiguous(), group, None, packed)
-    q = int4_nibbles(qweight)[..., unorder]  # [K, N / 8, 8]
-    return Int4Weight(q.reshape(q.shape[0], -1).t().contiguous(), scale, zero.t().contiguous(), group)
+        return Int4Weight(None, scale, zero, group, None, packed)
+    q = int4_nibbles(qweight)[..., list(AWQ_REVERSE)]  # [K, N / 8, 8]: output c of a word's eight is nibble AWQ_REVERSE[c]
+    return Int4Weight(q.reshape(q.shape[0], -1).t().contiguous(), scale, zero, group)
 
 
 def _prod(xs) -> int:
