@@ -1,7 +1,8 @@
 """What loading a quantized release costs next to the bf16 one of the same model: wall time and peak RSS of
 `mtp.load_model` in a fresh process, for a random-weight model of a named shape saved as bf16, as an FP8 release
 (128x128 block scales), as a GPTQ 4-bit release (groups of 128, asymmetric, v1 zero points) and as an AWQ GEMM
-one (groups of 128, zero points), and as a compressed-tensors int8 one (W8A8: a scale per channel); each variant
+one (groups of 128, zero points), and as compressed-tensors int8 (W8A8: a scale per channel) and int4 (W4A16: symmetric
+groups of 128) ones; each variant
 CHECKPOINT[:QUANTIZE] loads that checkpoint with `release=True`, and `quantize=QUANTIZE` when given (what `mtp
 generate [--quantize]` loads). Used for docs/decisions.md, 2026-12-01 and 2026-12-02 ("quantized loads") (issue 19).
 
@@ -86,6 +87,19 @@ def int8_channels(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
             name[: -len(".weight")] + ".weight_scale": s}
 
 
+def int4_groups(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    from mtp.model.compressed_tensors import pack
+
+    N, K = t.shape
+    g = t.float().reshape(N, K // 128, 128)
+    s = (g.abs().amax(-1) / 7.5).clamp_min(1e-8).to(torch.bfloat16)
+    q = (g / s.float()[..., None]).round().clamp(-8, 7).to(torch.int32).reshape(N, K)
+    base = name[: -len(".weight")]
+    return {base + ".weight_packed": pack(q + 8, 4), base + ".weight_scale": s, base + ".weight_shape": torch.tensor([N, K])}
+
+
+INT4_SCHEME = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128,
+               "block_structure": None, "dynamic": False, "actorder": None}
 INT8_SCHEME = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "group_size": None,
                "block_structure": None, "dynamic": False, "actorder": None}
 RELEASES = {  # checkpoint name -> (its quantization_config, the encoder of its weights)
@@ -97,6 +111,9 @@ RELEASES = {  # checkpoint name -> (its quantization_config, the encoder of its 
     "ct8": ({"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
              "config_groups": {"group_0": {"targets": ["Linear"], "weights": INT8_SCHEME}}, "ignore": ["lm_head"]},
             int8_channels),  # compressed-tensors W8A8: symmetric int8 codes, one bf16 scale per output channel
+    "ct4": ({"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+             "config_groups": {"group_0": {"targets": ["Linear"], "weights": INT4_SCHEME}}, "ignore": ["lm_head"]},
+            int4_groups),  # compressed-tensors W4A16: symmetric int4 codes in groups of 128, packed 8 a word
 }
 
 

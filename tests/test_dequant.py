@@ -182,24 +182,33 @@ def test_non_finite_values_are_counted_in_c(dtype):
     assert non_finite(torch.tensor([[1.0, float("nan")], [2.0, 3.0]]).t()) == 1
 
 
-@pytest.mark.parametrize("R, N", [(16, 64), (4, 24), (6, 13), (2, 17), (3, 1), (1, 7)])
-def test_gptq_words_go_straight_to_the_q4_kernels_layout(R, N):
-    """`gptq_int4_packed` (GPTQ's words [K/8, N], input 8r+i of output n in nibble i of word (r, n)) is
-    `qmatmul.pack_int4` of the codes those words hold, every bit pattern of the words, zero codes past N; and
-    `gptq_int4` gives the same Int4Weight as from the unpacked codes (`codes` unpacks them on demand)."""
+@pytest.mark.parametrize("R, N", [(16, 64), (4, 24), (6, 13), (2, 17), (3, 1), (1, 7), (9, 16)])
+def test_gptq_and_ct_words_go_straight_to_the_q4_kernels_layout(R, N):
+    """`int4_words_packed` of GPTQ's words [K/8, N] (input 8r+i of output n in nibble i of word (r, n)) and of
+    compressed-tensors' pack-quantized ones [N, K/8] (the same nibbles of word (n, r)) is `qmatmul.pack_int4` of the
+    codes those words hold, every bit pattern of the words, zero codes past N; and `gptq_int4` / the compressed-tensors
+    `int4_weight` give the same Int4Weight as from the unpacked codes (`codes` unpacks them on demand)."""
+    from mtp.config.compressed_tensors import Scheme
+    from mtp.model.compressed_tensors import int4_weight
     from mtp.model.packed import int4_nibbles
     from mtp.model.quantized import gptq_int4
 
     g = torch.Generator().manual_seed(R * 100 + N)
     words = torch.randint(-(2**31), 2**31 - 1, (R, N), generator=g, dtype=torch.int64).to(torch.int32)
     codes = torch.stack([(words.t().long() >> (4 * i)) & 15 for i in range(8)], dim=-1).reshape(N, R * 8).to(torch.uint8)
-    assert torch.equal(dequant.gptq_int4_packed(words), qmatmul.pack_int4(codes))
+    assert torch.equal(dequant.int4_words_packed(words, N, R * 8, "gptq"), qmatmul.pack_int4(codes))
+    assert torch.equal(dequant.int4_words_packed(words.t().contiguous(), N, R * 8, "ct"), qmatmul.pack_int4(codes))
+    assert dequant.int4_words_packed(words, N, R * 8, "ct") is None or R == N  # (the other layout's shape: refused)
     zeros = torch.randint(-(2**31), 2**31 - 1, (1, -(-N // 8)), generator=g, dtype=torch.int64).to(torch.int32)
     scales = torch.rand(1, N, generator=g).half()
     wq = gptq_int4(words, zeros, scales, None, R * 8, 1)
     assert wq.packed is not None and wq.shape == (N, R * 8)
     assert torch.equal(wq.codes, codes) and torch.equal(wq.packed_codes(), qmatmul.pack_int4(codes))
     assert torch.equal(int4_nibbles(words.t().contiguous()).reshape(N, R * 8), codes)  # (the unpacked form's reader)
+    scheme = Scheme("group_0", ("Linear",), 4, "int", True, "channel", "pack-quantized")
+    ct = int4_weight({"weight_packed": words.t().contiguous(), "weight_scale": scales.t().contiguous()}, scheme, N, R * 8,
+                     R * 8)
+    assert ct.packed is not None and torch.equal(ct.codes, codes) and bool((ct.zero == 8).all())
 
 
 @pytest.mark.parametrize("K, C", [(8, 1), (16, 8), (24, 9), (64, 17), (128, 48)])
@@ -222,13 +231,16 @@ def test_awq_words_go_straight_to_the_q4_kernels_layout(K, C):
     assert torch.equal(wq.dequantize(), packed.awq_weight(words, zeros, scales, K, torch.float32))
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("method", ["gptq", "awq", "ct", "ct-asym"])
 @pytest.mark.parametrize("K, N, group", [(64, 16, 32), (128, 24, 8), (256, 40, 128), (96, 8, 16)])
 def test_int4_words_decode_straight_into_the_bf16_packing(method, K, N, group):
-    """`dequant.int4_packed_bf16` of a GPTQ / AWQ release's words as stored == `qmatmul.pack_bf16` of the format's own
-    decode to bf16, bit for bit, with NaN / Inf scales (and products that overflow bf16) counted as the loader's check
-    counts them; act order is left to the decoder (None), as are widths it does not take."""
+    """`dequant.int4_packed_bf16` of a GPTQ / AWQ / compressed-tensors (pack-quantized, symmetric and not) release's
+    words as stored == `qmatmul.pack_bf16` of the format's own decode to bf16, bit for bit, with NaN / Inf scales (and
+    products that overflow bf16) counted as the loader's check counts them; act order is left to the decoder (None), as
+    are widths it does not take."""
+    from mtp.config.compressed_tensors import Scheme
     from mtp.config.quantization import Quantization
+    from mtp.model import compressed_tensors as ct
     from mtp.model.quantized import _words_packed_bf16
 
     if not qmatmul.available():  # (the bf16 packing is qmatmul's)
@@ -238,6 +250,20 @@ def test_int4_words_decode_straight_into_the_bf16_packing(method, K, N, group):
     zeros = torch.randint(0, 16, (N, K // group), generator=g, dtype=torch.int32)
     scales = (torch.rand(K // group, N, generator=g) * 0.1).half()
     scales[0, 0], scales[0, -1] = float("nan"), float("inf")
+    if method.startswith("ct"):  # stored codes q + 8, zero points z + 8 packed along the outputs, scales [N, groups]
+        scheme = Scheme("group_0", ("Linear",), 4, "int", method == "ct", "group", "pack-quantized", group)
+        t = {"weight_packed": ct.pack(codes, 4), "weight_scale": scales.t().contiguous().bfloat16()}
+        zero = None
+        if method == "ct-asym":
+            t["weight_zero_point"] = ct.pack(zeros.t().contiguous(), 4).t().contiguous()
+            zero = zeros - 8
+        want = ct.dequantize(codes - 8, t["weight_scale"], zero, scheme, torch.bfloat16)
+        got, n = ct._int4_packed_bf16(t, scheme, N, K, group, None)
+        assert same_bits(got, qmatmul.pack_bf16(want))
+        assert n == int((~torch.isfinite(want.float())).sum()) > 0
+        g_idx = (torch.arange(K) // group)[torch.randperm(K, generator=g)].to(torch.int32)
+        assert ct._int4_packed_bf16({**t, "weight_g_idx": g_idx}, scheme, N, K, group, None) is None
+        return
     quant = Quantization(method, bits=4, group=group, zero_offset=1 if method == "gptq" else 0)
     if method == "gptq":
         words, qzeros = packed.pack_rows(codes.t().contiguous(), 4), packed.pack_cols(((zeros - 1) & 15).t().contiguous(), 4)

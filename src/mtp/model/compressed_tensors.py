@@ -202,12 +202,14 @@ def _entry(raw, ct: CompressedTensors, base: str, parts: dict[str, str]):
             zero = unpack(zero.t().contiguous(), s.bits, N).t() if zero_packed else zero
         return dequantize(q, t["weight_scale"], zero, s, dtype, t.get("weight_g_idx"))
 
-    int4 = None
+    int4 = pack = into = None
     if packed and s.kind == "int" and s.bits == 4 and s.strategy in ("group", "channel"):
         group = s.group if s.strategy == "group" else K
         int4 = Int4Codes(group, lambda t, N=N, K=K, s=s, group=group: int4_weight(t, s, N, K, group))
-    pack = into = None  # (one scale per tensor, row or tile: FP8 and symmetric int8 decode in one C pass, straight
-    # into qmatmul's bf16 packing or into a given tensor)
+        if K % group == 0:  # decoded to bf16: from the stored words straight into qmatmul's bf16 packing (not act order)
+            pack = lambda t, out, N=N, K=K, s=s, group=group: _int4_packed_bf16(t, s, N, K, group, out)  # noqa: E731
+    # (one scale per tensor, row or tile: FP8 and symmetric int8 decode in one C pass, straight into qmatmul's bf16
+    # packing or into a given tensor)
     if not packed and "weight_zero_point" not in parts and s.strategy != "group":
         pack = lambda t, out, s=s: dequant.scaled_packed(t["weight"], t["weight_scale"], s.block, out)  # noqa: E731
         into = lambda t, out, s=s: dequant.scaled_counted(t["weight"], t["weight_scale"], s.block,  # noqa: E731
@@ -231,19 +233,42 @@ def int8_codes(t: dict[str, torch.Tensor], packed: bool, N: int, K: int, into: t
 def int4_weight(t: dict[str, torch.Tensor], s: Scheme, N: int, K: int, group: int) -> Int4Weight:
     """A pack-quantized int4 weight's stored tensors (group or channel strategy) -> its codes as an Int4Weight: the
     stored codes are q + 8 and the zero points z + 8 (symmetric: 8), so (codes - zero) * scale is `dequantize`'s
-    (q - z) * s exactly; act order (weight_g_idx): the inputs permuted so that each group is contiguous (`perm`)."""
+    (q - z) * s exactly; act order (weight_g_idx): the inputs permuted so that each group is contiguous (`perm`).
+    Without act order the stored words go straight to the q4 kernel's layout (`dequant.int4_words_packed`)."""
+    zero, scale = _int4_groups(t, s, N, K, group)
+    if not _act_order(t, K, group) and (packed := dequant.int4_words_packed(t["weight_packed"], N, K, "ct")) is not None:
+        return Int4Weight(None, scale, zero, group, None, packed)
     codes = int4_nibbles(t["weight_packed"]).reshape(N, -1)[:, :K]
-    scale = t["weight_scale"].float().reshape(N, K // group)
-    if s.symmetric:
-        zero = torch.full((N, K // group), 8, dtype=torch.uint8)
-    else:
-        zp = t["weight_zero_point"]  # [ceil(N / 8), G], packed along the outputs
-        zero = int4_nibbles(zp).permute(0, 2, 1).reshape(-1, zp.shape[1])[:N].contiguous()
     perm = None
-    if "weight_g_idx" in t and not torch.equal(t["weight_g_idx"].long(), torch.arange(K) // group):
+    if _act_order(t, K, group):
         perm = torch.argsort(t["weight_g_idx"].long(), stable=True)  # as `dequantize` groups them
         codes = codes[:, perm]
-    return Int4Weight(codes.contiguous(), scale.contiguous(), zero, group, perm)
+    return Int4Weight(codes.contiguous(), scale, zero, group, perm)
+
+
+def _int4_groups(t: dict[str, torch.Tensor], s: Scheme, N: int, K: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pack-quantized int4 weight's zero points (stored z + 8, packed along the outputs; symmetric: 8) as uint8 and
+    scales as fp32, both [N, K/group]."""
+    scale = t["weight_scale"].float().reshape(N, K // group).contiguous()
+    if s.symmetric:
+        return torch.full((N, K // group), 8, dtype=torch.uint8), scale
+    zp = t["weight_zero_point"]  # [ceil(N / 8), G], packed along the outputs
+    return int4_nibbles(zp).permute(0, 2, 1).reshape(-1, zp.shape[1])[:N].contiguous(), scale
+
+
+def _act_order(t: dict[str, torch.Tensor], K: int, group: int) -> bool:
+    """Does the weight's g_idx put its inputs in groups other than consecutive runs of `group`?"""
+    return "weight_g_idx" in t and not torch.equal(t["weight_g_idx"].long(), torch.arange(K) // group)
+
+
+def _int4_packed_bf16(t: dict[str, torch.Tensor], s: Scheme, N: int, K: int, group: int, out: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, int] | None:
+    """`dequant.int4_packed_bf16` of a pack-quantized int4 weight's stored words; None with act order (or where it
+    does not run): the torch decoder, then the packing."""
+    if _act_order(t, K, group):
+        return None
+    zero, scale = _int4_groups(t, s, N, K, group)
+    return dequant.int4_packed_bf16(t["weight_packed"], scale, zero, group, "ct", out)
 
 
 def _check_g_idx(raw, name: str, path, K: int, group: int) -> None:

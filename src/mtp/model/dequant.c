@@ -110,26 +110,27 @@ static int64_t decode_row(int64_t K, const uint8_t* qr, int kind, const float* l
     return nonfinite;
 }
 
-/* One row of a GPTQ release's 4-bit qweight [K/8, N] read in place (word r of output n holds its inputs 8r..8r+7,
- * input 8r + e in nibble e): w = the row's column of words (word r at w[r * N]), zero points zr and scales sr per
- * `group` inputs (group % 8 == 0, K % 8 == 0) -> o [K]: (q - zero) * scale in fp32, as packed.py's dequantize_codes
- * (GPTQ's and AWQ's decoders alike), stored and counted as decode_row does. */
-static int64_t decode_row_gptq(int64_t K, const uint32_t* w, int64_t N, const uint8_t* zr, const float* sr,
-                               int64_t group, int bf16, void* o) {
+/* One row of 4-bit codes in words of 8 inputs read in place (input 8r + e in nibble e of the row's word r, at
+ * w[r * stride]: a GPTQ release's qweight [K/8, N], stride N, or a compressed-tensors pack-quantized weight_packed
+ * [N, K/8], stride 1), zero points zr and scales sr per `group` inputs (group % 8 == 0, K % 8 == 0) -> o [K]:
+ * (q - zero) * scale in fp32, as packed.py's dequantize_codes (GPTQ's, AWQ's and compressed-tensors' decoders alike),
+ * stored and counted as decode_row does. */
+static int64_t decode_row_words(int64_t K, const uint32_t* w, int64_t stride, const uint8_t* zr, const float* sr,
+                                int64_t group, int bf16, void* o) {
     const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), low = _mm256_set1_epi32(15);
     int64_t nonfinite = 0, k = 0;
 #if defined(__AVX512F__)
     if (group % 16 == 0) /* 16 inputs a step: two words, one group (the same operations lane for lane) */
         for (; k < K; k += 16) {
-            const __m512i two = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32((int)w[k / 8 * N])),
-                                                   _mm256_set1_epi32((int)w[(k / 8 + 1) * N]), 1);
+            const __m512i two = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32((int)w[k / 8 * stride])),
+                                                   _mm256_set1_epi32((int)w[(k / 8 + 1) * stride]), 1);
             const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(two, _mm512_broadcast_i64x4(shifts)), _mm512_set1_epi32(15));
             const __m512 v = _mm512_sub_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps((float)zr[k / group]));
             nonfinite += store16(_mm512_mul_ps(v, _mm512_set1_ps(sr[k / group])), bf16, o, k);
         }
 #endif
     for (; k < K; k += 8) {
-        const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w[k / 8 * N]), shifts), low);
+        const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w[k / 8 * stride]), shifts), low);
         const __m256 v = _mm256_sub_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps((float)zr[k / group]));
         nonfinite += store8(_mm256_mul_ps(v, _mm256_set1_ps(sr[k / group])), bf16, o, k);
     }
@@ -142,7 +143,7 @@ static const int AWQ_REVERSE[8] = {0, 4, 1, 5, 2, 6, 3, 7};
 /* The 8 rows of outputs 8c..8c+7 of an AWQ release's qweight [K, N/8] read in place (GEMM packing: word (k, c) holds
  * input k of those outputs, output 8c + j in nibble AWQ_REVERSE[j]): w = their column of words (word k at w[k * C]),
  * zr / sr the first row's zero points and scales (rows ss apart) -> o, rows `ostride` elements apart; each row decoded,
- * stored and counted as decode_row_gptq (bad[j]). The 8 words of 8 inputs are gathered once for the 8 rows (a gather
+ * stored and counted as decode_row_words (bad[j]). The 8 words of 8 inputs are gathered once for the 8 rows (a gather
  * a row made the decode slower than moving the words to the q4 layout first). */
 static void decode_rows_awq(int64_t K, const uint32_t* w, int64_t C, const uint8_t* zr, const float* sr, int64_t ss,
                             int64_t group, int bf16, void* o, int64_t ostride, int64_t* bad) {
@@ -205,7 +206,8 @@ static inline int64_t decode_nth(int64_t n, int64_t N, int64_t K, const uint8_t*
         memcpy(o, r, K * 2);
         return count16(r, K, 0x7f80);
     }
-    if (kind == 4) return decode_row_gptq(K, w + n, N, zero + n * ss, s + n * ss, b1, bf16, o);
+    if (kind == 4) return decode_row_words(K, w + n, N, zero + n * ss, s + n * ss, b1, bf16, o);
+    if (kind == 7) return decode_row_words(K, w + n * (K / 8), 1, zero + n * ss, s + n * ss, b1, bf16, o);
     return decode_row(K, q + n * K, kind, lut, s + (n / b0) * ss, b1, bf16, o);
 }
 
@@ -231,8 +233,9 @@ static inline void move8x8(const uint32_t* src, int64_t stride, uint32_t* dst, i
     for (int i = 0; i < 8; i++) _mm256_storeu_ps((float*)(dst + i * dstride), r[i]);
 }
 
-/* codes q [N, K] (kinds 4 and 6: int4 codes, a GPTQ release's qweight [K/8, N] / an AWQ one's [K, N/8] as stored
- * (N % 8 == 0), with zero points zero [N, K/b1] beside the scales, b0 = 1; kind 5: bf16 weights, copied, bf16 = 1),
+/* codes q [N, K] (kinds 4, 6 and 7: int4 codes as a release stores them, GPTQ's qweight [K/8, N], AWQ's [K, N/8],
+ * compressed-tensors' weight_packed [N, K/8] (N % 8 == 0), with zero points zero [N, K/b1] beside the scales, b0 = 1;
+ * kind 5: bf16 weights, copied, bf16 = 1),
  * scales s (row n, column k takes s[(n / b0) * ss + k / b1]) -> out: group 0, [N, K] bf16 (bf16 != 0) or fp32; group 8 / 16, bf16 in qmatmul.py's pack_bf16 layout of that output group ([ceil(N/8)][ceil(K/2)][8][2], or
  * the AMX tiles' [ceil(N/16)][ceil(K/32)][16][16][2], pads zero): a group's rows are decoded to a scratch block (rows
  * past N and inputs past K zero), whose input pairs then move as 4-byte words, 8 x 8 transposes of them. bad [N]: each
@@ -278,10 +281,11 @@ int scaled_decode(int64_t N, int64_t K, const uint8_t* q, int kind, const float*
     return failed ? -1 : 0;
 }
 
-/* GPTQ's 4-bit words qweight [R][N] (word r of output n: its inputs 8r..8r+7, input 8r+i in bits 4i..4i+3) -> the q4
- * kernel's codes (qmatmul.py's pack_int4) as words out [ceil(N/8)][R][8]: word (g, r, j) holds output 8g+j's inputs
- * 8r..8r+7 as bytes i = q[8r+i] | q[8r+4+i] << 4, a permutation of the stored word's nibbles (0,4,1,5,2,6,3,7 from
- * 0..7); outputs past N are zero codes. */
+/* 4-bit words of 8 inputs (input 8r+i of output n in nibble i of word (r, n), at w[r * rs + n * ns]: GPTQ's qweight
+ * [R][N], rs = N, ns = 1; compressed-tensors' pack-quantized weight_packed [N][R], rs = 1, ns = R) -> the q4 kernel's
+ * codes (qmatmul.py's pack_int4) as words out [ceil(N/8)][R][8]: word (g, r, j) holds output 8g+j's inputs 8r..8r+7
+ * as bytes i = q[8r+i] | q[8r+4+i] << 4, a permutation of the stored word's nibbles (0,4,1,5,2,6,3,7 from 0..7);
+ * outputs past N are zero codes. */
 static inline uint32_t q4_word(uint32_t w) {
     return (w & 0xF000000Fu) | ((w << 4) & 0x00000F00u) | ((w << 8) & 0x000F0000u) | ((w << 12) & 0x0F000000u) |
            ((w >> 12) & 0x000000F0u) | ((w >> 8) & 0x0000F000u) | ((w >> 4) & 0x00F00000u);
@@ -299,24 +303,30 @@ static inline __m256i q4_words8(__m256i x) {
 #undef Q4_TERM
 }
 
-void gptq_int4_pack(int64_t R, int64_t N, const uint32_t* w, uint32_t* out, int nthreads) {
+void int4_words_pack(int64_t R, int64_t N, const uint32_t* w, int64_t rs, int64_t ns, uint32_t* out, int nthreads) {
     const int64_t groups = (N + 7) / 8;
     PARALLEL_FOR(R * N >= (1 << 18), g, groups, {
         uint32_t* o = out + g * R * 8;
         const int64_t n0 = g * 8, n = N - n0 < 8 ? N - n0 : 8;
-        for (int64_t r = 0; r < R; r++) {
-            const uint32_t* src = w + r * N + n0;
-            if (n == 8) {
-                _mm256_storeu_si256((__m256i*)(o + r * 8), q4_words8(_mm256_loadu_si256((const __m256i*)src)));
-            } else {
-                for (int64_t j = 0; j < 8; j++) o[r * 8 + j] = j < n ? q4_word(src[j]) : 0;
+        int64_t r = 0;
+        if (n == 8 && ns == 1) /* the group's 8 words of input block r side by side */
+            for (; r < R; r++)
+                _mm256_storeu_si256((__m256i*)(o + r * 8), q4_words8(_mm256_loadu_si256((const __m256i*)(w + r * rs + n0))));
+        else if (n == 8 && rs == 1) /* each output's words side by side: 8 blocks at a time, an 8 x 8 transpose */
+            for (; r + 8 <= R; r += 8) {
+                __m256 t[8];
+                for (int j = 0; j < 8; j++) t[j] = _mm256_loadu_ps((const float*)(w + (n0 + j) * ns + r));
+                transpose_words8(t); /* t[i]: block r + i's 8 outputs */
+                for (int i = 0; i < 8; i++)
+                    _mm256_storeu_si256((__m256i*)(o + (r + i) * 8), q4_words8(_mm256_castps_si256(t[i])));
             }
-        }
+        for (; r < R; r++)
+            for (int64_t j = 0; j < 8; j++) o[r * 8 + j] = j < n ? q4_word(w[r * rs + (n0 + j) * ns]) : 0;
     });
 }
 
 /* AWQ's 4-bit words qweight [K][C] (GEMM packing, C = N/8: word (k, c) holds input k of outputs 8c..8c+7, output 8c+j
- * in nibble AWQ_REVERSE[j], model/packed.py) -> the q4 kernel's codes as gptq_int4_pack writes them, out [C][K/8][8]
+ * in nibble AWQ_REVERSE[j], model/packed.py) -> the q4 kernel's codes as int4_words_pack writes them, out [C][K/8][8]
  * (K % 8 == 0): output group c is one column of words, and its word (r, j) gathers nibble AWQ_REVERSE[j] of the 8
  * words of inputs 8r..8r+7 (input 8r+i to bits 8i, 8r+4+i to bits 8i+4): an 8 x 8 transpose of nibbles, done on 8
  * columns at once and then moved to their groups by an 8 x 8 transpose of words. */

@@ -1,7 +1,7 @@
 """A checkpoint's scaled 8-bit codes (FP8 e4m3fn / e5m2, symmetric int8) decoded to float weights in one C pass
 (`dequant.c`): what an FP8 release spends its load on beyond a bf16 one. `scaled_packed` decodes straight into
-qmatmul's bf16 packing; `gptq_int4_packed` and `awq_int4_packed` move GPTQ's and AWQ's int4 words to the q4 kernel's
-layout.
+qmatmul's bf16 packing; `int4_words_packed` and `awq_int4_packed` move GPTQ's, compressed-tensors' and AWQ's int4 words
+to the q4 kernel's layout, and `int4_packed_bf16` decodes them straight into the bf16 packing.
 
 The torch form, `packed.dequantize_scaled`, converts the codes to fp32, multiplies by the scales and casts, 128 rows
 at a time: ~4 s of a 10 s FP8 load at the Qwen3.5-0.8B shape on one core (docs/decisions.md, 2026-12-06 eleventh
@@ -27,9 +27,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.scaled_decode.argtypes = [i64, i64, p, i32, p, p, i64, i64, i64, i32, p, p, i32, i32, p]
     lib.scaled_decode.restype = ctypes.c_int
-    lib.gptq_int4_pack.argtypes = [i64, i64, p, p, i32]
+    lib.int4_words_pack.argtypes = [i64, i64, p, i64, i64, p, i32]
     lib.awq_int4_pack.argtypes = [i64, i64, p, p, i32]
-    lib.gptq_int4_pack.restype = lib.awq_int4_pack.restype = None
+    lib.int4_words_pack.restype = lib.awq_int4_pack.restype = None
     lib.count_nonfinite.argtypes = [p, i64, i32, ctypes.c_uint32, i32]
     lib.count_nonfinite.restype = i64
 
@@ -163,38 +163,49 @@ def _packed(codes: torch.Tensor, N: int, K: int, kind: int, lut: torch.Tensor | 
     return out, int(bad.sum())
 
 
+# 4-bit words of 8 inputs a release stores, by layout: (scaled_decode's kind, the words' shape for an [N, K] weight,
+# the stride between an output's consecutive words and between two outputs' words, for int4_words_pack)
+WORDS = {"gptq": (4, lambda N, K: (K // 8, N), lambda N, K: (N, 1)),  # qweight: input 8r+i of output n, nibble i of (r, n)
+         "ct": (7, lambda N, K: (N, K // 8), lambda N, K: (1, K // 8))}  # pack-quantized weight_packed: of word (n, r)
+
+
 @torch.no_grad()
 def int4_packed_bf16(words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, layout: str,
                      out: torch.Tensor | None = None) -> tuple[torch.Tensor, int] | None:
-    """A GPTQ or AWQ release's 4-bit words read in place, scale float [N, K/group] and zero points [N, K/group] ->
-    `qmatmul.pack_bf16` of the weight (q - zero) * scale (fp32, then bf16: `packed.dequantize_codes`), into `out`
-    when given, in one pass with no [N, K] weight between, and its NaN / Inf count; or None: a group or N that is not a
-    multiple of 8, or the libraries not available. What a GPTQ / AWQ release decoded to bf16 (`--quantize none`)
-    keeps. `layout` "gptq": qweight int32 [K/8, N], input 8r+i of output n in nibble i of word (r, n); "awq": int32
-    [K, N/8], GEMM packing, output 8c+j of input k in nibble AWQ_REVERSE[j] of word (k, c). (Moving the words to the
-    q4 kernel's layout first cost a pass over fresh pages: ~0.1 s of a 0.8B-shape GPTQ load.)"""
+    """A release's 4-bit words read in place, scale float [N, K/group] and zero points [N, K/group] -> `qmatmul.pack_bf16`
+    of the weight (q - zero) * scale (fp32, then bf16: `packed.dequantize_codes`), into `out` when given, in one pass
+    with no [N, K] weight between, and its NaN / Inf count; or None: a group or N that is not a multiple of 8, or the
+    libraries not available. What a GPTQ / AWQ / compressed-tensors int4 release decoded to bf16 (`--quantize none`)
+    keeps. `layout` "gptq": qweight int32 [K/8, N], input 8r+i of output n in nibble i of word (r, n); "ct":
+    weight_packed int32 [N, K/8], the same nibbles of word (n, r); "awq": int32 [K, N/8], GEMM packing, output 8c+j of
+    input k in nibble AWQ_REVERSE[j] of word (k, c). (Moving the words to the q4 kernel's layout first cost a pass over
+    fresh pages: ~0.1 s of a 0.8B-shape GPTQ load; the torch decoder of compressed-tensors' words 4-5 s.)"""
     N, K = scale.shape[0], scale.shape[1] * group
+    kind, shape = (6, (K, N // 8)) if layout == "awq" else (WORDS[layout][0], WORDS[layout][1](N, K))
     if (group % 8 or N % 8 or not LIBRARY.available() or words.device.type != "cpu" or words.dtype != torch.int32
-            or tuple(words.shape) != {"gptq": (K // 8, N), "awq": (K, N // 8)}[layout]):
+            or tuple(words.shape) != shape):
         return None
     scale = scale.float().contiguous()
-    return _packed(words.contiguous(), N, K, 4 if layout == "gptq" else 6, None, scale, 1, group, scale.shape[1], out,
-                   "int4_packed_bf16", zero.to(torch.uint8).contiguous())
+    return _packed(words.contiguous(), N, K, kind, None, scale, 1, group, scale.shape[1], out, "int4_packed_bf16",
+                   zero.to(torch.uint8).contiguous())
 
 
 @torch.no_grad()
-def gptq_int4_packed(qweight: torch.Tensor) -> torch.Tensor | None:
-    """GPTQ's 4-bit words qweight int32 [K/8, N] (8 inputs of one output a word) -> the q4 kernel's codes in
-    `qmatmul.pack_int4`'s layout, uint8 [ceil(N/8), 4K] (outputs past N zero codes): one pass over the words, each a
-    permutation of its nibbles, where unpacking to one code a byte and packing again took two (~1 s of a 0.8B-shape
-    GPTQ int4 load). Bit for bit `qmatmul.pack_int4` of the codes; None where the library is not available."""
-    if qweight.device.type != "cpu" or qweight.dtype != torch.int32 or qweight.dim() != 2 or not LIBRARY.available():
+def int4_words_packed(words: torch.Tensor, N: int, K: int, layout: str) -> torch.Tensor | None:
+    """A release's 4-bit words of 8 inputs (`WORDS`: GPTQ's qweight int32 [K/8, N], compressed-tensors' weight_packed
+    [N, K/8]) -> the q4 kernel's codes in `qmatmul.pack_int4`'s layout, uint8 [ceil(N/8), 4K] (outputs past N zero
+    codes): one pass over the words, each a permutation of its nibbles, where unpacking to one code a byte and packing
+    again took two (~1 s of a 0.8B-shape GPTQ int4 load). Bit for bit `qmatmul.pack_int4` of the codes; None where the
+    library is not available, or K is not a multiple of 8."""
+    kind, shape, strides = WORDS[layout]
+    if (words.device.type != "cpu" or words.dtype != torch.int32 or K % 8 or tuple(words.shape) != shape(N, K)
+            or not LIBRARY.available()):
         return None
-    R, N = qweight.shape
-    words = qweight.contiguous()
+    R = K // 8
     out = torch.empty(-(-N // 8), R, 8, dtype=torch.int32)
     if out.numel():
-        LIBRARY.lib().gptq_int4_pack(R, N, words.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        LIBRARY.lib().int4_words_pack(R, N, words.contiguous().data_ptr(), *strides(N, K), out.data_ptr(),
+                                      torch.get_num_threads())
     return out.view(torch.uint8).reshape(out.shape[0], R * 32)
 
 

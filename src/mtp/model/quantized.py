@@ -386,7 +386,7 @@ def gptq_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
     perm = None
     if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(K) // group):
         perm = torch.argsort(g_idx.long(), stable=True)  # group g's inputs contiguous, in order
-    elif (packed := dequant.gptq_int4_packed(qweight)) is not None:  # the stored words straight to the kernel's
+    elif (packed := dequant.int4_words_packed(qweight, N, K, "gptq")) is not None:  # the stored words straight to the kernel's
         return Int4Weight(None, scale, zero, group, None, packed)
     # transposed as words (an eighth of the elements a transpose of the codes moves), then input k = 8 r + i is
     # nibble i of word r of each row
