@@ -1,6 +1,6 @@
 """What loading a quantized release costs next to the bf16 one of the same model: wall time and peak RSS of
 `mtp.load_model` in a fresh process, for a random-weight model of a named shape saved as bf16, as an FP8 release
-(128x128 block scales), as a GPTQ 4-bit release (groups of 128, asymmetric, v1 zero points) and as an AWQ GEMM
+(128x128 block scales), as GPTQ 4-bit and 8-bit releases (groups of 128, asymmetric / symmetric, v1 zero points) and as an AWQ GEMM
 one (groups of 128, zero points), and as compressed-tensors int8 (W8A8: a scale per channel) and int4 (W4A16: symmetric
 groups of 128) ones; each variant
 CHECKPOINT[:QUANTIZE] loads that checkpoint with `release=True`, and `quantize=QUANTIZE` when given (what `mtp
@@ -72,6 +72,19 @@ def gptq4(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
             base + ".scales": s.t().contiguous().half()}
 
 
+def gptq8(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    from mtp.model.packed import pack_cols, pack_rows
+
+    N, K = t.shape
+    g = t.float().reshape(N, K // 128, 128)
+    s = (g.abs().amax(-1) / 127).clamp_min(1e-8).half().float()
+    q = (g / s[..., None] + 128).round().clamp(0, 255).to(torch.int32).reshape(N, K)
+    base = name[: -len(".weight")]
+    return {base + ".qweight": pack_rows(q.t().contiguous(), 8),
+            base + ".qzeros": pack_cols(torch.full((K // 128, N), 127, dtype=torch.int32), 8),  # v1: zero - 1
+            base + ".scales": s.t().contiguous().half()}
+
+
 def awq4(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
     from mtp.model.packed import awq_pack
 
@@ -107,6 +120,8 @@ RELEASES = {  # checkpoint name -> (its quantization_config, the encoder of its 
             fp8_blocks),
     "gptq4": ({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": False, "desc_act": False,
                "checkpoint_format": "gptq"}, gptq4),
+    "gptq8": ({"quant_method": "gptq", "bits": 8, "group_size": 128, "sym": True, "desc_act": False,
+               "checkpoint_format": "gptq"}, gptq8),
     "awq4": ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True}, awq4),
     "ct8": ({"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
              "config_groups": {"group_0": {"targets": ["Linear"], "weights": INT8_SCHEME}}, "ignore": ["lm_head"]},

@@ -231,58 +231,61 @@ def test_awq_words_go_straight_to_the_q4_kernels_layout(K, C):
     assert torch.equal(wq.dequantize(), packed.awq_weight(words, zeros, scales, K, torch.float32))
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq", "ct", "ct-asym"])
+@pytest.mark.parametrize("method", ["gptq", "gptq8", "awq", "ct", "ct-asym", "ct8", "ct8-asym"])
 @pytest.mark.parametrize("K, N, group", [(64, 16, 32), (128, 24, 8), (256, 40, 128), (96, 8, 16)])
-def test_int4_words_decode_straight_into_the_bf16_packing(method, K, N, group):
-    """`dequant.int4_packed_bf16` of a GPTQ / AWQ / compressed-tensors (pack-quantized, symmetric and not) release's
-    words as stored == `qmatmul.pack_bf16` of the format's own decode to bf16, bit for bit, with NaN / Inf scales (and
-    products that overflow bf16) counted as the loader's check counts them; act order is left to the decoder (None), as
-    are widths it does not take."""
+def test_release_words_decode_straight_to_bf16(method, K, N, group):
+    """`dequant.words_bf16` of a GPTQ (4 / 8 bits) / AWQ / compressed-tensors (pack-quantized, 4 / 8 bits, symmetric
+    and not) release's words as stored == the format's own decode to bf16, bit for bit, into qmatmul's bf16 packing
+    and as an [N, K] weight (into a given tensor too), with NaN / Inf scales (and products that overflow bf16) counted
+    as the loader's check counts them; act order is left to the decoder (None), as are widths it does not take."""
     from mtp.config.compressed_tensors import Scheme
     from mtp.config.quantization import Quantization
     from mtp.model import compressed_tensors as ct
-    from mtp.model.quantized import _words_packed_bf16
+    from mtp.model.quantized import _words_bf16
 
     if not qmatmul.available():  # (the bf16 packing is qmatmul's)
         pytest.skip(f"the qmatmul kernels do not run here: {qmatmul.reason()}")
-    g = torch.Generator().manual_seed(K + N + group)
-    codes = torch.randint(0, 16, (N, K), generator=g, dtype=torch.int32)
-    zeros = torch.randint(0, 16, (N, K // group), generator=g, dtype=torch.int32)
+    bits = 8 if "8" in method else 4
+    g = torch.Generator().manual_seed(K + N + group + bits)
+    codes = torch.randint(0, 1 << bits, (N, K), generator=g, dtype=torch.int32)
+    zeros = torch.randint(0, 1 << bits, (N, K // group), generator=g, dtype=torch.int32)
     scales = (torch.rand(K // group, N, generator=g) * 0.1).half()
     scales[0, 0], scales[0, -1] = float("nan"), float("inf")
-    if method.startswith("ct"):  # stored codes q + 8, zero points z + 8 packed along the outputs, scales [N, groups]
-        scheme = Scheme("group_0", ("Linear",), 4, "int", method == "ct", "group", "pack-quantized", group)
-        t = {"weight_packed": ct.pack(codes, 4), "weight_scale": scales.t().contiguous().bfloat16()}
+    if method.startswith("ct"):  # stored codes q + 2^(bits-1), zero points likewise packed along the outputs
+        scheme = Scheme("group_0", ("Linear",), bits, "int", not method.endswith("asym"), "group", "pack-quantized", group)
+        t = {"weight_packed": ct.pack(codes, bits), "weight_scale": scales.t().contiguous().bfloat16()}
         zero = None
-        if method == "ct-asym":
-            t["weight_zero_point"] = ct.pack(zeros.t().contiguous(), 4).t().contiguous()
-            zero = zeros - 8
-        want = ct.dequantize(codes - 8, t["weight_scale"], zero, scheme, torch.bfloat16)
-        got, n = ct._int4_packed_bf16(t, scheme, N, K, group, None)
-        assert same_bits(got, qmatmul.pack_bf16(want))
-        assert n == int((~torch.isfinite(want.float())).sum()) > 0
-        g_idx = (torch.arange(K) // group)[torch.randperm(K, generator=g)].to(torch.int32)
-        assert ct._int4_packed_bf16({**t, "weight_g_idx": g_idx}, scheme, N, K, group, None) is None
-        return
-    quant = Quantization(method, bits=4, group=group, zero_offset=1 if method == "gptq" else 0)
-    if method == "gptq":
-        words, qzeros = packed.pack_rows(codes.t().contiguous(), 4), packed.pack_cols(((zeros - 1) & 15).t().contiguous(), 4)
-        want = packed.gptq_weight(words, qzeros, scales, None, 4, group, 1, torch.bfloat16)
+        if method.endswith("asym"):
+            t["weight_zero_point"] = ct.pack(zeros.t().contiguous(), bits).t().contiguous()
+            zero = zeros - (1 << (bits - 1))
+        want = ct.dequantize(codes - (1 << (bits - 1)), t["weight_scale"], zero, scheme, torch.bfloat16)
+        decode = lambda t, out, packed: ct._words_bf16(t, scheme, N, K, group, out, packed)  # noqa: E731
+        act_order = {**t, "weight_g_idx": (torch.arange(K) // group)[torch.randperm(K, generator=g)].to(torch.int32)}
     else:
-        words, qzeros = packed.awq_pack(codes.t().contiguous()), packed.awq_pack(zeros.t().contiguous())
-        want = packed.awq_weight(words, qzeros, scales, group, torch.bfloat16)
-    t = {"qweight": words, "qzeros": qzeros, "scales": scales}
-    got, n = _words_packed_bf16(t, quant, group, None)
-    assert same_bits(got, qmatmul.pack_bf16(want))
-    assert n == int((~torch.isfinite(want.float())).sum()) > 0
-    into = torch.empty_like(got)
-    assert _words_packed_bf16(t, quant, group, into)[0] is into and torch.equal(into.view(torch.int16), got.view(torch.int16))
-    if method == "gptq":
-        g_idx = (torch.arange(K) // group)[torch.randperm(K, generator=g)].to(torch.int32)
-        assert _words_packed_bf16({**t, "g_idx": g_idx}, quant, group, None) is None
+        quant = Quantization(method[:4], bits=bits, group=group, zero_offset=1 if method.startswith("gptq") else 0)
+        if method.startswith("gptq"):
+            words = packed.pack_rows(codes.t().contiguous(), bits)
+            qzeros = packed.pack_cols(((zeros - 1) & ((1 << bits) - 1)).t().contiguous(), bits)
+            want = packed.gptq_weight(words, qzeros, scales, None, bits, group, 1, torch.bfloat16)
+        else:
+            words, qzeros = packed.awq_pack(codes.t().contiguous()), packed.awq_pack(zeros.t().contiguous())
+            want = packed.awq_weight(words, qzeros, scales, group, torch.bfloat16)
+        t = {"qweight": words, "qzeros": qzeros, "scales": scales}
+        decode = lambda t, out, packed: _words_bf16(t, quant, group, out, packed)  # noqa: E731
+        act_order = {**t, "g_idx": (torch.arange(K) // group)[torch.randperm(K, generator=g)].to(torch.int32)}
+    bad = int((~torch.isfinite(want.float())).sum())
+    assert bad > 0
+    for as_packed, ref in [(True, qmatmul.pack_bf16(want)), (False, want)]:
+        got, n = decode(t, None, as_packed)
+        assert same_bits(got, ref) and n == bad, (as_packed, n, bad)
+        into = torch.empty_like(got)
+        assert decode(t, into, as_packed)[0] is into and torch.equal(into.view(torch.int16), got.view(torch.int16))
+    if method != "awq":
+        assert decode(act_order, None, True) is None
+    if method.startswith("gptq"):
         ordered = (torch.arange(K) // group).to(torch.int32)  # (a g_idx in input order is no act order)
-        assert same_bits(_words_packed_bf16({**t, "g_idx": ordered}, quant, group, None)[0], got)
-        assert _words_packed_bf16({**t, "qweight": words[:, :-1], "scales": scales[:, :-1]}, quant, group, None) is None
+        assert same_bits(decode({**t, "g_idx": ordered}, None, True)[0], qmatmul.pack_bf16(want))
+        assert decode({**t, "qweight": words[:, :-1], "scales": scales[:, :-1]}, None, True) is None
 
 
 def test_the_count_of_non_finite_weights_includes_overflow():

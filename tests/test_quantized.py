@@ -378,7 +378,7 @@ def with_zero_points_at_zero(model):
 
 @pytest.mark.parametrize("bits, group, sym, act_order, fmt", [
     (4, 16, False, False, "gptq"), (4, 16, True, True, "gptq"), (8, 32, False, True, "gptq_v2"), (4, None, False, False, "gptq"),
-    (2, 16, True, False, "gptq"),
+    (2, 16, True, False, "gptq"), (8, 16, False, False, "gptq"),
 ])
 def test_gptq_loads_exactly_as_its_codes_dequantized(tmp_path, bits, group, sym, act_order, fmt, monkeypatch):
     src = with_zero_points_at_zero(tiny_model(std=0.02).to(torch.bfloat16))
@@ -392,6 +392,16 @@ def test_gptq_loads_exactly_as_its_codes_dequantized(tmp_path, bits, group, sym,
         assert close_logits(model, src, ids) < (0.02 if bits == 8 else 0.25)
     if (bits, act_order) == (4, True):
         greedy_spec_equals_plain(model, monkeypatch, 64)
+    if bits in (4, 8) and not act_order:
+        # released (what the commands load): the words decoded straight into the packing, or into the scratch a
+        # quantizing load quantizes from (dequant.words_bf16), give the tokens of the load that keeps its weights
+        prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+        for quantize in (None, "int8"):
+            kept = mtp.load_model(tmp_path, quantize=quantize)
+            released = mtp.load_model(tmp_path, quantize=quantize, release=True)
+            want = mtp.generate(kept, prompt, max_new_tokens=12, eos_token_ids=[]).tokens
+            for k in (None, 2):
+                assert mtp.generate(released, prompt, max_new_tokens=12, draft_tokens=k, eos_token_ids=[]).tokens == want
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "deepseek_v3"])

@@ -206,8 +206,12 @@ def _entry(raw, ct: CompressedTensors, base: str, parts: dict[str, str]):
     if packed and s.kind == "int" and s.bits == 4 and s.strategy in ("group", "channel"):
         group = s.group if s.strategy == "group" else K
         int4 = Int4Codes(group, lambda t, N=N, K=K, s=s, group=group: int4_weight(t, s, N, K, group))
-        if K % group == 0:  # decoded to bf16: from the stored words straight into qmatmul's bf16 packing (not act order)
-            pack = lambda t, out, N=N, K=K, s=s, group=group: _int4_packed_bf16(t, s, N, K, group, out)  # noqa: E731
+    if packed and s.kind == "int" and s.strategy in ("group", "channel") and K % (s.group or K) == 0:
+        # decoded to bf16 from the stored words in one C pass (not act order): straight into qmatmul's bf16 packing,
+        # or into a given tensor
+        group = s.group if s.strategy == "group" else K
+        pack = lambda t, out, N=N, K=K, s=s, group=group: _words_bf16(t, s, N, K, group, out, True)  # noqa: E731
+        into = lambda t, out, N=N, K=K, s=s, group=group: _words_bf16(t, s, N, K, group, out, False)  # noqa: E731
     # (one scale per tensor, row or tile: FP8 and symmetric int8 decode in one C pass, straight into qmatmul's bf16
     # packing or into a given tensor)
     if not packed and "weight_zero_point" not in parts and s.strategy != "group":
@@ -235,7 +239,7 @@ def int4_weight(t: dict[str, torch.Tensor], s: Scheme, N: int, K: int, group: in
     stored codes are q + 8 and the zero points z + 8 (symmetric: 8), so (codes - zero) * scale is `dequantize`'s
     (q - z) * s exactly; act order (weight_g_idx): the inputs permuted so that each group is contiguous (`perm`).
     Without act order the stored words go straight to the q4 kernel's layout (`dequant.int4_words_packed`)."""
-    zero, scale = _int4_groups(t, s, N, K, group)
+    zero, scale = _int_groups(t, s, N, K, group)
     if not _act_order(t, K, group) and (packed := dequant.int4_words_packed(t["weight_packed"], N, K, "ct")) is not None:
         return Int4Weight(None, scale, zero, group, None, packed)
     codes = int4_nibbles(t["weight_packed"]).reshape(N, -1)[:, :K]
@@ -246,14 +250,16 @@ def int4_weight(t: dict[str, torch.Tensor], s: Scheme, N: int, K: int, group: in
     return Int4Weight(codes.contiguous(), scale, zero, group, perm)
 
 
-def _int4_groups(t: dict[str, torch.Tensor], s: Scheme, N: int, K: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A pack-quantized int4 weight's zero points (stored z + 8, packed along the outputs; symmetric: 8) as uint8 and
-    scales as fp32, both [N, K/group]."""
+def _int_groups(t: dict[str, torch.Tensor], s: Scheme, N: int, K: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pack-quantized weight's zero points (stored z + 2^(bits-1), packed along the outputs; symmetric: 2^(bits-1))
+    as uint8 and scales as fp32, both [N, K/group]."""
     scale = t["weight_scale"].float().reshape(N, K // group).contiguous()
     if s.symmetric:
-        return torch.full((N, K // group), 8, dtype=torch.uint8), scale
-    zp = t["weight_zero_point"]  # [ceil(N / 8), G], packed along the outputs
-    return int4_nibbles(zp).permute(0, 2, 1).reshape(-1, zp.shape[1])[:N].contiguous(), scale
+        return torch.full((N, K // group), 1 << (s.bits - 1), dtype=torch.uint8), scale
+    zp = t["weight_zero_point"]  # [ceil(N * bits / 32), G], packed along the outputs
+    if s.bits == 4:
+        return int4_nibbles(zp).permute(0, 2, 1).reshape(-1, zp.shape[1])[:N].contiguous(), scale
+    return unpack_cols(zp.t().contiguous(), s.bits)[:, :N].t().to(torch.uint8).contiguous(), scale
 
 
 def _act_order(t: dict[str, torch.Tensor], K: int, group: int) -> bool:
@@ -261,14 +267,15 @@ def _act_order(t: dict[str, torch.Tensor], K: int, group: int) -> bool:
     return "weight_g_idx" in t and not torch.equal(t["weight_g_idx"].long(), torch.arange(K) // group)
 
 
-def _int4_packed_bf16(t: dict[str, torch.Tensor], s: Scheme, N: int, K: int, group: int, out: torch.Tensor | None
-                      ) -> tuple[torch.Tensor, int] | None:
-    """`dequant.int4_packed_bf16` of a pack-quantized int4 weight's stored words; None with act order (or where it
-    does not run): the torch decoder, then the packing."""
+def _words_bf16(t: dict[str, torch.Tensor], s: Scheme, N: int, K: int, group: int, out: torch.Tensor | None,
+                packed: bool) -> tuple[torch.Tensor, int] | None:
+    """`dequant.words_bf16` of a pack-quantized int4 / int8 weight's stored words, in qmatmul's bf16 packing
+    (`packed`) or [N, K] (into `out` when given); None with act order (or where it does not run): the torch decoder
+    instead."""
     if _act_order(t, K, group):
         return None
-    zero, scale = _int4_groups(t, s, N, K, group)
-    return dequant.int4_packed_bf16(t["weight_packed"], scale, zero, group, "ct", out)
+    zero, scale = _int_groups(t, s, N, K, group)
+    return dequant.words_bf16(t["weight_packed"], scale, zero, group, "ct", s.bits, out, packed)
 
 
 def _check_g_idx(raw, name: str, path, K: int, group: int) -> None:

@@ -110,28 +110,36 @@ static int64_t decode_row(int64_t K, const uint8_t* qr, int kind, const float* l
     return nonfinite;
 }
 
-/* One row of 4-bit codes in words of 8 inputs read in place (input 8r + e in nibble e of the row's word r, at
- * w[r * stride]: a GPTQ release's qweight [K/8, N], stride N, or a compressed-tensors pack-quantized weight_packed
- * [N, K/8], stride 1), zero points zr and scales sr per `group` inputs (group % 8 == 0, K % 8 == 0) -> o [K]:
- * (q - zero) * scale in fp32, as packed.py's dequantize_codes (GPTQ's, AWQ's and compressed-tensors' decoders alike),
- * stored and counted as decode_row does. */
-static int64_t decode_row_words(int64_t K, const uint32_t* w, int64_t stride, const uint8_t* zr, const float* sr,
-                                int64_t group, int bf16, void* o) {
-    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), low = _mm256_set1_epi32(15);
-    int64_t nonfinite = 0, k = 0;
+/* The codes of inputs k..k+7 (k % 8 == 0) of a row whose `bits`-bit codes (4 or 8) are packed 32 / bits a word, input
+ * i in bits (i % per) * bits of the row's word i / per, at w[(i / per) * stride] -> 8 int32 lanes */
+static inline __m256i codes8(const uint32_t* w, int64_t stride, int bits, int64_t k) {
+    if (bits == 4)
+        return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w[k / 8 * stride]),
+                                                  _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)), _mm256_set1_epi32(15));
+    const __m256i two = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi32((int)w[k / 4 * stride])),
+                                                _mm_set1_epi32((int)w[(k / 4 + 1) * stride]), 1);
+    return _mm256_and_si256(_mm256_srlv_epi32(two, _mm256_setr_epi32(0, 8, 16, 24, 0, 8, 16, 24)), _mm256_set1_epi32(255));
+}
+
+/* Inputs [k0, k1) of one row of 4- or 8-bit codes in words read in place (codes8: a GPTQ release's qweight
+ * [K * bits / 32, N], stride N, or a compressed-tensors pack-quantized weight_packed [N, K * bits / 32], stride 1),
+ * zero points zr and scales sr per `group` inputs (group % 8 == 0, k0 and k1 multiples of 16 or k1 = K, K % 8 == 0)
+ * -> o[k0 .. k1): (q - zero) * scale in fp32, as packed.py's dequantize_codes (GPTQ's, AWQ's and compressed-tensors'
+ * decoders alike), stored and counted as decode_row does. */
+static int64_t decode_row_words(int64_t k0, int64_t k1, const uint32_t* w, int64_t stride, int bits, const uint8_t* zr,
+                                const float* sr, int64_t group, int bf16, void* o) {
+    int64_t nonfinite = 0, k = k0;
 #if defined(__AVX512F__)
-    if (group % 16 == 0) /* 16 inputs a step: two words, one group (the same operations lane for lane) */
-        for (; k < K; k += 16) {
-            const __m512i two = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32((int)w[k / 8 * stride])),
-                                                   _mm256_set1_epi32((int)w[(k / 8 + 1) * stride]), 1);
-            const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(two, _mm512_broadcast_i64x4(shifts)), _mm512_set1_epi32(15));
+    if (group % 16 == 0) /* 16 inputs a step, one group (the same operations lane for lane) */
+        for (; k + 16 <= k1; k += 16) {
+            const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(codes8(w, stride, bits, k)),
+                                                 codes8(w, stride, bits, k + 8), 1);
             const __m512 v = _mm512_sub_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps((float)zr[k / group]));
             nonfinite += store16(_mm512_mul_ps(v, _mm512_set1_ps(sr[k / group])), bf16, o, k);
         }
 #endif
-    for (; k < K; k += 8) {
-        const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w[k / 8 * stride]), shifts), low);
-        const __m256 v = _mm256_sub_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps((float)zr[k / group]));
+    for (; k < k1; k += 8) {
+        const __m256 v = _mm256_sub_ps(_mm256_cvtepi32_ps(codes8(w, stride, bits, k)), _mm256_set1_ps((float)zr[k / group]));
         nonfinite += store8(_mm256_mul_ps(v, _mm256_set1_ps(sr[k / group])), bf16, o, k);
     }
     return nonfinite;
@@ -206,17 +214,33 @@ static inline int64_t decode_nth(int64_t n, int64_t N, int64_t K, const uint8_t*
         memcpy(o, r, K * 2);
         return count16(r, K, 0x7f80);
     }
-    if (kind == 4) return decode_row_words(K, w + n, N, zero + n * ss, s + n * ss, b1, bf16, o);
-    if (kind == 7) return decode_row_words(K, w + n * (K / 8), 1, zero + n * ss, s + n * ss, b1, bf16, o);
+    if (kind == 7 || kind == 9) { /* compressed-tensors (4 or 8 bits; GPTQ's words: decode_rows_gptq) */
+        const int bits = kind == 7 ? 4 : 8;
+        return decode_row_words(0, K, w + n * (K * bits / 32), 1, bits, zero + n * ss, s + n * ss, b1, bf16, o);
+    }
     return decode_row(K, q + n * K, kind, lut, s + (n / b0) * ss, b1, bf16, o);
 }
 
-/* rows n0..n0+rows-1 of scaled_decode's codes -> o (rows ostride elements apart), their counts into bad: kind 6 (AWQ,
- * rows a multiple of 8 from a multiple of 8) 8 rows a call, the others a row at a time */
+/* rows n0..n0+rows-1 of scaled_decode's codes -> o (rows ostride elements apart), their counts into bad: GPTQ's words
+ * (kinds 4, 8) KT inputs of every row in turn, AWQ's (kind 6, rows a multiple of 8 from a multiple of 8) 8 rows a
+ * call, the others a row at a time */
 static void decode_block(int64_t n0, int64_t rows, int64_t N, int64_t K, const uint8_t* q, int kind, const float* lut,
                          const float* s, const uint8_t* zero, int64_t b0, int64_t b1, int64_t ss, int bf16, void* o,
                          int64_t ostride, int64_t* bad) {
     const size_t esize = bf16 ? 2 : 4;
+    if (kind == 4 || kind == 8) { /* GPTQ: the rows' words of an input block share cache lines (the rows side by side):
+                                    * the rows take KT inputs in turn, so each line is read while it is in L1, not once a
+                                    * row from L2 (8-bit words a row at a time: 1.1-1.7 ns a weight against 0.3-0.6) */
+        enum { KT = 512 };
+        for (int64_t j = 0; j < rows; j++) bad[n0 + j] = 0;
+        for (int64_t k0 = 0; k0 < K; k0 += KT)
+            for (int64_t j = 0; j < rows; j++) {
+                const int64_t n = n0 + j;
+                bad[n] += decode_row_words(k0, k0 + KT < K ? k0 + KT : K, (const uint32_t*)q + n, N, kind, zero + n * ss,
+                                           s + n * ss, b1, bf16, (char*)o + (size_t)(j * ostride) * esize);
+            }
+        return;
+    }
     for (int64_t j = 0; j < rows; j += kind == 6 ? 8 : 1) {
         const int64_t n = n0 + j;
         void* oj = (char*)o + (size_t)(j * ostride) * esize;
@@ -234,8 +258,9 @@ static inline void move8x8(const uint32_t* src, int64_t stride, uint32_t* dst, i
 }
 
 /* codes q [N, K] (kinds 4, 6 and 7: int4 codes as a release stores them, GPTQ's qweight [K/8, N], AWQ's [K, N/8],
- * compressed-tensors' weight_packed [N, K/8] (N % 8 == 0), with zero points zero [N, K/b1] beside the scales, b0 = 1;
- * kind 5: bf16 weights, copied, bf16 = 1),
+ * compressed-tensors' weight_packed [N, K/8] (N % 8 == 0); 8 and 9: GPTQ's and compressed-tensors' 8-bit words, 4
+ * codes a word, [K/4, N] / [N, K/4]; with zero points zero [N, K/b1] beside the scales, b0 = 1; kind 5: bf16
+ * weights, copied, bf16 = 1),
  * scales s (row n, column k takes s[(n / b0) * ss + k / b1]) -> out: group 0, [N, K] bf16 (bf16 != 0) or fp32; group 8 / 16, bf16 in qmatmul.py's pack_bf16 layout of that output group ([ceil(N/8)][ceil(K/2)][8][2], or
  * the AMX tiles' [ceil(N/16)][ceil(K/32)][16][16][2], pads zero): a group's rows are decoded to a scratch block (rows
  * past N and inputs past K zero), whose input pairs then move as 4-byte words, 8 x 8 transposes of them. bad [N]: each

@@ -1,7 +1,7 @@
 """A checkpoint's scaled 8-bit codes (FP8 e4m3fn / e5m2, symmetric int8) decoded to float weights in one C pass
 (`dequant.c`): what an FP8 release spends its load on beyond a bf16 one. `scaled_packed` decodes straight into
 qmatmul's bf16 packing; `int4_words_packed` and `awq_int4_packed` move GPTQ's, compressed-tensors' and AWQ's int4 words
-to the q4 kernel's layout, and `int4_packed_bf16` decodes them straight into the bf16 packing.
+to the q4 kernel's layout, and `words_bf16` decodes 4- and 8-bit words straight into the bf16 packing.
 
 The torch form, `packed.dequantize_scaled`, converts the codes to fp32, multiplies by the scales and casts, 128 rows
 at a time: ~4 s of a 10 s FP8 load at the Qwen3.5-0.8B shape on one core (docs/decisions.md, 2026-12-06 eleventh
@@ -145,14 +145,14 @@ def pack_bf16_counted(w: torch.Tensor, out: torch.Tensor | None = None) -> tuple
 
 
 def _packed(codes: torch.Tensor, N: int, K: int, kind: int, lut: torch.Tensor | None, tiles: torch.Tensor | None,
-            b0: int, b1: int, stride: int, out: torch.Tensor | None, what: str, zero: torch.Tensor | None = None
-            ) -> tuple[torch.Tensor, int] | None:
+            b0: int, b1: int, stride: int, out: torch.Tensor | None, what: str, zero: torch.Tensor | None = None,
+            packed: bool = True) -> tuple[torch.Tensor, int] | None:
     """scaled_decode of the codes of an [N, K] weight (`kind`, its table, scale tiles and zero points) into qmatmul's
-    bf16 packing, and the NaN / Inf count; None where qmatmul does not run."""
-    if not qmatmul.available():
+    bf16 packing (`packed`; None where qmatmul does not run) or an [N, K] bf16 weight, and the NaN / Inf count."""
+    if packed and not qmatmul.available():
         return None
-    group = qmatmul.bf16_group()
-    out = qmatmul.out_tensor(out, qmatmul.bf16_packed_shape(N, K), torch.bfloat16, what)
+    group = qmatmul.bf16_group() if packed else 0
+    out = qmatmul.out_tensor(out, qmatmul.bf16_packed_shape(N, K) if packed else (N, K), torch.bfloat16, what)
     if N == 0 or K == 0:
         return out.zero_(), 0
     bad = torch.empty(N, dtype=torch.int64)
@@ -163,43 +163,47 @@ def _packed(codes: torch.Tensor, N: int, K: int, kind: int, lut: torch.Tensor | 
     return out, int(bad.sum())
 
 
-# 4-bit words of 8 inputs a release stores, by layout: (scaled_decode's kind, the words' shape for an [N, K] weight,
-# the stride between an output's consecutive words and between two outputs' words, for int4_words_pack)
-WORDS = {"gptq": (4, lambda N, K: (K // 8, N), lambda N, K: (N, 1)),  # qweight: input 8r+i of output n, nibble i of (r, n)
-         "ct": (7, lambda N, K: (N, K // 8), lambda N, K: (1, K // 8))}  # pack-quantized weight_packed: of word (n, r)
+# Integer codes packed in int32 words as releases store them, by layout: (scaled_decode's kind by bits, the words'
+# shape for an [N, K] weight, the strides of int4_words_pack: between an output's consecutive words and between two
+# outputs' words). GPTQ's qweight: input i of output n in bits (i % p) * bits of word (i / p, n), p = 32 / bits;
+# compressed-tensors' pack-quantized weight_packed: the same bits of word (n, i / p); AWQ's GEMM qweight [K, N/8]
+# (4-bit): output 8c+j of input k in nibble AWQ_REVERSE[j] of word (k, c).
+WORDS = {"gptq": ({4: 4, 8: 8}, lambda N, K, p: (K // p, N), lambda N, K: (N, 1)),
+         "ct": ({4: 7, 8: 9}, lambda N, K, p: (N, K // p), lambda N, K: (1, K // 8)),
+         "awq": ({4: 6}, lambda N, K, p: (K, N // 8), None)}
 
 
 @torch.no_grad()
-def int4_packed_bf16(words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, layout: str,
-                     out: torch.Tensor | None = None) -> tuple[torch.Tensor, int] | None:
-    """A release's 4-bit words read in place, scale float [N, K/group] and zero points [N, K/group] -> `qmatmul.pack_bf16`
-    of the weight (q - zero) * scale (fp32, then bf16: `packed.dequantize_codes`), into `out` when given, in one pass
-    with no [N, K] weight between, and its NaN / Inf count; or None: a group or N that is not a multiple of 8, or the
-    libraries not available. What a GPTQ / AWQ / compressed-tensors int4 release decoded to bf16 (`--quantize none`)
-    keeps. `layout` "gptq": qweight int32 [K/8, N], input 8r+i of output n in nibble i of word (r, n); "ct":
-    weight_packed int32 [N, K/8], the same nibbles of word (n, r); "awq": int32 [K, N/8], GEMM packing, output 8c+j of
-    input k in nibble AWQ_REVERSE[j] of word (k, c). (Moving the words to the q4 kernel's layout first cost a pass over
-    fresh pages: ~0.1 s of a 0.8B-shape GPTQ load; the torch decoder of compressed-tensors' words 4-5 s.)"""
+def words_bf16(words: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, layout: str, bits: int = 4,
+               out: torch.Tensor | None = None, packed: bool = True) -> tuple[torch.Tensor, int] | None:
+    """A release's 4- or 8-bit words read in place (`WORDS[layout]`), scale float [N, K/group] and zero points
+    [N, K/group] -> the weight (q - zero) * scale (fp32, then bf16: `packed.dequantize_codes`) in qmatmul's bf16
+    packing (`packed`: `qmatmul.pack_bf16` of it) or as an [N, K] bf16 weight, into `out` when given, in one pass with
+    no other [N, K] weight between, and its NaN / Inf count; or None: a group or N that is not a multiple of 8, a
+    layout / width it does not read, or the libraries not available. What a GPTQ / AWQ / compressed-tensors release
+    decoded to bf16 (`--quantize none`) keeps, or a quantizing load decodes into its scratch. (Moving 4-bit words to
+    the q4 kernel's layout first cost a pass over fresh pages, ~0.1 s of a 0.8B-shape GPTQ load; the torch decoders
+    took 2-5 s of GPTQ 8-bit and compressed-tensors int4 loads, docs/decisions.md, 2026-12-07 fifteenth session.)"""
     N, K = scale.shape[0], scale.shape[1] * group
-    kind, shape = (6, (K, N // 8)) if layout == "awq" else (WORDS[layout][0], WORDS[layout][1](N, K))
-    if (group % 8 or N % 8 or not LIBRARY.available() or words.device.type != "cpu" or words.dtype != torch.int32
-            or tuple(words.shape) != shape):
+    kinds, shape, _ = WORDS[layout]
+    if (bits not in kinds or group % 8 or N % 8 or not LIBRARY.available() or words.device.type != "cpu"
+            or words.dtype != torch.int32 or tuple(words.shape) != shape(N, K, 32 // bits)):
         return None
     scale = scale.float().contiguous()
-    return _packed(words.contiguous(), N, K, kind, None, scale, 1, group, scale.shape[1], out, "int4_packed_bf16",
-                   zero.to(torch.uint8).contiguous())
+    return _packed(words.contiguous(), N, K, kinds[bits], None, scale, 1, group, scale.shape[1], out, "words_bf16",
+                   zero.to(torch.uint8).contiguous(), packed)
 
 
 @torch.no_grad()
 def int4_words_packed(words: torch.Tensor, N: int, K: int, layout: str) -> torch.Tensor | None:
     """A release's 4-bit words of 8 inputs (`WORDS`: GPTQ's qweight int32 [K/8, N], compressed-tensors' weight_packed
-    [N, K/8]) -> the q4 kernel's codes in `qmatmul.pack_int4`'s layout, uint8 [ceil(N/8), 4K] (outputs past N zero
-    codes): one pass over the words, each a permutation of its nibbles, where unpacking to one code a byte and packing
-    again took two (~1 s of a 0.8B-shape GPTQ int4 load). Bit for bit `qmatmul.pack_int4` of the codes; None where the
-    library is not available, or K is not a multiple of 8."""
-    kind, shape, strides = WORDS[layout]
-    if (words.device.type != "cpu" or words.dtype != torch.int32 or K % 8 or tuple(words.shape) != shape(N, K)
-            or not LIBRARY.available()):
+    [N, K/8]; AWQ's: `awq_int4_packed`) -> the q4 kernel's codes in `qmatmul.pack_int4`'s layout, uint8
+    [ceil(N/8), 4K] (outputs past N zero codes): one pass over the words, each a permutation of its nibbles, where
+    unpacking to one code a byte and packing again took two (~1 s of a 0.8B-shape GPTQ int4 load). Bit for bit
+    `qmatmul.pack_int4` of the codes; None where the library is not available, or K is not a multiple of 8."""
+    _, shape, strides = WORDS[layout]
+    if (layout == "awq" or words.device.type != "cpu" or words.dtype != torch.int32 or K % 8
+            or tuple(words.shape) != shape(N, K, 8) or not LIBRARY.available()):
         return None
     R = K // 8
     out = torch.empty(-(-N // 8), R, 8, dtype=torch.int32)

@@ -37,7 +37,7 @@ from ..io.safetensors_mmap import CheckpointError
 from . import dequant
 from .compressed_tensors import ct_entries
 from .linear import Int4Codes, Int4Weight, Int8Codes
-from .packed import AWQ_REVERSE, SCALE_DTYPES, awq_weight, dequantize_scaled, gptq_weight, int4_nibbles
+from .packed import AWQ_REVERSE, SCALE_DTYPES, awq_weight, dequantize_scaled, gptq_weight, int4_nibbles, unpack_cols
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_SUFFIXES = ("_scale_inv", "_scale")  # the weight's own name + suffix (X.weight_scale_inv, X.gate_up_proj_scale_inv)
@@ -338,34 +338,41 @@ def packed_entries(raw, quant: Quantization) -> tuple[dict, set[str]]:
             decode = lambda t, dtype, q=quant: awq_weight(t["qweight"], t["qzeros"], t["scales"], q.group, dtype)  # noqa: E731
             codes = lambda t, group=group: awq_int4(t["qweight"], t["qzeros"], t["scales"], group)  # noqa: E731
         int4 = Int4Codes(group, codes) if quant.bits == 4 and whole else None
-        # decoded to bf16 (no --quantize): from the stored words straight into qmatmul's bf16 packing
-        pack = None if int4 is None else lambda t, out, q=quant, group=group: _words_packed_bf16(t, q, group, out)
-        decoded[weight] = (parts, (N, K), decode, int4, pack)
+        # decoded to bf16 from the stored words in one C pass: straight into qmatmul's bf16 packing (no --quantize),
+        # or into a quantizing load's scratch
+        pack = into = None
+        if K % group == 0:
+            pack = lambda t, out, q=quant, group=group: _words_bf16(t, q, group, out, True)  # noqa: E731
+            into = lambda t, out, q=quant, group=group: _words_bf16(t, q, group, out, False)  # noqa: E731
+        decoded[weight] = (parts, (N, K), decode, int4, pack, into)
         hidden |= set(parts.values())
     return decoded, hidden
 
 
-def _words_packed_bf16(t: dict[str, torch.Tensor], quant, group: int, out: torch.Tensor | None
-                       ) -> tuple[torch.Tensor, int] | None:
-    """`dequant.int4_packed_bf16` of a GPTQ / AWQ 4-bit weight's tensors `t` (qweight, qzeros, scales, g_idx), its
-    words read as stored; None where it does not run them (act order, N not a multiple of 8, no library): the
-    format's decoder, then the packing."""
+def _words_bf16(t: dict[str, torch.Tensor], quant, group: int, out: torch.Tensor | None, packed: bool
+                ) -> tuple[torch.Tensor, int] | None:
+    """`dequant.words_bf16` of a GPTQ (4 / 8 bits) or AWQ weight's tensors `t` (qweight, qzeros, scales, g_idx), its
+    words read as stored: in qmatmul's bf16 packing (`packed`) or [N, K] (into `out` when given); None where it does
+    not run them (act order, N not a multiple of 8, no library): the format's decoder instead."""
     qweight = t["qweight"]
     if quant.method == "gptq":
-        K = qweight.shape[0] * 8
+        K = qweight.shape[0] * 32 // quant.bits
         if t.get("g_idx") is not None and not torch.equal(t["g_idx"].long(), torch.arange(K) // group):
             return None
-        zero, scale = gptq_groups(t["qzeros"], t["scales"], quant.zero_offset)
+        zero, scale = gptq_groups(t["qzeros"], t["scales"], quant.zero_offset, quant.bits)
     else:
         zero, scale = awq_groups(t["qzeros"], t["scales"])
-    return dequant.int4_packed_bf16(qweight, scale, zero, group, quant.method, out)
+    return dequant.words_bf16(qweight, scale, zero, group, quant.method, quant.bits, out, packed)
 
 
-def gptq_groups(qzeros: torch.Tensor, scales: torch.Tensor, zero_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A GPTQ 4-bit weight's qzeros int32 [G, N/8] and scales [G, N] -> zero points uint8 and scales fp32, [N, G]."""
+def gptq_groups(qzeros: torch.Tensor, scales: torch.Tensor, zero_offset: int, bits: int = 4
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GPTQ weight's qzeros int32 [G, N * bits / 32] and scales [G, N] -> zero points uint8 and scales fp32, [N, G]
+    (v1: the stored zero plus `zero_offset`, within the same bits)."""
     N = scales.shape[1]
-    zero = (int4_nibbles(qzeros).reshape(qzeros.shape[0], -1)[:, :N] + zero_offset) & 15  # [G, N]
-    return zero.t().contiguous(), scales.float().t().contiguous()
+    z = int4_nibbles(qzeros).reshape(qzeros.shape[0], -1) if bits == 4 else unpack_cols(qzeros, bits)
+    zero = (z[:, :N].to(torch.int32) + zero_offset) & ((1 << bits) - 1)  # [G, N]
+    return zero.to(torch.uint8).t().contiguous(), scales.float().t().contiguous()
 
 
 def awq_groups(qzeros: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
