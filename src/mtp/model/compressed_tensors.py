@@ -32,7 +32,7 @@ from ..config.compressed_tensors import CompressedTensors, Scheme
 from ..io.safetensors_mmap import CheckpointError
 from . import dequant, qmatmul
 from .linear import Int4Codes, Int4Weight, Int8Codes
-from .packed import SCALE_DTYPES, dequantize_codes, dequantize_scaled, int4_nibbles, pack_cols, unpack_cols
+from .packed import SCALE_DTYPES, act_order, dequantize_codes, dequantize_scaled, int4_nibbles, pack_cols, unpack_cols
 
 PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
 # Static activation / KV-cache quantization parameters: not applied (activations and the cache stay float).
@@ -240,11 +240,12 @@ def int4_weight(t: dict[str, torch.Tensor], s: Scheme, N: int, K: int, group: in
     (q - z) * s exactly; act order (weight_g_idx): the inputs permuted so that each group is contiguous (`perm`).
     Without act order the stored words go straight to the q4 kernel's layout (`dequant.int4_words_packed`)."""
     zero, scale = _int_groups(t, s, N, K, group)
-    if not _act_order(t, K, group) and (packed := dequant.int4_words_packed(t["weight_packed"], N, K, "ct")) is not None:
+    ordered = not act_order(t.get("weight_g_idx"), K, group)
+    if ordered and (packed := dequant.int4_words_packed(t["weight_packed"], N, K, "ct")) is not None:
         return Int4Weight(None, scale, zero, group, None, packed)
     codes = int4_nibbles(t["weight_packed"]).reshape(N, -1)[:, :K]
     perm = None
-    if _act_order(t, K, group):
+    if not ordered:
         perm = torch.argsort(t["weight_g_idx"].long(), stable=True)  # as `dequantize` groups them
         codes = codes[:, perm]
     return Int4Weight(codes.contiguous(), scale, zero, group, perm)
@@ -262,17 +263,12 @@ def _int_groups(t: dict[str, torch.Tensor], s: Scheme, N: int, K: int, group: in
     return unpack_cols(zp.t().contiguous(), s.bits)[:, :N].t().to(torch.uint8).contiguous(), scale
 
 
-def _act_order(t: dict[str, torch.Tensor], K: int, group: int) -> bool:
-    """Does the weight's g_idx put its inputs in groups other than consecutive runs of `group`?"""
-    return "weight_g_idx" in t and not torch.equal(t["weight_g_idx"].long(), torch.arange(K) // group)
-
-
 def _words_bf16(t: dict[str, torch.Tensor], s: Scheme, N: int, K: int, group: int, out: torch.Tensor | None,
                 packed: bool) -> tuple[torch.Tensor, int] | None:
     """`dequant.words_bf16` of a pack-quantized int4 / int8 weight's stored words, in qmatmul's bf16 packing
     (`packed`) or [N, K] (into `out` when given); None with act order (or where it does not run): the torch decoder
     instead."""
-    if _act_order(t, K, group):
+    if act_order(t.get("weight_g_idx"), K, group):
         return None
     zero, scale = _int_groups(t, s, N, K, group)
     return dequant.words_bf16(t["weight_packed"], scale, zero, group, "ct", s.bits, out, packed)

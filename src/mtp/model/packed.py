@@ -72,6 +72,12 @@ def pack_cols(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return pack_rows(codes.t().contiguous(), bits).t().contiguous()
 
 
+def act_order(g_idx: torch.Tensor | None, K: int, group: int) -> bool:
+    """Does an act-order index g_idx [K] (GPTQ's g_idx, compressed-tensors' weight_g_idx; None: none stored) put the
+    inputs in groups other than consecutive runs of `group`?"""
+    return g_idx is not None and not torch.equal(g_idx.long(), torch.arange(K) // group)
+
+
 def gptq_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
                 bits: int, group: int | None, zero_offset: int, dtype: torch.dtype) -> torch.Tensor:
     """GPTQ tensors (module docstring) -> the float weight [N, K] in `dtype`, computed in fp32."""

@@ -37,7 +37,7 @@ from ..io.safetensors_mmap import CheckpointError
 from . import dequant
 from .compressed_tensors import ct_entries
 from .linear import Int4Codes, Int4Weight, Int8Codes
-from .packed import AWQ_REVERSE, SCALE_DTYPES, awq_weight, dequantize_scaled, gptq_weight, int4_nibbles, unpack_cols
+from .packed import AWQ_REVERSE, SCALE_DTYPES, act_order, awq_weight, dequantize_scaled, gptq_weight, int4_nibbles, unpack_cols
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_SUFFIXES = ("_scale_inv", "_scale")  # the weight's own name + suffix (X.weight_scale_inv, X.gate_up_proj_scale_inv)
@@ -341,7 +341,7 @@ def packed_entries(raw, quant: Quantization) -> tuple[dict, set[str]]:
         # decoded to bf16 from the stored words in one C pass: straight into qmatmul's bf16 packing (no --quantize),
         # or into a quantizing load's scratch
         pack = into = None
-        if K % group == 0:
+        if K % group == 0 and quant.bits in (4, 8):
             pack = lambda t, out, q=quant, group=group: _words_bf16(t, q, group, out, True)  # noqa: E731
             into = lambda t, out, q=quant, group=group: _words_bf16(t, q, group, out, False)  # noqa: E731
         decoded[weight] = (parts, (N, K), decode, int4, pack, into)
@@ -349,7 +349,7 @@ def packed_entries(raw, quant: Quantization) -> tuple[dict, set[str]]:
     return decoded, hidden
 
 
-def _words_bf16(t: dict[str, torch.Tensor], quant, group: int, out: torch.Tensor | None, packed: bool
+def _words_bf16(t: dict[str, torch.Tensor], quant: Quantization, group: int, out: torch.Tensor | None, packed: bool
                 ) -> tuple[torch.Tensor, int] | None:
     """`dequant.words_bf16` of a GPTQ (4 / 8 bits) or AWQ weight's tensors `t` (qweight, qzeros, scales, g_idx), its
     words read as stored: in qmatmul's bf16 packing (`packed`) or [N, K] (into `out` when given); None where it does
@@ -357,7 +357,7 @@ def _words_bf16(t: dict[str, torch.Tensor], quant, group: int, out: torch.Tensor
     qweight = t["qweight"]
     if quant.method == "gptq":
         K = qweight.shape[0] * 32 // quant.bits
-        if t.get("g_idx") is not None and not torch.equal(t["g_idx"].long(), torch.arange(K) // group):
+        if act_order(t.get("g_idx"), K, group):
             return None
         zero, scale = gptq_groups(t["qzeros"], t["scales"], quant.zero_offset, quant.bits)
     else:
@@ -391,7 +391,7 @@ def gptq_int4(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
     K = R * 8
     zero, scale = gptq_groups(qzeros, scales, zero_offset)
     perm = None
-    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(K) // group):
+    if act_order(g_idx, K, group):
         perm = torch.argsort(g_idx.long(), stable=True)  # group g's inputs contiguous, in order
     elif (packed := dequant.int4_words_packed(qweight, N, K, "gptq")) is not None:  # the stored words straight to the kernel's
         return Int4Weight(None, scale, zero, group, None, packed)
