@@ -462,3 +462,34 @@ def test_kernels_are_as_close_to_fp32_as_the_torch_forms_on_a_model(monkeypatch)
         eager = logits(copy.deepcopy(base).to(torch.bfloat16))
         ref = logits(base)
     assert rel(ours, ref) < 0.02 and rel(ours, ref) <= 1.5 * rel(eager, ref), (rel(ours, ref), rel(eager, ref))
+
+
+PREBUILD = textwrap.dedent("""
+    import sys
+    import mtp
+    from mtp.model.native import LIBRARIES, kernels_dir
+    mtp.load_model(sys.argv[1])  # a bf16 load runs only some of the kernels; prebuild compiles them all
+    built = sorted(p.name.split("-")[0] for p in kernels_dir().glob("*.so"))
+    want = sorted(lib.source.stem for lib in LIBRARIES if not lib.switched_off())
+    print("built", built, "want", want)
+    assert set(want) <= set(built), (want, built)
+""")
+
+
+@needs_kernels
+@pytest.mark.parametrize("switch", [None, "MTP_NATIVE"])
+def test_a_fresh_machine_compiles_every_kernel_before_the_first_load(tmp_path, switch):
+    """`native.prebuild` (a real process with an empty kernel cache): `load_model` on the CPU leaves every library's
+    build in the cache, compiled side by side before the model is built (so a first generation times decoding, not
+    the compiler); with MTP_NATIVE=0 nothing is compiled."""
+    from mtp.cli_common import default_model_path
+
+    env = {**os.environ, "MTP_CACHE": str(tmp_path / "cache")}
+    if switch:
+        env[switch] = "0"
+    done = subprocess.run([sys.executable, "-c", PREBUILD, str(default_model_path())], env=env, capture_output=True,
+                          text=True, timeout=300)
+    if switch:
+        assert done.returncode == 0 and "built [] want []" in done.stdout, done.stdout + done.stderr[-2000:]
+    else:
+        assert done.returncode == 0 and "built" in done.stdout, done.stdout + done.stderr[-2000:]

@@ -28,7 +28,7 @@ from ..io.files import FolderWriter, TensorIndex, save_tensors
 from ..io.hub import resolve_checkpoint
 from ..io.safetensors_mmap import CheckpointError, SafetensorsFile
 from ..io.tokenizer import Tokenizer
-from . import dequant, qmatmul
+from . import dequant, native, qmatmul
 from .base import MTP_LAYER, CausalLM
 from .budget import BUILD_ERRORS, TooLargeError, build_on_meta
 from .families import config_from_json, model_class_for
@@ -136,6 +136,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: str 
             raise CheckpointError(f"{path}: no config.json")
         config = config_from_json(path / "config.json")
     cls = model_class_for(config)
+    if torch.device(device).type == "cpu":  # the C kernels compiled side by side on a fresh machine (once a process)
+        native.prebuild()
     with TensorIndex(path) as raw:
         files = decoded_index(raw, config, path)  # a quantized checkpoint's weights read as floats (model/quantized.py)
         shape = lambda key: files[key][0].shape(key)  # noqa: E731

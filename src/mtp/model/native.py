@@ -1,6 +1,7 @@
-"""Our C kernels for x86 CPUs: each ships as one C source beside this file and is compiled on first use with the
-system's C compiler (`$CC`, else `cc`) into $MTP_CACHE (or ~/.cache/mtp)/kernels, keyed by the source, the flags and
-the compiler (about a second), then loaded with ctypes. They share torch's OpenMP runtime.
+"""Our C kernels for x86 CPUs: each ships as one C source beside this file and is compiled with the system's C
+compiler (`$CC`, else `cc`) into $MTP_CACHE (or ~/.cache/mtp)/kernels, keyed by the source, the flags and the compiler
+(0.1-2 s each), then loaded with ctypes on first use. A CPU model load first compiles every build missing from the
+cache side by side (`prebuild`). They share torch's OpenMP runtime.
 
 - `qmatmul.c`: int8/int4 weights times int8 activations (the quantized linear kernels, qmatmul.py) and bf16 weights
   times bf16 activations, built for AVX-512 VNNI where the CPU has it (`Isa`: the same bits, fewer instructions) and
@@ -25,6 +26,7 @@ inputs, in one fixed order), so a verify row or a batch row is bit for bit its p
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -35,6 +37,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,13 +115,20 @@ def kernels_dir() -> Path:
     return cache_root() / "kernels"
 
 
-def build(source: Path, isa: Isa | None = None) -> Path:
-    """Compile `source` (once per source, flags and compiler; with `isa`'s flags too) and return the shared
-    library's path."""
+@functools.cache
+def compiler() -> tuple[str, str]:
+    """The C compiler ($CC, else cc or gcc) and its `--version` text (asked once a process: every library's build key
+    holds it)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler (set CC, or install gcc)")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    return cc, subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+
+
+def build(source: Path, isa: Isa | None = None) -> Path:
+    """Compile `source` (once per source, flags and compiler; with `isa`'s flags too) and return the shared
+    library's path."""
+    cc, version = compiler()
     code = source.read_bytes() + HEADER.read_bytes()
     flags = FLAGS + (isa.flags if isa else ())
     key = hashlib.sha256(code + "\0".join(flags + LIBS).encode() + version.encode()).hexdigest()[:16]
@@ -144,6 +154,9 @@ def build(source: Path, isa: Isa | None = None) -> Path:
     raise RuntimeError(f"no writable cache directory for the kernels ({kernels_dir()})")
 
 
+LIBRARIES: list[NativeLibrary] = []  # every library defined (`prebuild`)
+
+
 class NativeLibrary:
     """One C source, built and loaded on first use. `declare(lib)` sets the functions' ctypes signatures; `switch` is
     the environment variable that turns this library off (=0); `fallback` says what runs instead, for the warning."""
@@ -156,12 +169,16 @@ class NativeLibrary:
         self._lock = threading.Lock()
         self._lib: ctypes.CDLL | None = None
         self._why: str | None = None  # None until probed; "" when the library loaded
+        LIBRARIES.append(self)
+
+    def switched_off(self) -> str | None:
+        """The environment switch that turns this library off (its own, or MTP_NATIVE=0), or None."""
+        return next((s for s in (self.switch, "MTP_NATIVE") if s and os.environ.get(s, "1") == "0"), None)
 
     def _load(self) -> None:
-        for switch in (self.switch, "MTP_NATIVE"):
-            if switch and os.environ.get(switch, "1") == "0":
-                self._why = f"disabled by {switch}=0"
-                return
+        if switch := self.switched_off():
+            self._why = f"disabled by {switch}=0"
+            return
         if why := cpu_problem():
             self._why = why
             return
@@ -205,6 +222,34 @@ class NativeLibrary:
         if self._lib is None and not self.available():
             raise RuntimeError(f"{self.source.name} kernels are not available here: {self.reason()}")
         return self._lib
+
+
+_PREBUILT = threading.Event()
+
+
+def prebuild() -> None:
+    """Compile, a compiler a core, every library's first-choice build that is not in the cache yet - once a process,
+    before a model's first load: on a fresh machine they were compiled one at a time as each was first used, 7.1 s on
+    this project's 2-core Xeon (qmatmul 2.1, dequant and deltanet 1.0 each, attention 0.8, ...), much of it inside the
+    first generation's timing. A build that fails is left to its library's own load (which reports it, or takes the
+    next build); libraries turned off, or a CPU they cannot run on, are skipped. Where every build is cached this
+    only hashes the sources (~1 ms a library)."""
+    if _PREBUILT.is_set():
+        return
+    _PREBUILT.set()
+    if cpu_problem():
+        return
+    todo = [(lib.source, pick_isas(lib.isas)[0]) for lib in LIBRARIES if lib._why is None and not lib.switched_off()]
+    try:
+        compiler()
+    except (OSError, RuntimeError, subprocess.SubprocessError):
+        return  # (each library's load says so)
+    with ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1))) as pool:
+        for done in [pool.submit(build, source, isa) for source, isa in todo]:
+            try:
+                done.result()
+            except (OSError, RuntimeError, subprocess.SubprocessError):
+                pass
 
 
 @dataclass
