@@ -166,6 +166,19 @@ def test_pack_quantized_loads_exactly_with_the_mtp_in_bf16(tmp_path, w, scale_dt
     assert model.state_dict()["model.layers.0.mlp.up_proj.weight"].is_contiguous()
     assert close_logits(model, src, IDS) < (0.02 if w["num_bits"] == 8 else 0.3)
     greedy_spec_equals_plain(model, monkeypatch, 64)
+    # released (what the inference commands load): group and channel scales without act order decode the stored words
+    # straight into the packed copies (dequant.words_bf16; the torch decoder only for widths it does not take, such
+    # as the DeltaNet's 4-output in_proj_a): the same packed weights
+    decoded = []
+    whole = compressed_tensors.dequantize
+    monkeypatch.setattr(compressed_tensors, "dequantize", lambda q, *a, **k: decoded.append(q.shape) or whole(q, *a, **k))
+    released = mtp.load_model(tmp_path, release=True)
+    packed = [n for n, m in released.named_modules() if isinstance(m, FastLinear) and m.kernel == "bf16-native"]
+    for n in packed:
+        assert torch.equal(released.get_submodule(n)._packed.view(torch.int16),
+                           model.get_submodule(n)._packed.view(torch.int16)), n
+    in_place = w["strategy"] in ("group", "channel") and not w.get("actorder") and dequant.LIBRARY.available()
+    assert (len(decoded) < len(packed) // 2) == (in_place and qmatmul.available()), (len(decoded), len(packed))
 
 
 @pytest.mark.parametrize("fmt, w", [
