@@ -420,6 +420,13 @@ def test_gptq_and_awq_in_moe_families_per_expert(tmp_path, family, monkeypatch):
     mtp.save_model(src, tmp_path / "a")
     ref = release_int(tmp_path / "a", "awq", 4, 16)
     assert_loads_as(mtp.load_model(tmp_path / "a"), ref)
+    # released and quantizing (what `--quantize int8` loads): each expert's words decoded into the load's scratch
+    # (dequant.words_bf16) give the kept load's tokens
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    want = mtp.generate(mtp.load_model(tmp_path / "a", quantize="int8"), prompt, max_new_tokens=12, eos_token_ids=[]).tokens
+    released = mtp.load_model(tmp_path / "a", quantize="int8", release=True)
+    for k in (None, 2):
+        assert mtp.generate(released, prompt, max_new_tokens=12, draft_tokens=k, eos_token_ids=[]).tokens == want, k
 
 
 def test_awq_qwen35_loads_exactly(tmp_path):
