@@ -203,15 +203,14 @@ def _entry(raw, ct: CompressedTensors, base: str, parts: dict[str, str]):
         return dequantize(q, t["weight_scale"], zero, s, dtype, t.get("weight_g_idx"))
 
     int4 = pack = into = None
-    if packed and s.kind == "int" and s.bits == 4 and s.strategy in ("group", "channel"):
+    if packed and s.kind == "int" and s.strategy in ("group", "channel"):
         group = s.group if s.strategy == "group" else K
-        int4 = Int4Codes(group, lambda t, N=N, K=K, s=s, group=group: int4_weight(t, s, N, K, group))
-    if packed and s.kind == "int" and s.strategy in ("group", "channel") and K % (s.group or K) == 0:
-        # decoded to bf16 from the stored words in one C pass (not act order): straight into qmatmul's bf16 packing,
-        # or into a given tensor
-        group = s.group if s.strategy == "group" else K
-        pack = lambda t, out, N=N, K=K, s=s, group=group: _words_bf16(t, s, N, K, group, out, True)  # noqa: E731
-        into = lambda t, out, N=N, K=K, s=s, group=group: _words_bf16(t, s, N, K, group, out, False)  # noqa: E731
+        if s.bits == 4:
+            int4 = Int4Codes(group, lambda t, N=N, K=K, s=s, group=group: int4_weight(t, s, N, K, group))
+        if K % group == 0:  # decoded to bf16 from the stored words in one C pass (not act order): straight into
+            # qmatmul's bf16 packing, or into a given tensor
+            pack = lambda t, out, N=N, K=K, s=s, group=group: _words_bf16(t, s, N, K, group, out, True)  # noqa: E731
+            into = lambda t, out, N=N, K=K, s=s, group=group: _words_bf16(t, s, N, K, group, out, False)  # noqa: E731
     # (one scale per tensor, row or tile: FP8 and symmetric int8 decode in one C pass, straight into qmatmul's bf16
     # packing or into a given tensor)
     if not packed and "weight_zero_point" not in parts and s.strategy != "group":

@@ -214,7 +214,7 @@ static inline int64_t decode_nth(int64_t n, int64_t N, int64_t K, const uint8_t*
         memcpy(o, r, K * 2);
         return count16(r, K, 0x7f80);
     }
-    if (kind == 7 || kind == 9) { /* compressed-tensors (4 or 8 bits; GPTQ's words: decode_rows_gptq) */
+    if (kind == 7 || kind == 9) { /* compressed-tensors' words, 4 or 8 bits (GPTQ's: decode_block) */
         const int bits = kind == 7 ? 4 : 8;
         return decode_row_words(0, K, w + n * (K * bits / 32), 1, bits, zero + n * ss, s + n * ss, b1, bf16, o);
     }
@@ -236,8 +236,8 @@ static void decode_block(int64_t n0, int64_t rows, int64_t N, int64_t K, const u
         for (int64_t k0 = 0; k0 < K; k0 += KT)
             for (int64_t j = 0; j < rows; j++) {
                 const int64_t n = n0 + j;
-                bad[n] += decode_row_words(k0, k0 + KT < K ? k0 + KT : K, (const uint32_t*)q + n, N, kind, zero + n * ss,
-                                           s + n * ss, b1, bf16, (char*)o + (size_t)(j * ostride) * esize);
+                bad[n] += decode_row_words(k0, k0 + KT < K ? k0 + KT : K, (const uint32_t*)q + n, N, kind == 4 ? 4 : 8,
+                                           zero + n * ss, s + n * ss, b1, bf16, (char*)o + (size_t)(j * ostride) * esize);
             }
         return;
     }
@@ -257,12 +257,12 @@ static inline void move8x8(const uint32_t* src, int64_t stride, uint32_t* dst, i
     for (int i = 0; i < 8; i++) _mm256_storeu_ps((float*)(dst + i * dstride), r[i]);
 }
 
-/* codes q [N, K] (kinds 4, 6 and 7: int4 codes as a release stores them, GPTQ's qweight [K/8, N], AWQ's [K, N/8],
- * compressed-tensors' weight_packed [N, K/8] (N % 8 == 0); 8 and 9: GPTQ's and compressed-tensors' 8-bit words, 4
- * codes a word, [K/4, N] / [N, K/4]; with zero points zero [N, K/b1] beside the scales, b0 = 1; kind 5: bf16
- * weights, copied, bf16 = 1),
- * scales s (row n, column k takes s[(n / b0) * ss + k / b1]) -> out: group 0, [N, K] bf16 (bf16 != 0) or fp32; group 8 / 16, bf16 in qmatmul.py's pack_bf16 layout of that output group ([ceil(N/8)][ceil(K/2)][8][2], or
- * the AMX tiles' [ceil(N/16)][ceil(K/32)][16][16][2], pads zero): a group's rows are decoded to a scratch block (rows
+/* codes q [N, K] (kinds 1-3: decode8's 8-bit codes; 4, 6 and 7: int4 codes as a release stores them, GPTQ's qweight
+ * [K/8, N], AWQ's [K, N/8], compressed-tensors' weight_packed [N, K/8] (N % 8 == 0); 8 and 9: GPTQ's and
+ * compressed-tensors' 8-bit words, 4 codes a word, [K/4, N] / [N, K/4]; with zero points zero [N, K/b1] beside the
+ * scales, b0 = 1; kind 5: bf16 weights, copied, bf16 = 1), scales s (row n, column k takes s[(n / b0) * ss + k / b1])
+ * -> out: group 0, [N, K] bf16 (bf16 != 0) or fp32; group 8 / 16, bf16 in qmatmul.py's pack_bf16 layout of that output
+ * group ([ceil(N/8)][ceil(K/2)][8][2], or the AMX tiles' [ceil(N/16)][ceil(K/32)][16][16][2], pads zero): a group's rows are decoded to a scratch block (rows
  * past N and inputs past K zero), whose input pairs then move as 4-byte words, 8 x 8 transposes of them. bad [N]: each
  * row's NaN / Inf count. Returns 0, or -1 where a scratch block could not be allocated (nothing is then complete). */
 int scaled_decode(int64_t N, int64_t K, const uint8_t* q, int kind, const float* lut, const float* s, int64_t b0,

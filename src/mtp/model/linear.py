@@ -746,6 +746,11 @@ class LayerSource:
     pack: Callable[[torch.Tensor | None], torch.Tensor] | None = None
     weight: Callable[[], torch.Tensor] | None = None
 
+    def split(self, kernel: str) -> tuple[Int4Weight | None, LayerSource]:
+        """(the int4 checkpoint codes, read now where `kernel` is "int4" and `int4` gives them, else None; the rest of
+        this source): what `FastLinear.prepare` takes as `int4` and as `source`."""
+        return (self.int4() if self.int4 is not None and kernel == "int4" else None), replace(self, int4=None)
+
     def check(self, kernel: str) -> None:
         """ValueError where a field is given that `kernel` (as resolved by `FastLinear.prepare`) cannot use (`int4` is
         read by the callers, for "int4" only)."""
@@ -768,8 +773,8 @@ def prepare_parts(parts: list[nn.Linear], kernel: str, sources: list[LayerSource
     fused packing from), else None."""
     int4 = None
     groups = [int4_group_for(p.in_features) for p in parts]
-    sources = [s or LayerSource() for s in sources or [None] * len(parts)]
-    codes = [s.int4() if s.int4 is not None and kernel == "int4" else None for s in sources]
+    split = [(s or LayerSource()).split(kernel) for s in sources or [None] * len(parts)]
+    codes, sources = [c for c, _ in split], [rest for _, rest in split]
     if (kernel == "int4" and None not in groups
             and not all(qmatmul.available() and qmatmul.supports(p.in_features, q.group if q is not None else g)
                         for p, g, q in zip(parts, groups, codes))):
@@ -793,11 +798,10 @@ def prepare_parts(parts: list[nn.Linear], kernel: str, sources: list[LayerSource
                             *(_rows([(p.out_features // 8, K // g * 8) for p in parts], torch.float32) for _ in range(2))))
     for i, p in enumerate(parts):
         wq = int4[i] if int4 is not None else codes[i]
-        rest = replace(sources[i], int4=None)  # (the codes, read above, go as `int4`)
         if isinstance(p, FastLinear):
-            p.prepare(kernel, wq, codes[i] is not None, into[i], rest)
+            p.prepare(kernel, wq, codes[i] is not None, into[i], sources[i])
         else:
-            FastLinear.wrap(p, kernel, wq, codes[i] is not None, into[i], rest)
+            FastLinear.wrap(p, kernel, wq, codes[i] is not None, into[i], sources[i])
     return int4
 
 
@@ -867,9 +871,7 @@ def prepare_for_inference(model: nn.Module, kernel: str, skip: tuple[str, ...] =
                     fusion.versions = [p.weight._version for p in parts]  # swaps in a placeholder, it changes nothing
                 n += len(parts)
         if (type(m) is nn.Linear or isinstance(m, FastLinear)) and id(m) not in done and not skipped(name):
-            source = sources.get(name, LayerSource())
-            codes = source.int4() if source.int4 is not None and kernel == "int4" else None
-            rest = replace(source, int4=None)  # (the codes, read here, go as `int4`)
+            codes, rest = sources.get(name, LayerSource()).split(kernel)
             if isinstance(m, FastLinear):
                 m.prepare(kernel, codes, codes is not None, source=rest)
             else:

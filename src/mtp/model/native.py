@@ -228,28 +228,35 @@ _PREBUILT = threading.Event()
 
 
 def prebuild() -> None:
-    """Compile, a compiler a core, every library's first-choice build that is not in the cache yet - once a process,
-    before a model's first load: on a fresh machine they were compiled one at a time as each was first used, 7.1 s on
-    this project's 2-core Xeon (qmatmul 2.1, dequant and deltanet 1.0 each, attention 0.8, ...), much of it inside the
-    first generation's timing. A build that fails is left to its library's own load (which reports it, or takes the
-    next build); libraries turned off, or a CPU they cannot run on, are skipped. Where every build is cached this
-    only hashes the sources (~1 ms a library)."""
+    """Compile, a compiler a core, every library's first build that compiles (in `_load`'s order) where it is not in
+    the cache yet - once a process, before a model's first load: on a fresh machine they were compiled one at a time
+    as each was first used, 7.1 s on this project's 2-core Xeon (qmatmul 2.1, dequant and deltanet 1.0 each,
+    attention 0.8, ...), much of it inside the first generation's timing. A library's load still decides what it runs
+    (a build the process may not run, AMX without the tiles' permission, gives way to the next, compiled then);
+    libraries turned off, or a CPU they cannot run on, are skipped. Where every build is cached this only hashes the
+    sources (~1 ms a library)."""
     if _PREBUILT.is_set():
         return
     _PREBUILT.set()
     if cpu_problem():
         return
-    todo = [(lib.source, pick_isas(lib.isas)[0]) for lib in LIBRARIES if lib._why is None and not lib.switched_off()]
+    todo = [lib for lib in LIBRARIES if lib._why is None and not lib.switched_off()]
     try:
         compiler()
     except (OSError, RuntimeError, subprocess.SubprocessError):
         return  # (each library's load says so)
-    with ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1))) as pool:
-        for done in [pool.submit(build, source, isa) for source, isa in todo]:
+
+    def first_build(lib: NativeLibrary) -> None:  # the builds in `_load`'s order, up to the first that compiles
+        for isa in pick_isas(lib.isas):
             try:
-                done.result()
+                build(lib.source, isa)
+                return
             except (OSError, RuntimeError, subprocess.SubprocessError):
-                pass
+                continue
+
+    if todo:
+        with ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1)) as pool:
+            list(pool.map(first_build, todo))
 
 
 @dataclass
