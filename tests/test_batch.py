@@ -12,7 +12,7 @@ import mtp
 import test_sampling_stats as stats
 from conftest import pattern_batch, tiny_model, trained_tiny_model
 from mtp.decode.decoder import COLD_ROUNDS, POOL_SLOTS, Decoder
-from mtp.decode.policy import Acceptance, DraftPolicy, RoundTimes
+from mtp.decode.policy import Acceptance, DraftPolicy, RoundTimes, solve
 from mtp.decode.sampling import SamplingParams
 from mtp.decode.session import Session
 
@@ -233,6 +233,25 @@ def test_batch_policy_carries_costs_over_to_unseen_batch_sizes():
     assert pol.next_k(16) == 0                                   # 16: the fit says verifying extra tokens does not
     fit = pol.fit()
     assert fit is not None and pol.round_time(16, 2, fit) == pytest.approx(steep(16, 2), rel=1e-6)
+
+
+def test_policy_fit_is_the_least_squares_fit():
+    """The fit over (B, k) is the least-squares one (solved in Python floats, `policy.solve`), and none where the
+    points do not pin it down."""
+    g = torch.Generator().manual_seed(4)
+    pol = DraftPolicy.from_arg("auto", 8)
+    for b in (1, 2, 4, 8):
+        for k in (0, 1, 3, 5):
+            pol.rounds.record((b, k), 1e-3 * (1 + 0.3 * b + 0.2 * b * k) * (1 + 0.05 * float(torch.rand(1, generator=g))))
+    x = torch.tensor([[1.0, b, b * k] for b, k in pol.times], dtype=torch.float64)
+    y = torch.tensor([[t] for t in pol.times.values()], dtype=torch.float64)
+    want = torch.linalg.lstsq(x, y, driver="gelsd").solution[:, 0].tolist()
+    assert pol.fit() == pytest.approx(want, rel=1e-9)
+    two = DraftPolicy.from_arg("auto", 8)  # two points: three unknowns
+    two.rounds.record((1, 2), 1e-3)
+    two.rounds.record((2, 1), 2e-3)
+    assert two.fit() is None
+    assert solve([[1.0, 2.0, 3.0], [2.0, 4.0, 6.0]]) is None and solve([[2.0, 1.0, 5.0], [1.0, 3.0, 10.0]]) == pytest.approx([1, 3])
 
 
 def test_rounds_after_a_prompt_chunk_teach_the_policy_nothing(models):
