@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -12,6 +14,9 @@ from mtp.model.qwen3_5 import Qwen35MoeForCausalLM
 
 # Tiny models: one intra-op thread is fastest (and the suite must not thrash a shared 2-core machine).
 torch.set_num_threads(1)
+# `auto` starts from nothing in every test (and in the processes tests start): measurements an earlier run kept
+# (`decode/policy_store.py`) would make its choices depend on what ran before; tests/test_policy_store.py turns it on.
+os.environ["MTP_AUTO_STORE"] = "0"
 
 
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)

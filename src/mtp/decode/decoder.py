@@ -28,7 +28,7 @@ import torch
 
 from ..model.argmax_kernel import argmax
 from ..model.linear import FastLinear, prompt_products, row_invariant
-from . import round_kernel
+from . import policy_store, round_kernel
 from .compiled import Runner
 from .draft_vocab import DraftVocab
 from .masks import MaskDrafter
@@ -126,11 +126,18 @@ class Decoder:
                 raise ValueError("drafting from mask tokens runs eagerly: compile=True is not supported with a masks adapter")
             limit = min(MAX_DRAFT, model.masks.config.masks)
         # round times measured by earlier decoders of this model in the same setup, and the acceptance they saw with
-        # the same drafter (`DraftPolicy.from_arg`)
+        # the same drafter (`DraftPolicy.from_arg`); the first `auto` decoder of a setup in this process starts from
+        # what an earlier process measured, where it was kept (`policy_store`)
         setup = (compile, torch.get_num_threads(), draft_vocab is not None, use_masks, max_batch)
         rounds = model.__dict__.setdefault("_round_times", {}).setdefault(setup, RoundTimes())
         counts = model.__dict__.setdefault("_acceptance", {}).setdefault((draft_vocab is not None, use_masks),
                                                                           Acceptance())
+        tried = model.__dict__.setdefault("_stored_setups", set())
+        if draft_tokens == "auto" and (use_mtp or use_masks) and setup not in tried and policy_store.enabled():
+            tried.add(setup)
+            key = policy_store.key(model, setup, None if draft_vocab is None else draft_vocab.size)
+            if key is not None and not rounds.samples:
+                policy_store.load(key, rounds, counts, fill_counts=not any(c.offered for c in counts.by_state))
         if draft_tokens == "auto" and use_mtp and max_batch == 1 and rounds.rest():
             use_mtp = False  # drafting has not paid here: this generation runs plain (`RoundTimes.rest`)
         self.policy = DraftPolicy.from_arg(draft_tokens if use_mtp or use_masks else None, limit, rounds, counts)

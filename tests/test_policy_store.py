@@ -1,0 +1,152 @@
+"""`auto`'s measurements kept across processes (`decode/policy_store.py`): a later process's first `auto` decoder starts
+from what an earlier one measured with the same model files, preparation, setup and machine; a bad file is ignored
+and replaced; nothing is kept for a model built in code."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import mtp
+from conftest import trained_tiny_model
+from mtp.decode import policy_store
+from mtp.decode.decoder import Decoder
+from mtp.model import native
+
+PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    """The store in a folder of this test's (and its own registry of files to write)."""
+    monkeypatch.setenv("MTP_AUTO_STORE", "1")
+    monkeypatch.setattr(policy_store, "cache_root", lambda: tmp_path / "cache")
+    monkeypatch.setattr(policy_store, "_open", {})
+    return tmp_path / "cache" / "auto"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model")
+    mtp.save_model(trained_tiny_model(steps=60, seed=5), path)
+    return path
+
+
+def measured(model) -> tuple[dict, list]:
+    """The decoder's view of what `auto` knows for a lone sequence: round times by (B, k), acceptance counts."""
+    policy = Decoder(model, 1, 64, "auto").policy
+    return dict(policy.rounds.samples), [(c.offered, c.accepted) for c in policy.counts.by_state]
+
+
+def test_a_later_process_starts_from_what_an_earlier_one_measured(store, folder):
+    first = mtp.load_model(folder)
+    assert measured(first)[0] == {}  # nothing kept yet: auto starts from nothing
+    want = mtp.generate(first, PROMPT, max_new_tokens=40).tokens
+    assert mtp.generate(first, PROMPT, max_new_tokens=40, draft_tokens="auto").tokens == want
+    times, counts = measured(first)
+    assert times and any(offered for offered, _ in counts)
+    policy_store.save_all()  # (what the process does at exit)
+    files = list(store.glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["key"]["folder"] == str(folder.resolve())
+
+    later = mtp.load_model(folder)  # another process's model: nothing in memory
+    assert measured(later) == (times, counts)
+    assert mtp.generate(later, PROMPT, max_new_tokens=40, draft_tokens="auto").tokens == want
+    # a setup measured apart (another thread count) starts from nothing
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert measured(mtp.load_model(folder))[0] == {}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_what_is_kept_depends_on_the_files_and_their_preparation(folder, monkeypatch):
+    monkeypatch.setenv("MTP_AUTO_STORE", "1")
+    model = mtp.load_model(folder)
+    setup = (False, 1, False, False, 1)
+    key = policy_store.key(model, setup, None)
+    assert key == policy_store.key(mtp.load_model(folder), setup, None)
+    assert policy_store.path_for(key) != policy_store.path_for(policy_store.key(model, setup, 4))  # a draft vocabulary
+    int8 = mtp.load_model(folder, quantize="int8")
+    assert policy_store.path_for(key) != policy_store.path_for(policy_store.key(int8, setup, None))
+    weights = folder / "model.safetensors"
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # the checkpoint written again
+    try:
+        assert policy_store.path_for(key) != policy_store.path_for(policy_store.key(model, setup, None))
+    finally:
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert policy_store.key(trained_tiny_model(steps=1), setup, None) is None  # built in code: nothing kept
+
+
+@pytest.mark.parametrize("text, why", [
+    ("{not json", "Expecting property name"),
+    ('{"key": 1}', "another key"),
+    ("samples", "round times in (0, 60) s"),
+    ("acceptance", "0 <= accepted <= offered"),
+])
+def test_a_bad_file_is_ignored_and_replaced(store, folder, caplog, text, why):
+    model = mtp.load_model(folder)
+    mtp.generate(model, PROMPT, max_new_tokens=30, draft_tokens="auto")
+    policy_store.save_all()
+    path = next(store.glob("*.json"))
+    good = json.loads(path.read_text())
+    if text == "samples":
+        good["rounds"]["samples"][0][2] = [-1.0]
+        text = json.dumps(good)
+    elif text == "acceptance":
+        good["acceptance"][0]["accepted"][0] = good["acceptance"][0]["offered"][0] + 1
+        text = json.dumps(good)
+    path.write_text(text)
+    policy_store._open.clear()  # (a new process)
+    later = mtp.load_model(folder)
+    with caplog.at_level(logging.WARNING, logger="mtp.decode"):
+        assert measured(later)[0] == {}
+    assert why in caplog.text and str(path) in caplog.text
+    want = mtp.generate(later, PROMPT, max_new_tokens=30).tokens
+    assert mtp.generate(later, PROMPT, max_new_tokens=30, draft_tokens="auto").tokens == want
+    policy_store.save_all()
+    assert json.loads(path.read_text())["rounds"]["samples"]  # replaced by what this process measured
+    assert not list(store.glob(".*.tmp"))
+
+
+def test_switched_off(store, folder, monkeypatch):
+    monkeypatch.setenv("MTP_AUTO_STORE", "0")
+    model = mtp.load_model(folder)
+    mtp.generate(model, PROMPT, max_new_tokens=30, draft_tokens="auto")
+    policy_store.save_all()
+    assert not store.exists()
+
+
+def test_mtp_generate_keeps_what_it_measured_for_the_next_one(tmp_path):
+    """Two `mtp generate` processes on the shipped model: the first writes the store at its exit, the second reads it
+    (its first decoder starts from those round times) and writes what it added."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "kernels").symlink_to(native.kernels_dir().resolve(), target_is_directory=True)  # (no rebuild)
+    env = dict(os.environ, MTP_CACHE=str(cache), MTP_AUTO_STORE="1")
+    cmd = [sys.executable, "-m", "mtp.cli", "generate", "--prompt", "def fibonacci(n):", "--max-new-tokens", "24",
+           "--threads", "1", "--json"]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert first.returncode == 0, first.stderr
+    files = list((cache / "auto").glob("*.json"))
+    assert len(files) == 1
+    kept = json.loads(files[0].read_text())
+    assert kept["rounds"]["samples"] and kept["key"]["folder"].endswith("code-small")
+    second = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert second.returncode == 0, second.stderr
+    assert json.loads(second.stdout)["tokens"] == json.loads(first.stdout)["tokens"]
+    again = json.loads(files[0].read_text())
+    assert again != kept and again["key"] == kept["key"]
+    before = {(b, k): t for b, k, t in kept["rounds"]["samples"]}
+    after = {(b, k): t for b, k, t in again["rounds"]["samples"]}
+    # read, then added to: each window the first process left short of WINDOW begins the second's
+    assert all(after[bk][:len(t)] == t for bk, t in before.items() if len(t) + 1 < policy_store.WINDOW)
+    assert not list((cache / "auto").glob(".*.tmp"))
