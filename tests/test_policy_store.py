@@ -150,3 +150,15 @@ def test_mtp_generate_keeps_what_it_measured_for_the_next_one(tmp_path):
     # read, then added to: each window the first process left short of WINDOW begins the second's
     assert all(after[bk][:len(t)] == t for bk, t in before.items() if len(t) + 1 < policy_store.WINDOW)
     assert not list((cache / "auto").glob(".*.tmp"))
+
+
+def test_the_store_keeps_the_latest_files(store, folder, monkeypatch):
+    monkeypatch.setattr(policy_store, "MAX_FILES", 3)
+    store.mkdir(parents=True)
+    for i in range(4):
+        (store / f"{i:024x}.json").write_text("{}")
+        os.utime(store / f"{i:024x}.json", ns=(i * 10**9, i * 10**9))
+    mtp.generate(mtp.load_model(folder), PROMPT, max_new_tokens=30, draft_tokens="auto")
+    policy_store.save_all()
+    left = sorted(f.name for f in store.glob("*.json"))
+    assert len(left) == 3 and f"{0:024x}.json" not in left and f"{1:024x}.json" not in left

@@ -38,6 +38,7 @@ log = logging.getLogger("mtp.decode")
 VERSION = 1
 MAX_KEYS = 256  # (B, k) pairs a file may hold: batch buckets x (k_max + 1), with room
 MAX_DEPTH = 16  # draft positions an acceptance record may hold
+MAX_FILES = 256  # store files kept (the oldest written go first)
 
 _lock = threading.Lock()
 # file -> (key, the RoundTimes and Acceptance to write at exit, what was read or last written)
@@ -180,3 +181,14 @@ def save_all() -> None:
             continue
         with _lock:
             _open[path] = (k, rounds, counts, text)
+        _prune(path.parent)
+
+
+def _prune(folder: Path) -> None:
+    """Keep the MAX_FILES most recently written store files (each setup, checkpoint version or machine adds one)."""
+    try:
+        files = sorted(folder.glob("*.json"), key=lambda f: f.stat().st_mtime_ns)
+        for f in files[:-MAX_FILES]:
+            f.unlink(missing_ok=True)
+    except OSError as e:  # (another process pruning at the same time)
+        log.debug("pruning %s: %s", folder, e)
