@@ -221,3 +221,24 @@ def test_bench_variants_are_checked_against_their_own_plain_decoding(model_dir, 
     assert code["mtp int8+vocab64 k=2"]["variant"] == "int8+vocab64"
     assert {"mtp int4 plain", "mtp int4 k=2"} <= set(code)
     assert report["best_fixed_k"]["code"]["config"] == "mtp k=2"  # the default variant's
+
+
+def test_bench_says_what_auto_started_from(model_dir, tmp_path, monkeypatch):
+    """The report notes whether `auto` started from what an earlier process kept (decode/policy_store.py)."""
+    from mtp.decode import policy_store
+
+    monkeypatch.setenv("MTP_AUTO_STORE", "1")
+    monkeypatch.setattr(policy_store, "cache_root", lambda: tmp_path / "cache")
+    monkeypatch.setattr(policy_store, "_open", {})
+    monkeypatch.setattr(policy_store, "_read", set())
+    args = ["bench", "--model", str(model_dir), "--quick", "--no-transformers", "--no-cost-model", "--draft-tokens",
+            "auto", "--max-new-tokens", "8", "--repeats", "1"]
+    notes = []
+    for run in range(2):
+        out = tmp_path / f"bench{run}"
+        assert main([*args, "--out", str(out)]) == 0
+        notes.append(json.loads((out / "report.json").read_text())["meta"]["notes"]["auto"])
+        policy_store.save_all()  # (the process's exit)
+        policy_store._open.clear()  # (a new process)
+    assert notes[0].startswith("started from nothing")
+    assert notes[1].startswith("started from the measurements an earlier process kept") and "cache/auto/" in notes[1]

@@ -35,6 +35,7 @@ from ..cli_common import (
     parse_draft_tokens,
     resolve_quantize,
 )
+from ..decode import policy_store
 from ..model import load_model, qmatmul
 from .costmodel import (
     FULL_LAYERS,
@@ -309,6 +310,11 @@ def cmd_bench(args) -> int:
     configs = configs_for(drafts, hf_model is not None, variants, with_transformers_mtp=hf_mtp_note is None)
     with tqdm(total=repeats * len(prompts) * len(configs), unit="run", file=sys.stderr, dynamic_ncols=True) as bar:
         runs, failed = run_interleaved(models, hf_model, configs, prompts, prompt_ids, max_new, repeats, pad, bar)
+    if "auto" in drafts:  # what `auto` started from: a store file of an earlier process's, or nothing
+        kept = policy_store.read()
+        notes["auto"] = ("MTP_AUTO_STORE=0: started from nothing" if not policy_store.enabled() else
+                         f"started from the measurements an earlier process kept ({', '.join(str(p) for p in kept)})"
+                         if kept else "started from nothing (no measurements kept for these models and setups)")
     references = {c.name: c.reference for c in configs if c.engine == "mtp"}
     references[HF] = hf_reference or "(not compared)"
     references[HF_MTP] = HF  # lossless: transformers' greedy MTP decoding must give its own plain output

@@ -43,6 +43,7 @@ MAX_FILES = 256  # store files kept (the oldest written go first)
 _lock = threading.Lock()
 # file -> (key, the RoundTimes and Acceptance to write at exit, what was read or last written)
 _open: dict[Path, tuple[dict, RoundTimes, Acceptance, str | None]] = {}
+_read: set[Path] = set()  # the files measurements were read from
 
 
 def enabled() -> bool:
@@ -114,7 +115,15 @@ def load(k: dict, rounds: RoundTimes, counts: Acceptance, fill_counts: bool = Tr
         if not _open:
             atexit.register(save_all)
         _open[path] = (k, rounds, counts, text if found else None)
+        if found:
+            _read.add(path)
     return found
+
+
+def read() -> list[Path]:
+    """The store files this process read measurements from (what `auto` started from)."""
+    with _lock:
+        return sorted(_read)
 
 
 def _fill(data: dict, rounds: RoundTimes, counts: Acceptance, fill_counts: bool) -> None:
