@@ -162,3 +162,14 @@ def test_the_store_keeps_the_latest_files(store, folder, monkeypatch):
     policy_store.save_all()
     left = sorted(f.name for f in store.glob("*.json"))
     assert len(left) == 3 and f"{0:024x}.json" not in left and f"{1:024x}.json" not in left
+
+
+def test_a_failed_write_loses_nothing(store, folder, caplog):
+    """A store folder that cannot be written: the process goes on (one warning), no temporary is left behind."""
+    mtp.generate(mtp.load_model(folder), PROMPT, max_new_tokens=30, draft_tokens="auto")
+    store.parent.mkdir(parents=True)
+    store.write_text("a file where the folder should be")
+    with caplog.at_level(logging.WARNING, logger="mtp.decode"):
+        policy_store.save_all()
+    assert "could not keep auto's measurements" in caplog.text
+    assert sorted(p.name for p in store.parent.iterdir()) == ["auto"]

@@ -18,6 +18,7 @@ keep nothing.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import json
 import logging
@@ -177,16 +178,22 @@ def save_all() -> None:
     with _lock:
         todo = list(_open.items())
     for path, (k, rounds, counts, before) in todo:
-        text = dump(k, rounds, counts)
+        try:
+            text = dump(k, rounds, counts)
+        except RuntimeError as e:  # (a server's decoding thread still recording at exit: its dict changed mid-read)
+            log.warning("could not keep auto's measurements in %s: %s", path, e)
+            continue
         if text == before:
             continue
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
             tmp.write_text(text)
             os.replace(tmp, path)
         except OSError as e:
             log.warning("could not keep auto's measurements in %s: %s", path, e)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
             continue
         with _lock:
             _open[path] = (k, rounds, counts, text)
