@@ -98,6 +98,7 @@ def test_greedy_completion_equals_generate_and_cli(client, model, model_dir):
     spec = out.usage.model_extra["speculative"]
     assert spec["draft_tokens"] == "auto" and spec["mean_accepted_length"] >= 1.0
     assert all(0.0 <= a <= 1.0 for a in spec["acceptance_per_position"])
+    assert spec["tokens_per_second"] > 0  # completion tokens over the time from admission to the last token
     cli = subprocess.run([sys.executable, "-m", "mtp.cli", "generate", "--model", str(model_dir), "--prompt", PROMPTS["ending"],
                           "--max-new-tokens", "64", "--temperature", "0", "--draft-tokens", "0", "--json"],
                          capture_output=True, text=True, timeout=60, check=True)

@@ -293,6 +293,8 @@ class Engine:
         still = []
         for job in self._jobs:
             if job.seq.session.done:
+                # (the request's time, admission to its last token: `usage.speculative.tokens_per_second`)
+                job.seq.session.stats.time_total = time.perf_counter() - job.t_start
                 job.stream.result = job.seq.session.result()
                 job.deliver(_END)
             elif not job.seq.cancelled:
