@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 
+import httpx
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from conftest import trained_tiny_model
 from mtp.decode import policy_store
 from mtp.decode.decoder import Decoder
 from mtp.model import native
+from serve_support import ServerProcess, build_trained_model_dir
 
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]
 
@@ -173,3 +176,23 @@ def test_a_failed_write_loses_nothing(store, folder, caplog):
         policy_store.save_all()
     assert "could not keep auto's measurements" in caplog.text
     assert sorted(p.name for p in store.parent.iterdir()) == ["auto"]
+
+
+def test_mtp_serve_keeps_what_it_measured_when_stopped(tmp_path, monkeypatch):
+    """`mtp serve` ends by the SIGTERM uvicorn raises again (no atexit): its cleanup writes the store."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "kernels").symlink_to(native.kernels_dir().resolve(), target_is_directory=True)
+    monkeypatch.setenv("MTP_CACHE", str(cache))
+    monkeypatch.setenv("MTP_AUTO_STORE", "1")
+    srv = ServerProcess(build_trained_model_dir(tmp_path / "model", steps=30), tmp_path / "serve.log")
+    try:
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "model", "prompt": "def f(x):", "max_tokens": 24,
+                                                           "temperature": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(timeout=30) == -signal.SIGTERM
+        srv.stop()
+    files = list((cache / "auto").glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["rounds"]["samples"]

@@ -70,6 +70,7 @@ def cmd_serve(args) -> int:
     require_extra("serve", "fastapi", "uvicorn", "prometheus_client")
     import uvicorn
 
+    from ..decode import policy_store
     from .app import Limits, create_app
     from .engine import Engine
     from .requestlog import setup_request_log
@@ -111,8 +112,11 @@ def cmd_serve(args) -> int:
     hard = args.shutdown_grace + MARGIN_S + args.chat_template_timeout + KILL_AFTER_S
     config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False, log_level=args.log_level,
                             timeout_graceful_shutdown=hard)
+    # the cleanup keeps what `auto` measured (`policy_store`) itself: after a signal the process ends by the signal
+    # uvicorn raises again, which runs no atexit handler
+    cleanup = (lambda: engine.shutdown(wait=5.0), server.close, policy_store.save_all)
     try:
-        GracefulServer(config, server.begin_drain, args.shutdown_grace, cleanup=(engine.shutdown, server.close)).run()
+        GracefulServer(config, server.begin_drain, args.shutdown_grace, cleanup=cleanup).run()
     finally:  # reached when the server did not start (a port in use, say); after a signal the cleanup ran already
         engine.shutdown()
         server.close()

@@ -243,9 +243,12 @@ class Engine:
                 "acceptance_per_position": d["acceptance_per_position"],
                 "backbone_forwards": d["backbone_forwards"], "tokens_per_second": d["tokens_per_second"]}
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait: float = 0.0) -> None:
+        """Stop the worker thread after its step; `wait` > 0: wait up to that many seconds for it to end."""
         self._stop = True
         self._wake.set()
+        if wait > 0 and threading.current_thread() is not self._thread:
+            self._thread.join(wait)
 
     # ------------------------------------------------------------------ the worker thread
     def _run(self) -> None:
