@@ -3,11 +3,12 @@ drafts were accepted.
 
 `auto` learns the round times (`policy.RoundTimes`) and the acceptance (`policy.Acceptance`) as it decodes, and an
 in-process model keeps them for its next generation. A new process started from nothing: its first generation
-measured k = 0, tried every unmeasured k once and probed every 8th round while the fit settled, which cost a
-one-shot `mtp generate` (auto is its default) 1-5% against the same process started from an earlier one's
-measurements (int8 code-small, AMX Xeon; docs/decisions.md, sixteenth session). A store file per (model files, how
-they were prepared, decoding setup, machine) holds them between processes: read when a process first decodes with
-that model and setup, written at the process's exit when they changed.
+measured k = 0, tried every unmeasured k once and probed every 8th round while the fit settled, which cost a one-shot
+`mtp generate` (auto is its default) ~3% against starting from an earlier process's measurements (the shipped model
+in int8 and bf16, 7 prompts x 3 fresh processes, AMX Xeon; docs/decisions.md, sixteenth session). A store file per
+(model files, how they were prepared, decoding setup, machine) holds them between processes: read when a process
+first decodes with that model and setup, written at the process's exit when they changed (`mtp serve` writes it in
+its shutdown: uvicorn ends the process by the signal, past atexit).
 
 The file lives in $MTP_CACHE (or ~/.cache/mtp)/auto, one JSON object a key (`key`); it is a cache: a file that does
 not parse or does not hold what it should is ignored (logged) and replaced at exit, a write goes to a temporary
@@ -67,11 +68,11 @@ def key(model, setup: tuple, vocab: int | None) -> dict | None:
     except OSError:
         return None
     kernels = Counter(m.kernel or "torch" for m in model.modules() if isinstance(m, FastLinear))
-    return _as_json({"version": VERSION, "folder": str(folder), "files": [list(f) for f in files],
-            "dtype": str(model.dtype), "device": str(model.device), "kernels": sorted(kernels.items()),
-            "draft_quantize": model.draft_quantize, "setup": list(setup), "vocab": vocab, "cpu": _cpu_name(),
-            "isa": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
-            "machine": platform.machine()})
+    return _as_json({
+        "version": VERSION, "folder": str(folder), "files": [list(f) for f in files], "dtype": str(model.dtype),
+        "device": str(model.device), "kernels": sorted(kernels.items()), "draft_quantize": model.draft_quantize,
+        "setup": list(setup), "vocab": vocab, "cpu": _cpu_name(), "isa": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__, "machine": platform.machine()})
 
 
 def _as_json(value):
