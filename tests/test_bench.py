@@ -14,6 +14,7 @@ from mtp.bench.measure import Run, check_identical
 from mtp.bench.prompts import DEFAULT_PROMPTS, cut_code_prompt, load_prompts
 from mtp.cli import main
 from mtp.decode.draft_vocab import DraftVocab
+from mtp.model import step
 
 
 def byte_tokenizer(vocab_size: int = 300):
@@ -154,7 +155,10 @@ def test_bench_quick_writes_report(model_dir, tmp_path, capsys):
     for p in prof.values():
         assert p["ms_per_round"] > 0 and p["ops_per_round"] > 10 and p["graph_calls_per_round"] == 0
         assert 0 < p["linear_ms_per_round"] <= p["ms_per_round"] * 1.5
-        assert p["c_calls_per_round"] > 0 and 0 < p["c_ms_per_round"] <= p["ms_per_round"] * 1.5  # the C kernels ran
+        if step.LIBRARY.available():  # the C kernels ran (not with MTP_NATIVE=0, nor on a machine without a compiler)
+            assert p["c_calls_per_round"] > 0 and 0 < p["c_ms_per_round"] <= p["ms_per_round"] * 1.5
+        else:
+            assert p["c_calls_per_round"] == 0
         assert p["host_ms_per_round"] >= 0
     assert prof["mtp k=3"]["tokens_per_round"] >= 1 and prof["mtp plain"]["tokens_per_round"] == 1
     assert prof["mtp k=3"]["ops_per_round"] > prof["mtp plain"]["ops_per_round"]  # the round also drafts
