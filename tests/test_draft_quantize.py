@@ -3,6 +3,10 @@ int8 / int4 while the backbone and its head stay bf16, so the output is the bf16
 sampled in law - and only the drafts (and so the acceptance) can differ."""
 
 import copy
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,6 +22,8 @@ from mtp.decode.sampling import SamplingParams
 from mtp.decode.session import Session
 from mtp.model import qmatmul
 from mtp.model.linear import FastLinear, int4_group_for, int4_supported
+
+needs_kernels = pytest.mark.skipif(not qmatmul.available(), reason=f"qmatmul kernels unavailable: {qmatmul.reason()}")
 
 
 def bf16(model, quantize: str | None = None):
@@ -126,6 +132,7 @@ def test_unpack_int8_inverts_the_kernels_packing():
     assert torch.equal(qmatmul.unpack_int8(qmatmul.pack_int8(codes), 21), codes)
 
 
+@needs_kernels  # (the kernels' names and codes are qmatmul's)
 @pytest.mark.parametrize("release", [False, True])
 @pytest.mark.parametrize("vocab", [None, 64])
 def test_int4_drafts_for_an_int8_model(trained, release, vocab):
@@ -168,6 +175,7 @@ def test_int4_drafts_for_an_int8_model(trained, release, vocab):
     decodes_as(model, ref, seed=4)
 
 
+@needs_kernels  # (the kernels' names and codes are qmatmul's)
 def test_int4_drafts_for_an_int4_model(trained):
     """An int4 model drafting int4 (`--draft-quantize auto`): only the MTP's input projection, which the model keeps
     bf16, changes (to int4, in the one-call draft chain too); every other layer and head stays, and the output is the
@@ -182,6 +190,7 @@ def test_int4_drafts_for_an_int4_model(trained):
     decodes_as(model, ref, seed=6)
 
 
+@needs_kernels  # (the kernels' names and codes are qmatmul's)
 @pytest.mark.parametrize("release", [False, True])
 def test_int4_drafts_for_an_int8_moe_model(release):
     """An int8 MoE model drafting int4: the MTP's routed experts are requantized to int4 (the backbone's stay int8),
@@ -285,3 +294,18 @@ def test_bench_variants_name_the_drafts_precision():
     assert Variant.parse("bf16+draft-none").model_key != Variant.parse("bf16+draft-int8").model_key
     with pytest.raises(ValueError, match="draft-none"):
         Variant.parse("bf16+draft-int3")
+
+
+def test_int4_drafts_of_an_int8_model_on_torchs_kernels():
+    """`--quantize int8 --draft-quantize int4` where torch's weight-only kernels run (MTP_QMATMUL=0, or no C compiler):
+    the requantized MTP layers hold no Int4Weights, so their projections run unfused (it raised "fusing int4 layers for
+    torch's kernel needs their Int4Weights"); speculative output equals plain."""
+    def run(k: str) -> list[int]:
+        cmd = [sys.executable, "-m", "mtp.cli", "generate", "--quantize", "int8", "--draft-quantize", "int4",
+               "--prompt", "def fibonacci(n):", "--max-new-tokens", "24", "--repetition-penalty", "1", "--draft-tokens",
+               k, "--threads", "1", "--json"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, MTP_QMATMUL="0"))
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)["tokens"]
+
+    assert run("3") == run("0")

@@ -830,6 +830,8 @@ def fusable(parts: list[FastLinear], int4: list[Int4Weight] | None = None) -> bo
         return False
     if first.kernel != "int4":
         return True
+    if not first._native and int4 is None:  # (torch's int4 packing is not by row: fused from the Int4Weights only)
+        return False
     return (all(p._native == first._native and p._group == first._group
                 and (p._perm is None if first._perm is None else p._perm is not None and torch.equal(p._perm, first._perm))
                 for p in parts)
