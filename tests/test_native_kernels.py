@@ -56,6 +56,8 @@ def test_the_kernels_build_where_they_can():
     load."""
     if cpu_problem() or not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
         pytest.skip(f"not a machine for the kernels: {cpu_problem() or 'no C compiler'}")
+    if os.environ.get("MTP_NATIVE") == "0":
+        pytest.skip("MTP_NATIVE=0 switches the kernels off")
     for k in (*KERNELS, qmatmul, rtn, top_p_kernel):
         assert k.LIBRARY.available(), k.LIBRARY.reason()
 
