@@ -377,3 +377,29 @@ def test_a_chained_round_that_fails_raises_what_a_single_one_does():
         st.pend_next[0, 0] = model.config.vocab_size
         with torch.inference_mode(), pytest.raises(IndexError, match="vocabulary"):
             round_kernel.greedy_rounds(model, st, ks, full, 40, st.pos.item())
+
+
+def test_autos_cold_rounds_chain_and_teach_no_times(monkeypatch):
+    """A lone greedy sequence under `auto`: the COLD_ROUNDS rounds after its prompt (decoder.py: slower whatever their
+    k) run as one chained call, not one call each, and none of their times reaches the policy; the output is plain
+    decoding's."""
+    import mtp
+    from mtp.decode import decoder as dec
+    from test_step import quantized
+
+    model = quantized("int8")
+    prompt = [5, 9, 2, 31, 7]
+    want = mtp.generate(model, prompt, max_new_tokens=40, eos_token_ids=[]).tokens
+    policy = dec.Decoder(model, 1, 128, "auto").policy  # (its counts and times are every later decoder's)
+    for k in range(policy.k_max + 1):  # measured already: no round of this generation has to measure one
+        for _ in range(16):
+            policy.rounds.record((1, k), (1 + 0.02 * k) * 1e-3)
+    calls, learned = [], []
+    rounds, update = round_kernel.greedy_rounds, dec.DraftPolicy.update
+    monkeypatch.setattr(round_kernel, "greedy_rounds", lambda *a, **kw: calls.append(a[-1]) or rounds(*a, **kw))
+    monkeypatch.setattr(dec.DraftPolicy, "update", lambda self, b, k, rows, s, bucket=None:
+                        learned.append(s) or update(self, b, k, rows, s, bucket))
+    r = mtp.generate(model, prompt, max_new_tokens=40, draft_tokens="auto", eos_token_ids=[])
+    assert r.tokens == want
+    assert calls and calls[0] == dec.COLD_ROUNDS  # the first call: the cold rounds, chained
+    assert learned[: dec.COLD_ROUNDS] == [None] * dec.COLD_ROUNDS and any(s is not None for s in learned[dec.COLD_ROUNDS:])

@@ -532,8 +532,10 @@ class Decoder:
                 # next probe) back to back in one call: the host's time between rounds was ~0.12 ms a round
                 # (docs/decisions.md); the policy then learns from each round as it would have
                 run = self.chain if self.policy.k_fixed is not None else min(self.chain, self.policy.run)
+                if cold and self.policy.k_fixed is None:  # `auto`'s cold rounds chain among themselves: the rounds after
+                    run = min(run, COLD_ROUNDS - self._since_chunk)  # them teach it round times again
                 if run > 1 and B == 1 and rs is None and not (self.use_mtp and K == 0) and not seqs[0].session.stop:
-                    chained = self._chain(seqs, K, st, vocab, run)
+                    chained = self._chain(seqs, K, st, vocab, run, cold)
                     if chained is not None:
                         return chained
                 sampling = None if rs is None else (rs, *noise)
@@ -568,10 +570,11 @@ class Decoder:
         bound.add(graph)
         return first
 
-    def _chain(self, seqs: list[Sequence], K: int, st: RoundState, vocab, run: int) -> list[tuple[Sequence, list[int]]] | None:
+    def _chain(self, seqs: list[Sequence], K: int, st: RoundState, vocab, run: int,
+               cold: bool = False) -> list[tuple[Sequence, list[int]]] | None:
         """Up to `run` rounds of the one greedy row back to back in one call (`round_kernel.greedy_rounds`), at width K
         (a fixed k) or at `auto`'s k by the state each round starts in, each then kept, recorded and learned from as
-        `_round` does one -> what they emitted."""
+        `_round` does one (`cold`: their times not learned) -> what they emitted."""
         s, pol = seqs[0].session, self.policy
         full = bool(pol.states) and pol.states[0] == AFTER_FULL
         ks = (K, K) if pol.k_fixed is not None else pol.by_state
@@ -586,7 +589,7 @@ class Decoder:
             first = self._first_call(1, k, None)
             toks += [x for _, e in self._kept(seqs, [k], k, [out], t_draft / len(rounds), t - t_draft / len(rounds))
                      for x in e]
-            pol.update(1, k, [(k, n)], None if first else t, 1)
+            pol.update(1, k, [(k, n)], None if first or cold else t, 1)
         pol.advance(len(rounds) - 1)
         self._since_chunk += len(rounds) - 1
         self.last_round = [(seqs[0], rounds[-1][0], rounds[-1][1][-1])]

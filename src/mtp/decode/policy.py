@@ -286,6 +286,11 @@ class DraftPolicy:
                     best_k, best = k, rate
             return best_k
 
+        def stand(run: int) -> None:  # a lone row's chain: the k of either state stands for up to `run` rounds
+            other = best_for(1 - full)
+            self.by_state = (best_k, other) if full == 0 else (other, best_k)
+            self.run = run
+
         full = sum(self.states[:batch])
         best_k = best_for(full)
         if self.probed is not None:  # the last round probed around self.probed: did it leave the best there?
@@ -298,6 +303,8 @@ class DraftPolicy:
         if best_k > 0:  # drafting pays again: generations stop resting the MTP (`RoundTimes.rest`)
             self.rounds.quiet = min(self.rounds.quiet, QUIET_MAX - 1)
         if cold:
+            if chain and batch == 1:  # cold rounds chain too (the caller ends the chain with them: no time is learned)
+                stand(self.probe_every)
             return best_k
         if (self.n >= 2 or batch > 1) and (rows, 0) not in self.times:
             # measure a plain step early: the baseline drafting must beat; and at a batch size not seen yet, first: with
@@ -316,11 +323,9 @@ class DraftPolicy:
             self.probed = best_k
             return best_k - 1
         if chain and batch == 1:  # a lone row: the k of either state stands until the next probe
-            other = best_for(1 - full)
-            self.by_state = (best_k, other) if full == 0 else (other, best_k)
             after = lambda r: self.n - self.n % every + r + (every if r <= self.n % every else 0)  # noqa: E731
             probes = ([after(0)] if best_k < self.k_max else []) + ([after(every // 2)] if best_k > 0 else [])
-            self.run = min(probes, default=self.n + every) - self.n
+            stand(min(probes, default=self.n + every) - self.n)
         return best_k
 
     def advance(self, rounds: int) -> None:
