@@ -226,7 +226,7 @@ class DraftPolicy:
         if len({b for (b, _), _ in pts}) < 2 or len({k for (_, k), _ in pts}) < 2:
             return None
         # the normal equations, in Python floats: torch.linalg.lstsq's first call in a process set LAPACK up for ~10
-        # ms, which a server's first round with two batch sizes paid, and each call after took ~37 us (this: ~8)
+        # ms, which a server's first round with two batch sizes paid, and each call after took ~37 us (this: ~15)
         n = sb = sc = sbb = sbc = scc = st = sbt = sct = 0.0
         for (b, k), t in pts:
             c = b * k
