@@ -50,8 +50,8 @@ def measured(model) -> tuple[dict, list]:
 def test_a_later_process_starts_from_what_an_earlier_one_measured(store, folder):
     first = mtp.load_model(folder)
     assert measured(first)[0] == {}  # nothing kept yet: auto starts from nothing
-    want = mtp.generate(first, PROMPT, max_new_tokens=40).tokens
-    assert mtp.generate(first, PROMPT, max_new_tokens=40, draft_tokens="auto").tokens == want
+    want = mtp.generate(first, PROMPT, max_new_tokens=80).tokens
+    assert mtp.generate(first, PROMPT, max_new_tokens=80, draft_tokens="auto").tokens == want
     times, counts = measured(first)
     assert times and any(offered for offered, _ in counts)
     policy_store.save_all()  # (what the process does at exit)
@@ -60,7 +60,7 @@ def test_a_later_process_starts_from_what_an_earlier_one_measured(store, folder)
 
     later = mtp.load_model(folder)  # another process's model: nothing in memory
     assert measured(later) == (times, counts)
-    assert mtp.generate(later, PROMPT, max_new_tokens=40, draft_tokens="auto").tokens == want
+    assert mtp.generate(later, PROMPT, max_new_tokens=80, draft_tokens="auto").tokens == want
     # a setup measured apart (another thread count) starts from nothing
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
