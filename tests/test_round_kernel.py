@@ -389,7 +389,7 @@ def test_autos_cold_rounds_chain_and_teach_no_times(monkeypatch):
 
     model = quantized("int8")
     prompt = [5, 9, 2, 31, 7]
-    want = mtp.generate(model, prompt, max_new_tokens=40, eos_token_ids=[]).tokens
+    want = mtp.generate(model, prompt, max_new_tokens=80, eos_token_ids=[]).tokens
     policy = dec.Decoder(model, 1, 128, "auto").policy  # (its counts and times are every later decoder's)
     for k in range(policy.k_max + 1):  # measured already: no round of this generation has to measure one
         for _ in range(16):
@@ -399,7 +399,7 @@ def test_autos_cold_rounds_chain_and_teach_no_times(monkeypatch):
     monkeypatch.setattr(round_kernel, "greedy_rounds", lambda *a, **kw: calls.append(a[-1]) or rounds(*a, **kw))
     monkeypatch.setattr(dec.DraftPolicy, "update", lambda self, b, k, rows, s, bucket=None:
                         learned.append(s) or update(self, b, k, rows, s, bucket))
-    r = mtp.generate(model, prompt, max_new_tokens=40, draft_tokens="auto", eos_token_ids=[])
+    r = mtp.generate(model, prompt, max_new_tokens=80, draft_tokens="auto", eos_token_ids=[])
     assert r.tokens == want
     assert calls and calls[0] == dec.COLD_ROUNDS  # the first call: the cold rounds, chained
     assert learned[: dec.COLD_ROUNDS] == [None] * dec.COLD_ROUNDS and any(s is not None for s in learned[dec.COLD_ROUNDS:])
