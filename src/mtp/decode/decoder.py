@@ -133,10 +133,11 @@ class Decoder:
         counts = model.__dict__.setdefault("_acceptance", {}).setdefault((draft_vocab is not None, use_masks),
                                                                           Acceptance())
         tried = model.__dict__.setdefault("_stored_setups", set())
-        if draft_tokens == "auto" and (use_mtp or use_masks) and setup not in tried and policy_store.enabled():
+        if (draft_tokens == "auto" and (use_mtp or use_masks) and setup not in tried and not rounds.samples
+                and policy_store.enabled()):
             tried.add(setup)
             key = policy_store.key(model, setup, None if draft_vocab is None else draft_vocab.size)
-            if key is not None and not rounds.samples:
+            if key is not None:
                 policy_store.load(key, rounds, counts, fill_counts=not any(c.offered for c in counts.by_state))
         if draft_tokens == "auto" and use_mtp and max_batch == 1 and rounds.rest():
             use_mtp = False  # drafting has not paid here: this generation runs plain (`RoundTimes.rest`)
