@@ -254,6 +254,40 @@ def test_prompt_products_are_the_bf16_tiles_over_the_decoded_codes(N, K, group):
         assert torch.equal(prompt, wide if M >= WIDE_MIN_ROWS else plain) and not torch.equal(wide, plain)
 
 
+@needs_kernels
+@pytest.mark.skipif(not qmatmul.wide_available(), reason="no AMX build here: step.c runs each product and its step apart")
+def test_fused_tile_products_are_the_product_then_its_step():
+    """The tile products with their next step in one pass (step.c's layers): SwiGLU of the gate and up outputs and
+    the residual sum, bit for bit the product and then `act.silu_mul` / the bf16 sum, for any rows and threads (a
+    last set of fewer blocks, outputs past I/16 sets, up apart from I); a shape that does not fit writes nothing."""
+    from mtp.model import act
+
+    g = torch.Generator().manual_seed(8)
+    threads = torch.get_num_threads()
+    try:
+        for width, up, K in ((48, 48, 384), (80, 96, 100), (16, 32, 64)):
+            N = up + width
+            w = (torch.randn(N, K, generator=g) * 0.1).to(torch.bfloat16)
+            packed = qmatmul.pack_bf16(w)
+            for n, M in ((1, 1), (1, 70), (2, 33)):
+                torch.set_num_threads(n)
+                x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+                plain = qmatmul.bf16_linear(x, packed, N)
+                y = torch.full((M, width), 7.0, dtype=torch.bfloat16)
+                assert qmatmul.bf16_linear_fused(x, packed, N, y, qmatmul.Fuse(qmatmul.FUSE_SWIGLU, width, up))
+                assert torch.equal(y, act.silu_mul(plain[:, :width].contiguous(), plain[:, up : up + width].contiguous()))
+                res = torch.randn(M, N, generator=g).to(torch.bfloat16)
+                want = (res.float() + plain.float()).to(torch.bfloat16)
+                assert qmatmul.bf16_linear_fused(x, packed, N, res, qmatmul.Fuse(qmatmul.FUSE_ADD, 0, 0))
+                assert torch.equal(res, want)
+        y = torch.zeros(3, 40, dtype=torch.bfloat16)
+        assert not qmatmul.bf16_linear_fused(torch.ones(3, 64, dtype=torch.bfloat16), qmatmul.pack_bf16(w[:80, :64]),
+                                             80, y, qmatmul.Fuse(qmatmul.FUSE_SWIGLU, 40, 40))
+        assert not y.any()
+    finally:
+        torch.set_num_threads(threads)
+
+
 BUILDS = textwrap.dedent("""
     import sys, torch
     from mtp.model import qmatmul

@@ -26,6 +26,18 @@
             for (int64_t VAR = 0; VAR < VAR##_n; VAR++) __VA_ARGS__                                                 \
     } while (0)
 
+/* What a product's sums become (qmatmul.c's tile products; step.c fuses a layer's next elementwise step into its
+ * product where the kernel can: the values it would compute from the product's bf16 outputs, the same bits, without
+ * writing and reading those outputs again):
+ *   FUSE_NONE:   y [M, N] = bias + sum, rounded once to bf16;
+ *   FUSE_SWIGLU: the outputs are an MLP's gate (0..I-1) and up (up..up+I-1), each rounded to bf16 -> y [M, I] =
+ *                act.c silu_mul's arithmetic over them;
+ *   FUSE_ADD:    y [M, N] := y + the rounded output, step.c add_rows' arithmetic (the residual sum). */
+enum { FUSE_NONE = 0, FUSE_SWIGLU = 1, FUSE_ADD = 2 };
+typedef struct {
+    int64_t kind, I, up; /* FUSE_*; FUSE_SWIGLU's width and where up starts */
+} Fuse;
+
 static inline float bf16_to_f(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;

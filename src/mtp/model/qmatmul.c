@@ -1055,18 +1055,35 @@ static void bf_rows(int64_t R, int64_t GS, const uint16_t* w, int64_t g0, int64_
  * A 1-row product streams the weights at memory speed as the vector kernels do; several rows cost about what one row
  * does (a verify block, decode batches), and a prompt's rows run at the tiles' rate. */
 
-/* o [rows][16 nb] floats (tile sums of outputs 16 b0 ..) -> y rows m0.., bias + sum rounded once to bf16 (sum_store's
- * arithmetic, 16 outputs at a time: the tiles' 1 KiB blocks are cheap to fill, so a 384-input product spent more time
- * here than in `tdpbf16ps` at 8 outputs a step) */
+/* o [rows][16 nb] floats (tile sums of a set's nb output blocks) -> y rows m0.. (f: what they become; b0: the set's
+ * first output block, for FUSE_SWIGLU its first gate block, the set's first nb / 2 blocks gates and the rest their
+ * ups), 16 outputs at a time (the tiles' 1 KiB blocks are cheap to fill, so a 384-input product spent more time here
+ * than in `tdpbf16ps` at 8 outputs a step). FUSE_NONE: sum_store's arithmetic; FUSE_SWIGLU: silu_mul16's (act.c) on
+ * the rounded sums; FUSE_ADD: add_rows' (step.c) on the rounded sum. */
 static void amx_store(const float* o, int rows, int64_t nb, int64_t b0, int64_t m0, const float* bias, int64_t N,
-                      uint16_t* y) {
+                      uint16_t* y, const Fuse* f) {
+    const int64_t kind = f ? f->kind : FUSE_NONE;
+    if (kind == FUSE_SWIGLU) {
+        const int64_t h = nb / 2, I = f->I;
+        for (int r = 0; r < rows; r++)
+            for (int64_t j = 0; j < h; j++) {
+                const __m512 g = round_bf16x16(_mm512_loadu_ps(o + (r * nb + j) * 16));
+                const __m512 u = round_bf16x16(_mm512_loadu_ps(o + (r * nb + h + j) * 16));
+                const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+                const __m512 sg = round_bf16x16(_mm512_div_ps(g, d));
+                f_to_bf16x16(y + (m0 + r) * I + (b0 + j) * 16, _mm512_mul_ps(sg, u), 0xffff);
+            }
+        return;
+    }
     for (int r = 0; r < rows; r++)
         for (int64_t j = 0; j < nb; j++) {
             const int64_t n = (b0 + j) * 16, left = N - n;
             const __mmask16 keep = lanes16(left);
             __m512 v = _mm512_loadu_ps(o + (r * nb + j) * 16);
             if (bias) v = _mm512_add_ps(_mm512_maskz_loadu_ps(keep, bias + n), v);
-            f_to_bf16x16(y + (m0 + r) * N + n, v, keep);
+            uint16_t* yr = y + (m0 + r) * N + n;
+            if (kind == FUSE_ADD) v = _mm512_add_ps(bf16x16_to_f(yr, left), round_bf16x16(v));
+            f_to_bf16x16(yr, v, keep);
         }
 }
 
@@ -1079,14 +1096,14 @@ static void amx_configure(int rows) {
     _tile_loadconfig(&c);
 }
 
-/* the weights tile of output block b's chunk c times the rows' chunk (tile 4), into sums tile s via tile t */
-#define AMX_MAC(s, t, b, c) do { _tile_loadd(t, w + ((b) * KC + (c)) * 512, 64); _tile_dpbf16ps(s, 4, t); } while (0)
+/* the weights tile of the set's block b, chunk c, times the rows' chunk (tile 4), into sums tile s via tile t */
+#define AMX_MAC(s, t, b, c) do { _tile_loadd(t, wb[b] + (c) * 512, 64); _tile_dpbf16ps(s, 4, t); } while (0)
 
-/* Every row (x: M rows at stride XS, KC chunks of 32 inputs) times one set of nb <= 4 output blocks, whose tiles are
- * w [nb][KC][512] (output blocks b0..), 16 rows at a time -> y; `configured`: the rows the thread's tiles are
+/* Every row (x: M rows at stride XS, KC chunks of 32 inputs) times one set of nb <= 4 output blocks, block i's tiles
+ * at wb[i] ([KC][512]), 16 rows at a time -> y (amx_store: b0, f); `configured`: the rows the thread's tiles are
  * configured for (updated). */
-static void amx_set_rows(const uint16_t* x, int64_t XS, int64_t M, const uint16_t* w, int64_t KC, int64_t b0,
-                         int64_t nb, const float* bias, int64_t N, uint16_t* y, int* configured) {
+static void amx_set_rows(const uint16_t* x, int64_t XS, int64_t M, const uint16_t* const* wb, int64_t KC, int64_t b0,
+                         int64_t nb, const float* bias, int64_t N, uint16_t* y, const Fuse* f, int* configured) {
     float o[16 * 64]; /* [rows][nb x 16] floats, amx_store's input */
     for (int64_t m0 = 0; m0 < M; m0 += 16) {
         const int rows = (int)(M - m0 < 16 ? M - m0 : 16);
@@ -1106,7 +1123,7 @@ static void amx_set_rows(const uint16_t* x, int64_t XS, int64_t M, const uint16_
         if (nb > 1) _tile_stored(1, o + 16, nb * 64);
         if (nb > 2) _tile_stored(2, o + 32, nb * 64);
         if (nb > 3) _tile_stored(3, o + 48, nb * 64);
-        amx_store(o, rows, nb, b0, m0, bias, N, y);
+        amx_store(o, rows, nb, b0, m0, bias, N, y, f);
     }
 }
 
@@ -1118,24 +1135,35 @@ typedef struct {
 } Codes;
 
 /* Every row (x: M rows at stride XS) times the NB output blocks, in sets of 4 blocks split over a region's threads by
- * the `omp for` (or all in the calling thread: no region entered, native.h PARALLEL_FOR). The weights: w in the tiles'
- * layout, or (decode, q) writing a set's tiles into the thread's part of ub (`wide_rows`; w NULL). */
+ * the `omp for` (or all in the calling thread: no region entered, native.h PARALLEL_FOR); FUSE_SWIGLU's sets are 2
+ * gate blocks and their 2 up blocks. The weights: w in the tiles' layout, or (decode, q) writing a set's tiles into
+ * the thread's part of ub (`wide_rows`; w NULL). */
 static void amx_sets(const uint16_t* x, int64_t XS, int64_t M, const uint16_t* w, uint16_t* ub, int64_t KC, int64_t NB,
                      void (*decode)(const Codes*, int64_t, int64_t, uint16_t*), const Codes* q, const float* bias,
-                     int64_t N, uint16_t* y) {
+                     int64_t N, uint16_t* y, const Fuse* f) {
     int configured = 0; /* rows the tiles are configured for (each thread configures its own) */
     uint16_t* u = decode ? ub + (size_t)(4 * KC * 512) * (size_t)omp_get_thread_num() : NULL;
+    const int swiglu = f && f->kind == FUSE_SWIGLU;
+    const int64_t per = swiglu ? 2 : 4, blocks = swiglu ? f->I / 16 : NB; /* a set's (gate) blocks; how many */
 #pragma omp for schedule(static)
-    for (int64_t set = 0; set < (NB + 3) / 4; set++) {
-        const int64_t b0 = set * 4, nb = NB - b0 < 4 ? NB - b0 : 4;
-        if (decode) decode(q, b0, nb, u);
-        amx_set_rows(x, XS, M, decode ? u : w + b0 * KC * 512, KC, b0, nb, bias, N, y, &configured);
+    for (int64_t set = 0; set < (blocks + per - 1) / per; set++) {
+        const int64_t b0 = set * per, n = blocks - b0 < per ? blocks - b0 : per;
+        const int64_t first[2] = {b0, swiglu ? f->up / 16 + b0 : 0}; /* the set's runs of n blocks: 1, or 2 */
+        const uint16_t* wb[4];
+        for (int run = 0; run < 1 + swiglu; run++) {
+            if (decode) decode(q, first[run], n, u + run * n * KC * 512);
+            for (int64_t i = 0; i < n; i++)
+                wb[run * n + i] = decode ? u + (run * n + i) * KC * 512 : w + (first[run] + i) * KC * 512;
+        }
+        amx_set_rows(x, XS, M, wb, KC, b0, n * (1 + swiglu), bias, N, y, f, &configured);
     }
     if (configured) _tile_release();
 }
 
-int bf16_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, int64_t N, uint16_t* y,
-                int nthreads) {
+/* x bf16 [M, K] times w (pack_bf16's AMX layout, N outputs), bias fp32 [N] or NULL -> y as f says (NULL: FUSE_NONE);
+ * 0 or -1 (memory) */
+static int bf16_product(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, int64_t N,
+                        uint16_t* y, const Fuse* f, int nthreads) {
     const int64_t KC = (K + 31) / 32, XS = KC * 32, NB = (N + 15) / 16;
     uint16_t* xp = NULL; /* rows padded to whole chunks with zeros (only when K is not a multiple of 32) */
     if (K % 32) {
@@ -1146,11 +1174,28 @@ int bf16_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, cons
     const uint16_t* xa = xp ? xp : x;
     if (nthreads > 1) {
 #pragma omp parallel num_threads(nthreads)
-        amx_sets(xa, XS, M, w, NULL, KC, NB, NULL, NULL, bias, N, y);
+        amx_sets(xa, XS, M, w, NULL, KC, NB, NULL, NULL, bias, N, y, f);
     } else
-        amx_sets(xa, XS, M, w, NULL, KC, NB, NULL, NULL, bias, N, y);
+        amx_sets(xa, XS, M, w, NULL, KC, NB, NULL, NULL, bias, N, y, f);
     free(xp);
     return 0;
+}
+
+int bf16_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, int64_t N, uint16_t* y,
+                int nthreads) {
+    return bf16_product(x, M, K, w, bias, N, y, NULL, nthreads);
+}
+
+/* FUSE_SWIGLU's shape: I and up multiples of 16, gate and up apart and within the N outputs */
+static int fusable(const Fuse* f, int64_t N) {
+    return f->kind != FUSE_SWIGLU || (f->I > 0 && f->I % 16 == 0 && f->up % 16 == 0 && f->up >= f->I && f->up + f->I <= N);
+}
+
+/* bf16_linear fused with what follows it (step.c): y as f says (Fuse, no bias); 0, -1 (memory), or -2 where f's
+ * shape does not fit (`fusable`: nothing written) */
+int bf16_linear_fused(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, uint16_t* y, const Fuse* f,
+                      int nthreads) {
+    return fusable(f, N) ? bf16_product(x, M, K, w, NULL, N, y, f, nthreads) : -2;
 }
 
 /* Prompt products of int8 / int4 layers (`q8_linear_wide`, `q4_linear_wide`): the codes are decoded to bf16 weights
@@ -1249,15 +1294,15 @@ static void dq4_set(const Codes* q, int64_t b0, int64_t nb, uint16_t* u) {
 /* x bf16 [M, K] (K % 32 == 0) times the weights `decode` writes set by set, bias fp32 [N] or NULL -> y bf16 [M, N];
  * 0 or -1 (memory) */
 static int wide_rows(const uint16_t* x, int64_t M, const Codes* q, void (*decode)(const Codes*, int64_t, int64_t, uint16_t*),
-                     const float* bias, uint16_t* y, int nthreads) {
+                     const float* bias, uint16_t* y, const Fuse* f, int nthreads) {
     const int64_t K = q->K, N = q->N, KC = K / 32, NB = (N + 15) / 16;
     uint16_t* ub = alloc64(sizeof(uint16_t) * (size_t)(4 * KC * 512 * nthreads)); /* a set's tiles, per thread */
     if (!ub) return -1;
     if (nthreads > 1) {
 #pragma omp parallel num_threads(nthreads)
-        amx_sets(x, K, M, NULL, ub, KC, NB, decode, q, bias, N, y);
+        amx_sets(x, K, M, NULL, ub, KC, NB, decode, q, bias, N, y, f);
     } else
-        amx_sets(x, K, M, NULL, ub, KC, NB, decode, q, bias, N, y);
+        amx_sets(x, K, M, NULL, ub, KC, NB, decode, q, bias, N, y, f);
     free(ub);
     return 0;
 }
@@ -1266,14 +1311,27 @@ static int wide_rows(const uint16_t* x, int64_t M, const Codes* q, void (*decode
 int q8_linear_wide(const uint16_t* x, int64_t M, int64_t K, const uint8_t* wq, const float* sw, const float* bias,
                    int64_t N, uint16_t* y, int nthreads) {
     const Codes q = {wq, sw, NULL, K, 0, N};
-    return wide_rows(x, M, &q, dq8_set, bias, y, nthreads);
+    return wide_rows(x, M, &q, dq8_set, bias, y, NULL, nthreads);
 }
 
 /* as q4_linear's arguments */
 int q4_linear_wide(const uint16_t* x, int64_t M, int64_t K, const uint8_t* wq, const float* s, const float* lo,
                    int64_t G, const float* bias, int64_t N, uint16_t* y, int nthreads) {
     const Codes q = {wq, s, lo, K, G, N};
-    return wide_rows(x, M, &q, dq4_set, bias, y, nthreads);
+    return wide_rows(x, M, &q, dq4_set, bias, y, NULL, nthreads);
+}
+
+/* q8_linear_wide, q4_linear_wide fused with what follows them, as bf16_linear_fused (no bias) */
+int q8_linear_wide_fused(const uint16_t* x, int64_t M, int64_t K, const uint8_t* wq, const float* sw, int64_t N,
+                         uint16_t* y, const Fuse* f, int nthreads) {
+    const Codes q = {wq, sw, NULL, K, 0, N};
+    return fusable(f, N) ? wide_rows(x, M, &q, dq8_set, NULL, y, f, nthreads) : -2;
+}
+
+int q4_linear_wide_fused(const uint16_t* x, int64_t M, int64_t K, const uint8_t* wq, const float* s, const float* lo,
+                         int64_t G, int64_t N, uint16_t* y, const Fuse* f, int nthreads) {
+    const Codes q = {wq, s, lo, K, G, N};
+    return fusable(f, N) ? wide_rows(x, M, &q, dq4_set, NULL, y, f, nthreads) : -2;
 }
 #undef AMX_MAC
 

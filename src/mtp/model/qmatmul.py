@@ -30,6 +30,15 @@ from .native import AMX, AVX512_BF16, AVX512_VNNI, NativeLibrary
 BLOCK = 32  # activation block, and the granularity of K and of int4 groups
 
 
+class Fuse(ctypes.Structure):
+    """What a tile product's sums become (native.h `Fuse`): kind FUSE_SWIGLU or FUSE_ADD, SwiGLU's width I and where
+    its up outputs start."""
+    _fields_ = [("kind", ctypes.c_int64), ("I", ctypes.c_int64), ("up", ctypes.c_int64)]
+
+
+FUSE_SWIGLU, FUSE_ADD = 1, 2
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.q8_linear.argtypes = [p, i64, i64, p, p, p, i64, p, i32]
@@ -41,6 +50,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.q8_linear_wide.argtypes = lib.q8_linear.argtypes
         lib.q4_linear_wide.argtypes = lib.q4_linear.argtypes
         lib.q8_linear_wide.restype = lib.q4_linear_wide.restype = i32
+        lib.bf16_linear_fused.argtypes = [p, i64, i64, p, i64, p, ctypes.POINTER(Fuse), i32]
+        lib.bf16_linear_fused.restype = i32
     lib.qmatmul_isa.restype = ctypes.c_char_p
     lib.qmatmul_ready.restype = i32
 
@@ -241,6 +252,19 @@ def q4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: t
         _check(fn(x.data_ptr(), M, K, packed.data_ptr(), scale.data_ptr(), low.data_ptr(), group, _bias(bias),
                               N, y.data_ptr(), torch.get_num_threads()))
     return y
+
+
+def bf16_linear_fused(x: torch.Tensor, w: torch.Tensor, out_features: int, y: torch.Tensor, fuse: Fuse) -> bool:
+    """The AMX build's tile product fused with what follows it (step.c's decode forward uses it; here for its tests):
+    FUSE_SWIGLU y bf16 [M, I] := act.silu_mul(gate, up) of the product's outputs gate [:, :I], up [:, up : up + I];
+    FUSE_ADD y bf16 [M, N] += the product. The same bits as the product and then the step. False (nothing written)
+    where the shape does not fit (I or up not a multiple of 16)."""
+    M, K = x.shape
+    status = _library().bf16_linear_fused(x.data_ptr(), M, K, w.data_ptr(), out_features, y.data_ptr(),
+                                          ctypes.byref(fuse), torch.get_num_threads())
+    if status != -2:
+        _check(status)
+    return status != -2
 
 
 def bf16_linear(x: torch.Tensor, w: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:

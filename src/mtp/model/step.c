@@ -43,6 +43,13 @@ typedef struct { /* the eager kernels (their own files say what each computes) *
                           const float*, int64_t, uint16_t*, int);
     int (*attend_prompt)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, const void*, int64_t,
                          int64_t, int64_t, const void*, const void*, const int64_t*, float, void*, int);
+    /* the tile products fused with what follows them (qmatmul.c `bf16_linear_fused`, native.h Fuse; NULL where the
+     * build has none) */
+    int (*bf16_linear_fused)(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, uint16_t*, const Fuse*, int);
+    int (*q8_linear_wide_fused)(const uint16_t*, int64_t, int64_t, const int8_t*, const float*, int64_t, uint16_t*,
+                                const Fuse*, int);
+    int (*q4_linear_wide_fused)(const uint16_t*, int64_t, int64_t, const uint8_t*, const float*, const float*, int64_t,
+                                int64_t, uint16_t*, const Fuse*, int);
 } Kernels;
 
 typedef struct { /* a prepared linear layer without bias (linear.FastLinear on qmatmul.c): bf16 [M, K] -> [M, N] */
@@ -99,6 +106,37 @@ static int linear(const Kernels* k, const Linear* l, const uint16_t* x, int64_t 
     return (wide ? k->q8_linear_wide : k->q8_linear)(x, M, l->K, l->w, l->scale, NULL, l->N, y, nth);
 }
 
+static inline uint16_t add_bf16(uint16_t a, uint16_t b) { return to_bf16(bf16_to_f(a) + bf16_to_f(b)); }
+
+static inline uint16_t mul_bf16(uint16_t a, uint16_t b) { return to_bf16(bf16_to_f(a) * bf16_to_f(b)); }
+
+/* the residual x[j] := x[j] + h[j] for n values, each sum add_bf16's (exact widening, one fp32 add, to_bf16's
+ * rounding), 8 at a time (a prompt's chunk adds 256 rows a layer twice) */
+static void add_rows(uint16_t* x, const uint16_t* h, int64_t n) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) f_to_bf16x8(x + j, _mm256_add_ps(bf16x8_to_f(x + j), bf16x8_to_f(h + j)));
+    for (; j < n; j++) x[j] = add_bf16(x[j], h[j]);
+}
+
+/* l's product of x [M, K] and what follows it (native.h Fuse, f->kind): FUSE_SWIGLU y [M, f->I] := silu_mul of its
+ * gate and up, FUSE_ADD y [M, N] += its outputs. In one pass where l's kernel fuses them (the tile products: a bf16
+ * layer, or a prompt's wide int8/int4 one), else the product into tmp [M, N] and then the step: the same bits. */
+static int linear_fused(const Kernels* k, const Linear* l, const uint16_t* x, int64_t M, uint16_t* y, uint16_t* tmp,
+                        const Fuse* f, int64_t wide_min, int nth) {
+    const int wide = wide_min > 0 && M >= wide_min;
+    int status = -2;
+    if (l->bits == 16 && k->bf16_linear_fused) status = k->bf16_linear_fused(x, M, l->K, l->w, l->N, y, f, nth);
+    else if (l->bits == 8 && wide && k->q8_linear_wide_fused)
+        status = k->q8_linear_wide_fused(x, M, l->K, l->w, l->scale, l->N, y, f, nth);
+    else if (l->bits == 4 && wide && k->q4_linear_wide_fused)
+        status = k->q4_linear_wide_fused(x, M, l->K, l->w, l->scale, l->low, l->G, l->N, y, f, nth);
+    if (status != -2) return status;
+    if (linear(k, l, x, M, tmp, wide_min, nth)) return -1;
+    if (f->kind == FUSE_SWIGLU) k->silu_mul(M, f->I, tmp, l->N, tmp + f->up, l->N, y, nth);
+    else add_rows(y, tmp, M * l->N);
+    return 0;
+}
+
 /* the mixer's input projections of h [M, K] -> y [M, Nin] (the parts' outputs side by side, as one fused layer
  * gives them: every output is its own row's dot product, so fused or not it has the same bits); tmp [M, widest] */
 static int project(const Kernels* k, const Layer* l, const uint16_t* h, int64_t M, uint16_t* y, uint16_t* tmp,
@@ -110,18 +148,6 @@ static int project(const Kernels* k, const Layer* l, const uint16_t* h, int64_t 
         for (int64_t m = 0; m < M; m++) memcpy(y + m * l->Nin + l->off[j], tmp + m * N, sizeof(uint16_t) * (size_t)N);
     }
     return 0;
-}
-
-static inline uint16_t add_bf16(uint16_t a, uint16_t b) { return to_bf16(bf16_to_f(a) + bf16_to_f(b)); }
-
-static inline uint16_t mul_bf16(uint16_t a, uint16_t b) { return to_bf16(bf16_to_f(a) * bf16_to_f(b)); }
-
-/* the residual x[j] := x[j] + h[j] for n values, each sum add_bf16's (exact widening, one fp32 add, to_bf16's
- * rounding), 8 at a time (a prompt's chunk adds 256 rows a layer twice) */
-static void add_rows(uint16_t* x, const uint16_t* h, int64_t n) {
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) f_to_bf16x8(x + j, _mm256_add_ps(bf16x8_to_f(x + j), bf16x8_to_f(h + j)));
-    for (; j < n; j++) x[j] = add_bf16(x[j], h[j]);
 }
 
 /* rotate-half RoPE on the first R dims of x [D] (rope.apply_rope in bf16): x1*c - x2*s | x2*c + x1*s, each product
@@ -201,17 +227,14 @@ static int attention(const Kernels* k, const Step* s, const Layer* l, const uint
 
 static int layer(const Kernels* k, const Step* s, const Layer* l, uint16_t* x, uint16_t* h, uint16_t* y, uint16_t* o,
                  uint16_t* scratch, int nth) {
-    const int64_t M = s->B * s->T, H = s->H, I = l->I, G = l->gate_up.N;
+    const int64_t M = s->B * s->T, H = s->H;
+    const Fuse add = {FUSE_ADD, 0, 0}, swiglu = {FUSE_SWIGLU, l->I, l->up};
     k->rmsnorm(M, H, x, H, l->norm1, 1, s->eps, 1, h, nth);
     if (l->kind == 0 ? deltanet(k, s, l, h, y, o, nth) : attention(k, s, l, h, y, o, scratch, nth)) return -1;
-    if (linear(k, &l->out, o, M, h, s->prompt, nth)) return -1;
-    add_rows(x, h, M * H);
+    if (linear_fused(k, &l->out, o, M, x, h, &add, s->prompt, nth)) return -1; /* x += out(o) */
     k->rmsnorm(M, H, x, H, l->norm2, 1, s->eps, 1, h, nth);
-    if (linear(k, &l->gate_up, h, M, y, s->prompt, nth)) return -1;
-    k->silu_mul(M, I, y, G, y + l->up, G, o, nth);
-    if (linear(k, &l->down, o, M, h, s->prompt, nth)) return -1;
-    add_rows(x, h, M * H);
-    return 0;
+    if (linear_fused(k, &l->gate_up, h, M, o, y, &swiglu, s->prompt, nth)) return -1; /* o = silu(gate) * up */
+    return linear_fused(k, &l->down, o, M, x, h, &add, s->prompt, nth) ? -1 : 0;    /* x += down(o) */
 }
 
 /* The decode forward of T tokens per row through L layers (`Step`, `Layer`): embedding (or the given input), layers,

@@ -51,7 +51,8 @@ p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 class _Kernels(ctypes.Structure):
     _fields_ = [(n, p) for n in ("q8_linear", "q4_linear", "rmsnorm", "deltanet_decode", "attend_decode", "silu_mul",
                                  "sigmoid_mul", "bf16_linear", "argmax_rows", "top_p_rows", "q8_linear_wide",
-                                 "q4_linear_wide", "attend_prompt")]
+                                 "q4_linear_wide", "attend_prompt", "bf16_linear_fused", "q8_linear_wide_fused",
+                                 "q4_linear_wide_fused")]
 
 
 class _Linear(ctypes.Structure):
@@ -126,7 +127,9 @@ def _kernels() -> _Kernels:
                     fn(act.LIBRARY, "silu_mul"), fn(act.LIBRARY, "sigmoid_mul"), fn(qmatmul.LIBRARY, "bf16_linear"),
                     fn(argmax_kernel.LIBRARY, "argmax_rows"), fn(top_p_kernel.LIBRARY, "top_p_rows"),
                     fn(qmatmul.LIBRARY, "q8_linear_wide") if wide else None,
-                    fn(qmatmul.LIBRARY, "q4_linear_wide") if wide else None, fn(attention_kernel.LIBRARY, "attend_prompt"))
+                    fn(qmatmul.LIBRARY, "q4_linear_wide") if wide else None, fn(attention_kernel.LIBRARY, "attend_prompt"),
+                    *(fn(qmatmul.LIBRARY, name) if wide else None  # the tile products fused with their next step
+                      for name in ("bf16_linear_fused", "q8_linear_wide_fused", "q4_linear_wide_fused")))
 
 
 class Ineligible(Exception):
