@@ -98,19 +98,19 @@ def test_a_prompt_read_in_one_call_is_its_tokens_decoded_one_by_one(kind):
     cache entry equal the prompt's tokens decoded one at a time, bit for bit, in two chunks too (the second through
     `hidden`, which takes it); the cache advances by each chunk."""
     model = quantized(kind)
-    ids = torch.randint(0, model.config.vocab_size, (1, 21), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, model.config.vocab_size, (1, 45), generator=torch.Generator().manual_seed(3))
     one_call, plain = model.new_cache(1, 64), model.new_cache(1, 64)
     model.prepare_decode(64)
     with torch.inference_mode():
-        first = step.prefill(model, ids[:, :13], one_call)
-        assert first is not None and one_call.pos == 13
-        read = torch.cat([first, model.hidden(ids[:, 13:], one_call)], dim=1)
+        first = step.prefill(model, ids[:, :37], one_call)  # (two blocks of 16 tokens and a tail)
+        assert first is not None and one_call.pos == 37
+        read = torch.cat([first, model.hidden(ids[:, 37:], one_call)], dim=1)
         steps = []
         for t in range(ids.shape[1]):
             pos = model.decode_positions(torch.tensor([[t]]), [t])
             pos.commit = True
             steps.append(CausalLM.decode(model, ids[:, t : t + 1], plain, pos)[0])
-    assert one_call.pos == 21
+    assert one_call.pos == 45
     assert_same((read, [], one_call), (torch.cat(steps, dim=1), [], plain))
 
 
