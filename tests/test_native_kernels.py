@@ -23,7 +23,7 @@ from mtp.model.attention import attend_rows
 from mtp.model.cache import Positions
 from mtp.model.deltanet import GatedDeltaNet
 from mtp.model.linear import prepare_for_inference, row_invariant
-from mtp.model.native import AVX512_VNNI, cpu_flags, cpu_problem
+from mtp.model.native import AMX, AVX512_VNNI, cpu_flags, cpu_problem
 from mtp.model.norm import PlainRMSNorm, RMSNorm
 
 KERNELS = (deltanet_kernel, attention_kernel, norm_kernel, argmax_kernel)
@@ -240,7 +240,9 @@ def test_decode_attention_matches_sdpa_and_is_row_invariant(dtype, shape):
 def test_prompt_attention_matches_sdpa(dtype, shape):
     """`attend_prompt` (a prompt's chunk read in one call, step.c): every query over the keys up to its own position,
     within its dtype's rounding of the exact attention - a chunk from position 0 and one deep into the cache, a last key
-    block partly filled, value widths past the last whole vector (72), one query - with rows at different positions."""
+    block partly filled, value widths past the last whole vector (72), one query - with rows at different positions.
+    The AMX build takes bf16 heads of D % 32 == 0 and Dv % 16 == 0 to its tiles (its weights rounded to bf16, as
+    PyTorch's CPU flash attention rounds them): the same bound (measured 1.9-2.2e-3 there, SDPA 1.9-2.2e-3)."""
     A, Hk, D, Dv, T, start = shape
     g = torch.Generator().manual_seed(1)
     starts = [start, start + 5]
@@ -385,17 +387,17 @@ DEQUANT_BUILD = textwrap.dedent("""
 """)
 
 
-def outputs_by_build(script: str, tmp_path) -> dict:
-    """`script`'s saved outputs {key: tuple of tensors} from the AVX2 build and the AVX-512 one, each in a real
-    process (MTP_NATIVE_ISA names the build)."""
+def outputs_by_build(script: str, tmp_path, isas: tuple[str, ...] = ("avx2", AVX512_VNNI.name)) -> dict:
+    """`script`'s saved outputs {key: tuple of tensors} from each build of `isas` (the AVX2 build and the AVX-512
+    one), each in a real process (MTP_NATIVE_ISA names the build)."""
     outs = {}
-    for isa in ("avx2", AVX512_VNNI.name):
+    for isa in isas:
         path = tmp_path / f"{isa}.pt"
         done = subprocess.run([sys.executable, "-c", script, str(path)], env={**os.environ, "MTP_NATIVE_ISA": isa},
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0 and f"isa: {isa}" in done.stdout, done.stdout + done.stderr
         outs[isa] = torch.load(path)
-    assert outs["avx2"].keys() == outs[AVX512_VNNI.name].keys()
+    assert all(o.keys() == outs["avx2"].keys() for o in outs.values())
     return outs
 
 
@@ -405,15 +407,18 @@ def outputs_by_build(script: str, tmp_path) -> dict:
                          ids=["deltanet", "act", "attention", "dequant"])
 def test_avx512_builds_compute_the_avx2_bits(tmp_path, script):
     """deltanet.c's AVX-512 build runs the recurrence 16 columns a vector, act.c's gates 16 elements a vector,
-    attention.c two keys' scores a vector and the value sums 16 outputs a vector, dequant.c 16 codes a vector: their
+    attention.c two keys' scores a vector and the value sums 16 outputs a vector (and so does its AMX build, whose
+    tiles only a bf16 prompt's chunk takes), dequant.c 16 codes a vector: their
     outputs (and the DeltaNet's kept and in-place states, the decodes' NaN / Inf counts) are bit for bit the AVX2
     build's, NaN, infinities and tails included (every sum stays within its column, its key or its output, in its
     order; exp16 is exp8's operations lane for lane)."""
-    outs = outputs_by_build(script, tmp_path)
-    for k, ys in outs["avx2"].items():
-        assert all(torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
-                               b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
-                   for a, b in zip(ys, outs[AVX512_VNNI.name][k])), k
+    amx = script is ATTENTION_BUILD and all(f in cpu_flags() for f in AMX.cpu_flags)  # (its prompt kernel's own build)
+    outs = outputs_by_build(script, tmp_path, ("avx2", AVX512_VNNI.name) + ((AMX.name,) if amx else ()))
+    for isa in outs.keys() - {"avx2"}:
+        for k, ys in outs["avx2"].items():
+            assert all(torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                                   b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
+                       for a, b in zip(ys, outs[isa][k])), (isa, k)
 
 
 DISABLED = textwrap.dedent("""

@@ -528,10 +528,191 @@ static void prompt_kv_head(const Attn* a, int64_t b, int64_t h, float* buf, int6
         }
 }
 
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Linux hands a process the tile registers' state only when asked (as qmatmul.c's qmatmul_ready): 0 when granted
+ * (attention_kernel.py loads the next build otherwise) */
+int attention_ready(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 0 : -1; }
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+
+/* 16 rows of 16 32-bit words at stride ss (words) -> the transpose, rows at stride ds (a bf16 pair a word: the keys'
+ * pairs of dimensions into the tiles' [pair][key] layout) */
+static inline void transpose_words16(const uint32_t* src, int64_t ss, uint32_t* dst, int64_t ds) {
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(src + i * ss);
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) {
+            t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0x88);
+            t[8 * i + j + 4] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0xDD);
+        }
+    for (int j = 0; j < 8; j++) {
+        _mm512_storeu_si512(dst + j * ds, _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88));
+        _mm512_storeu_si512(dst + (j + 8) * ds, _mm512_shuffle_i32x4(t[j], t[j + 8], 0xDD));
+    }
+}
+
+/* sums tiles 0..n-1 (n <= 4) := 0 (tile numbers are constants in the instruction) */
+static inline void zero_tiles(int n) {
+    _tile_zero(0);
+    if (n > 1) _tile_zero(1);
+    if (n > 2) _tile_zero(2);
+    if (n > 3) _tile_zero(3);
+}
+
+/* sums tiles 0..n-1 (n <= 4) += the A tile at a (16 rows at stride as bytes) times the B tiles b[0..n-1], through
+ * tiles 4 (A) and 5-7 (B) */
+static inline void tiles_mac(int n, const uint16_t* a, int64_t as, const uint16_t* const* b) {
+    _tile_loadd(4, a, as);
+    _tile_loadd(5, b[0], 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if (n > 1) { _tile_loadd(6, b[1], 64); _tile_dpbf16ps(1, 4, 6); }
+    if (n > 2) { _tile_loadd(7, b[2], 64); _tile_dpbf16ps(2, 4, 7); }
+    if (n > 3) { _tile_loadd(5, b[3], 64); _tile_dpbf16ps(3, 4, 5); }
+}
+
+/* The AMX build's attend_prompt of a bf16 model (D a multiple of 32, Dv of 16): one (row b, kv head h) on the tiles,
+ * as flash attention on GPUs computes it - the scores of 16 queries x 16 keys a tile (`tdpbf16ps`: exact products,
+ * fp32 sums), the softmax in fp32 (masked past each query's position), its weights rounded to bf16 and multiplied by
+ * the values on the tiles (fp32 sums), divided by the weights' total. Other bits than the vector kernel's (the
+ * weights' rounding; PyTorch's CPU flash attention rounds them alike for bf16), for prompts only as it is. The vector
+ * kernel took 25% of a 3,072-token prompt's read, behind SDPA. buf (attend_prompt sizes it, SP = S rounded up to 32):
+ * queries qb [Q rounded up to 16][D], keys kb [SP/16][D/32][16][16][2], values vb [SP/32][Dv/16][16][16][2], weights
+ * pb [16][SP] (bf16), then scores sc [16][SP] and outputs o [16][Dv] (fp32). */
+static void prompt_kv_head_amx(const Attn* a, int64_t b, int64_t h, float* buf, int64_t* n) {
+    const int64_t A = a->A, T = a->T, G = a->G, Q = a->Q, S = a->S, D = a->D, Dv = a->Dv, Hk = a->Hk;
+    const int64_t QP = (Q + 15) / 16 * 16, SP = (S + 31) / 32 * 32, DC = D / 32, DB = Dv / 16;
+    uint16_t *qb = (uint16_t*)buf, *kb = qb + QP * D, *vb = kb + SP * D, *pb = vb + SP * Dv;
+    float *sc = (float*)(pb + 16 * SP), *o = sc + 16 * SP;
+    int64_t most = 0;
+    for (int64_t g = 0, nq = 0; g < G; g++)
+        for (int64_t t = 0; t < T; t++, nq++) {
+            n[nq] = a->starts[b] + t + 1 > S ? 0 : a->starts[b] + t + 1;
+            most = n[nq] > most ? n[nq] : most;
+            memcpy(qb + nq * D, (const uint16_t*)a->q + b * a->sq0 + (h * G + g) * a->sq1 + t * a->sq2,
+                   sizeof(uint16_t) * (size_t)D);
+        }
+    memset(qb + Q * D, 0, sizeof(uint16_t) * (size_t)((QP - Q) * D));
+    const int64_t KB = (most + 15) / 16, KC = (most + 31) / 32, KP = KC * 32;
+    const uint16_t *kh = (const uint16_t*)a->k + (b * Hk + h) * S * D, *vh = (const uint16_t*)a->v + (b * Hk + h) * S * Dv;
+    for (int64_t kb0 = 0; kb0 < KB; kb0++) /* keys: 16 at a time, each 32 dimensions a tile of [pair][key] words */
+        for (int64_t c = 0; c < DC; c++) {
+            uint32_t* dst = (uint32_t*)(kb + (kb0 * DC + c) * 512);
+            if (kb0 * 16 + 16 <= most) transpose_words16((const uint32_t*)(kh + kb0 * 16 * D + c * 32), D / 2, dst, 16);
+            else { /* the last block, partly filled: zeros past the keys */
+                memset(dst, 0, 1024);
+                for (int64_t j = kb0 * 16; j < most; j++)
+                    for (int p = 0; p < 16; p++) dst[p * 16 + j % 16] = ((const uint32_t*)(kh + j * D + c * 32))[p];
+            }
+        }
+    /* values: pairs of keys interleaved, [pair][output][2] (key 2p's value, key 2p + 1's) */
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int64_t kc = 0; kc < KC; kc++)
+        for (int64_t db = 0; db < DB; db++)
+            for (int p = 0; p < 16; p++) {
+                const int64_t j = kc * 32 + 2 * p;
+                const __m256i v0 = j < most ? _mm256_loadu_si256((const __m256i*)(vh + j * Dv + db * 16)) : _mm256_setzero_si256();
+                const __m256i v1 = j + 1 < most ? _mm256_loadu_si256((const __m256i*)(vh + (j + 1) * Dv + db * 16))
+                                                : _mm256_setzero_si256();
+                _mm512_storeu_si512(vb + (kc * DB + db) * 512 + p * 32,
+                                    _mm512_permutexvar_epi16(order, _mm512_inserti64x4(_mm512_castsi256_si512(v0), v1, 1)));
+            }
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+    for (int64_t q0 = 0; q0 < Q; q0 += 16) {
+        const int rows = (int)(Q - q0 < 16 ? Q - q0 : 16);
+        int64_t mq = 0;
+        for (int r = 0; r < rows; r++) mq = n[q0 + r] > mq ? n[q0 + r] : mq;
+        const int64_t kbn = (mq + 15) / 16, kcn = (mq + 31) / 32;
+        float total[16];
+        for (int64_t k0 = 0; k0 < kbn; k0 += 4) { /* scores: 4 key blocks a pass */
+            const int nb = (int)(kbn - k0 < 4 ? kbn - k0 : 4);
+            zero_tiles(nb);
+            for (int64_t c = 0; c < DC; c++) {
+                const uint16_t* bt[4];
+                for (int i = 0; i < nb; i++) bt[i] = kb + ((k0 + i) * DC + c) * 512;
+                tiles_mac(nb, qb + q0 * D + c * 32, D * 2, bt);
+            }
+            _tile_stored(0, sc + k0 * 16, KP * 4);
+            if (nb > 1) _tile_stored(1, sc + (k0 + 1) * 16, KP * 4);
+            if (nb > 2) _tile_stored(2, sc + (k0 + 2) * 16, KP * 4);
+            if (nb > 3) _tile_stored(3, sc + (k0 + 3) * 16, KP * 4);
+        }
+        for (int r = 0; r < 16; r++) { /* the softmax of each query's keys; its weights in bf16, zeros past them */
+            const int64_t ni = r < rows ? n[q0 + r] : 0;
+            float* sr = sc + r * KP;
+            uint16_t* pr = pb + r * KP;
+            __m512 mx = _mm512_set1_ps(-INFINITY);
+            for (int64_t j = 0; j < ni; j += 16)
+                mx = _mm512_max_ps(mx, mask_lt16(_mm512_mul_ps(_mm512_loadu_ps(sr + j), _mm512_set1_ps(a->scale)), ni - j));
+            const float m = _mm512_reduce_max_ps(mx);
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t j = 0; j < kcn * 32; j += 16) {
+                __m512 e = _mm512_setzero_ps();
+                if (j < ni) {
+                    const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sr + j), _mm512_set1_ps(a->scale));
+                    e = _mm512_maskz_mov_ps(lanes16(ni - j), round_bf16x16(exp16(_mm512_sub_ps(x, _mm512_set1_ps(m)))));
+                }
+                sum = _mm512_add_ps(sum, e);
+                f_to_bf16x16(pr + j, e, 0xffff);
+            }
+            total[r] = _mm512_reduce_add_ps(sum);
+        }
+        for (int64_t d0 = 0; d0 < DB; d0 += 4) { /* outputs: 4 blocks of 16 a pass */
+            const int nd = (int)(DB - d0 < 4 ? DB - d0 : 4);
+            zero_tiles(nd);
+            for (int64_t kc = 0; kc < kcn; kc++) {
+                const uint16_t* bt[4];
+                for (int i = 0; i < nd; i++) bt[i] = vb + (kc * DB + d0 + i) * 512;
+                tiles_mac(nd, pb + kc * 32, KP * 2, bt);
+            }
+            _tile_stored(0, o + d0 * 16, Dv * 4);
+            if (nd > 1) _tile_stored(1, o + (d0 + 1) * 16, Dv * 4);
+            if (nd > 2) _tile_stored(2, o + (d0 + 2) * 16, Dv * 4);
+            if (nd > 3) _tile_stored(3, o + (d0 + 3) * 16, Dv * 4);
+        }
+        for (int r = 0; r < rows; r++) {
+            const int64_t nq = q0 + r, g = nq / T, t = nq % T;
+            uint16_t* dst = (uint16_t*)a->out + ((b * A + h * G + g) * T + t) * Dv;
+            const __m512 inv = _mm512_set1_ps(n[nq] ? 1.0f / total[r] : 0.0f);
+            for (int64_t i = 0; i < Dv; i += 16) f_to_bf16x16(dst + i, _mm512_mul_ps(_mm512_loadu_ps(o + r * Dv + i), inv), 0xffff);
+        }
+    }
+    _tile_release();
+}
+#endif
+
 int attend_prompt(int64_t B, int64_t A, int64_t T, int64_t Hk, int64_t S, int64_t D, int64_t Dv, int bf16,
                   const void* q, int64_t sq0, int64_t sq1, int64_t sq2, const void* k, const void* v,
                   const int64_t* starts, float scale, void* out, int nthreads) {
     const Attn a = {B, A, T, Hk, S, D, Dv, A / Hk, A / Hk * T, sq0, sq1, sq2, bf16, q, k, v, starts, scale, out};
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    if (bf16 && D % 32 == 0 && Dv % 16 == 0) { /* bf16 halves, counted in floats (prompt_kv_head_amx's buf) */
+        const int64_t QP = (a.Q + 15) / 16 * 16, SP = (S + 31) / 32 * 32;
+        return each_kv_head(&a, (size_t)((QP * D + SP * D + SP * Dv + 16 * SP) / 2 + 16 * SP + 16 * Dv), prompt_kv_head_amx,
+                            nthreads);
+    }
+#endif
     const int64_t Q = a.Q, L = PROMPT_L, NB = prompt_blocks(S);
     /* queries [Q][D]; keys [NB][D][L]; values [S][Dv]; PROMPT_QUERIES rows of scores [NB * L]; outputs [Q][Dv] */
     return each_kv_head(&a, (size_t)(Q * D + NB * D * L + S * Dv + PROMPT_QUERIES * NB * L + Q * Dv), prompt_kv_head,

@@ -9,10 +9,11 @@ as the per-row SDPA calls are. Built and loaded as native.py describes; MTP_NATI
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 import torch
 
-from .native import AVX512_VNNI, NativeLibrary
+from .native import AMX, AVX512_VNNI, NativeLibrary
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -22,7 +23,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, name).restype = i32
 
 
-LIBRARY = NativeLibrary("attention.c", None, "decode attention runs SDPA", _declare, isas=(AVX512_VNNI,))
+# the AMX build: a bf16 prompt's attention on the tiles (attention.c `prompt_kv_head_amx`); it asks for the tiles itself
+LIBRARY = NativeLibrary("attention.c", None, "decode attention runs SDPA", _declare,
+                        isas=(dataclasses.replace(AMX, ready="attention_ready"), AVX512_VNNI))
 
 
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
