@@ -284,9 +284,10 @@ def test_rounds_after_a_prompt_chunk_teach_the_policy_nothing(models):
     assert (2, 0) in dec.policy.times and all(b == 2 for b, _ in dec.policy.times)
 
 
-def test_a_row_reading_its_prompt_keeps_its_keys_through_rounds(models):
-    """A newcomer reads its prompt one chunk per step while the other rows decode; with 3 rows decoding it sits inside
-    the round's bucket of 4 as a row that keeps nothing. The rounds must not write over the keys it has read."""
+def test_a_row_reading_its_prompt_keeps_its_keys_through_rounds(models, monkeypatch):
+    """A newcomer reads its prompt one chunk per step while the other rows decode. With 3 rows decoding an eager round
+    computes those 3 alone (a compiled one its bucket of 4, the reader inside as a row that keeps nothing). The rounds
+    must not write over the keys it has read."""
     model = models["bf16"]
     g = torch.Generator().manual_seed(5)
     dec = Decoder(model, max_batch=4, max_len=model.context_length - 16, draft_tokens=2)
@@ -296,12 +297,15 @@ def test_a_row_reading_its_prompt_keeps_its_keys_through_rounds(models):
         dec.step()
     prompt = pattern_batch(8, 1, 300, g)[0].tolist()
     reader = dec.add(Session(model, prompt, 20, SamplingParams(), [], None, model.tokenizer))
+    rows, view = [], Decoder._view
+    monkeypatch.setattr(Decoder, "_view", lambda self, B: rows.append(B) or view(self, B))
     dec.step()  # its first chunk
-    assert dec.decoding == 3 and not reader.decoding
+    monkeypatch.undo()
+    assert dec.decoding == 3 and not reader.decoding and rows == [3]  # (the rows the round computed: the 3 decoding)
     attn = [layer for layer in dec.state.cache.layers if hasattr(layer, "k")]
     read = dec.state.cache.rows[3]
     before = [(layer.k[3, :, :read].clone(), layer.v[3, :, :read].clone()) for layer in attn]
-    dec.step()  # a round with the reader in the bucket (and its second chunk)
+    dec.step()  # its second chunk, then a round of 4 decoding rows
     assert all(torch.equal(k, layer.k[3, :, :read]) and torch.equal(v, layer.v[3, :, :read])
                for (k, v), layer in zip(before, attn))
     while dec.rows or dec.waiting:
@@ -375,10 +379,11 @@ def test_a_batch_size_not_measured_yet_starts_with_a_plain_round():
     assert pol.next_k(5) >= 2  # then the fit says drafting pays there too
 
 
-def test_round_times_are_kept_by_the_rows_a_round_computes():
-    """5 to 8 decoding rows run in the bucket of 8 (`decoder.bucket`) and cost what 8 rows cost: their round times are
-    kept and read by the bucket (`bucket=`), so a round of 5 reads what rounds of 8 measured - no baseline round of its
-    own, and the rate weighs the bucket's time by the 5 rows' tokens - and records its time there."""
+def test_round_times_are_kept_by_the_batch_bucket():
+    """5 to 8 decoding rows share the bucket of 8 (`decoder.bucket`: a compiled round computes its 8 rows, an eager one
+    the 5 alone, a little cheaper): their round times are kept and read by the bucket (`bucket=`), so a round of 5
+    reads what rounds of 8 measured - no baseline round of its own, and the rate weighs the bucket's time by the 5
+    rows' tokens - and records its time there."""
     pol = DraftPolicy.from_arg("auto", 8)
     for k in range(7):
         pol.update(8, k, [], (2.0 + 0.5 * k) * 1e-3, bucket=8)  # (a round of 8 rows: 2 ms, 0.5 ms a draft)
@@ -477,7 +482,7 @@ def test_decoders_share_a_free_state_and_decode_alike(monkeypatch):
     steps, real_step = [], type(model).mtp_step  # (the rounds' tensor path, which indexes every row's pending inputs)
     monkeypatch.setattr(type(model), "mtp_step", lambda self, *a, **kw: steps.append(1) or real_step(self, *a, **kw))
     seqs = [dec.add(Session(model, p, n, SamplingParams(), None, None)) for p, n, _, _ in requests]
-    while not all(s.finished for s in seqs):  # (3 rows decoding: row 3 pads the rounds' bucket of 4)
+    while not all(s.finished for s in seqs):  # (3 rows decoding: the eager rounds compute those 3)
         dec.step()
     assert [s.session.new_tokens for s in seqs] == want and steps
     monkeypatch.undo()

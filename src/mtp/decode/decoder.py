@@ -9,7 +9,7 @@ One `step`:
   - admit:   a waiting sequence takes a free row; one chunk of its prompt is read, and the MTP reads it (the first
              chunk may come from the prompt cache, `prompt_cache.py`; after the last chunk: its first token);
   - k:       the policy picks the round's draft length (`policy.DraftPolicy`, 0 = no drafts);
-  - round:   `round.draft` then `round.verify` for the decoding rows (padded to a batch bucket; the padding rows
+  - round:   `round.draft` then `round.verify` for the decoding rows (compiled: padded to a batch bucket; the padding rows
              keep nothing), eager or compiled (`compiled.py`); the host reads one tensor back;
   - emit:    each sequence's session takes its tokens (EOS, stop strings, length).
 Every position of every row is computed exactly as when that sequence decodes alone and as a plain decoding step
@@ -299,7 +299,7 @@ class Decoder:
             lo = seq.read
             hidden = prefill_chunk(model, seq.prompt, view, lo)[0]  # [n, H]
             st.cache.sync(view, row)
-            # while it reads, the row sits in the rounds' bucket as a row that keeps nothing: its verify still writes
+            # while it reads, the row may sit in a compiled round's bucket as a row that keeps nothing: its verify still writes
             # keys/values at pos + 0..K, which must land past what it has read (the next chunk overwrites them), not on
             # its prompt's first positions
             st.pos[row] = view.pos
@@ -496,9 +496,12 @@ class Decoder:
         seqs = self.rows[:D]
         t0 = time.perf_counter()
         self.runner.begin_round()
-        B = bucket(D)
+        # the rows the round computes: a compiled graph's batch bucket; eager, the decoding rows alone (a bucket's
+        # padding rows cost ~5% of an 8-row round each: a round of 5 rows ran as 8). `auto` keys its times by the bucket
+        # still (policy.next_k: a drain's few rounds at 5-7 rows, measured apart, would each be a handful of rounds).
+        B = bucket(D) if self.runner.compiled else D
         st = self._view(B)
-        k = self.policy.next_k(D, cold, B, self.chain > 1) if self.use_mtp or self.masks is not None else 0
+        k = self.policy.next_k(D, cold, bucket(D), self.chain > 1) if self.use_mtp or self.masks is not None else 0
         ks = [max(0, min(k, s.session.max_new - len(s.session.new_tokens) - 1)) for s in seqs] + [0] * (B - D)
         if self.masks is not None:  # a row drafts only from a valid mask block
             ks = [min(a, b) for a, b in zip(ks, self.masks.limits(k, B))]
@@ -554,7 +557,7 @@ class Decoder:
         # as chained rounds are timed (`_chain`): the host's time around a single round is not what its k costs there
         seconds = None if self._first_call(B, K, rs) or cold else (
             t_call + t_catch if fused is not None and self.chain > 1 else time.perf_counter() - t0)
-        self.policy.update(D, k, [(ks[b], out[b][K + 1]) for b in range(D)], seconds, B)
+        self.policy.update(D, k, [(ks[b], out[b][K + 1]) for b in range(D)], seconds, bucket(D))
         self.last_round = [(s, ks[b], out[b][K + 1]) for b, s in enumerate(seqs)]
         return emitted
 
