@@ -379,11 +379,11 @@ def test_a_batch_size_not_measured_yet_starts_with_a_plain_round():
     assert pol.next_k(5) >= 2  # then the fit says drafting pays there too
 
 
-def test_round_times_are_kept_by_the_batch_bucket():
-    """5 to 8 decoding rows share the bucket of 8 (`decoder.bucket`: a compiled round computes its 8 rows, an eager one
-    the 5 alone, a little cheaper): their round times are kept and read by the bucket (`bucket=`), so a round of 5
-    reads what rounds of 8 measured - no baseline round of its own, and the rate weighs the bucket's time by the 5
-    rows' tokens - and records its time there."""
+def test_round_times_are_kept_by_the_rows_a_round_computes():
+    """A compiled round of 5 to 8 decoding rows runs the bucket of 8 (`decoder.bucket`) and costs what 8 rows cost: its
+    round times are kept and read by the rows computed (`bucket=`), so a round of 5 reads what rounds of 8 measured - no
+    baseline round of its own, and the rate weighs the bucket's time by the 5 rows' tokens - and records its time
+    there. (An eager round computes the 5 alone and keys its times by 5.)"""
     pol = DraftPolicy.from_arg("auto", 8)
     for k in range(7):
         pol.update(8, k, [], (2.0 + 0.5 * k) * 1e-3, bucket=8)  # (a round of 8 rows: 2 ms, 0.5 ms a draft)

@@ -496,12 +496,11 @@ class Decoder:
         seqs = self.rows[:D]
         t0 = time.perf_counter()
         self.runner.begin_round()
-        # the rows the round computes: a compiled graph's batch bucket; eager, the decoding rows alone (a bucket's
-        # padding rows cost ~5% of an 8-row round each: a round of 5 rows ran as 8). `auto` keys its times by the bucket
-        # still (policy.next_k: a drain's few rounds at 5-7 rows, measured apart, would each be a handful of rounds).
+        # the rows the round computes, which `auto` keys its round times by: a compiled graph's batch bucket; eager, the
+        # decoding rows alone (a bucket's padding rows cost ~5% of an 8-row round each: a round of 5 rows ran as 8)
         B = bucket(D) if self.runner.compiled else D
         st = self._view(B)
-        k = self.policy.next_k(D, cold, bucket(D), self.chain > 1) if self.use_mtp or self.masks is not None else 0
+        k = self.policy.next_k(D, cold, B, self.chain > 1) if self.use_mtp or self.masks is not None else 0
         ks = [max(0, min(k, s.session.max_new - len(s.session.new_tokens) - 1)) for s in seqs] + [0] * (B - D)
         if self.masks is not None:  # a row drafts only from a valid mask block
             ks = [min(a, b) for a, b in zip(ks, self.masks.limits(k, B))]
@@ -557,7 +556,7 @@ class Decoder:
         # as chained rounds are timed (`_chain`): the host's time around a single round is not what its k costs there
         seconds = None if self._first_call(B, K, rs) or cold else (
             t_call + t_catch if fused is not None and self.chain > 1 else time.perf_counter() - t0)
-        self.policy.update(D, k, [(ks[b], out[b][K + 1]) for b in range(D)], seconds, bucket(D))
+        self.policy.update(D, k, [(ks[b], out[b][K + 1]) for b in range(D)], seconds, B)
         self.last_round = [(s, ks[b], out[b][K + 1]) for b, s in enumerate(seqs)]
         return emitted
 
