@@ -610,7 +610,8 @@ static void prompt_kv_head_amx(const Attn* a, int64_t b, int64_t h, float* buf, 
         }
     memset(qb + Q * D, 0, sizeof(uint16_t) * (size_t)((QP - Q) * D));
     const int64_t KB = (most + 15) / 16, KC = (most + 31) / 32, KP = KC * 32;
-    const uint16_t *kh = (const uint16_t*)a->k + (b * Hk + h) * S * D, *vh = (const uint16_t*)a->v + (b * Hk + h) * S * Dv;
+    const uint16_t* kh = (const uint16_t*)a->k + (b * Hk + h) * S * D;
+    const uint16_t* vh = (const uint16_t*)a->v + (b * Hk + h) * S * Dv;
     for (int64_t kb0 = 0; kb0 < KB; kb0++) /* keys: 16 at a time, each 32 dimensions a tile of [pair][key] words */
         for (int64_t c = 0; c < DC; c++) {
             uint32_t* dst = (uint32_t*)(kb + (kb0 * DC + c) * 512);
@@ -628,7 +629,8 @@ static void prompt_kv_head_amx(const Attn* a, int64_t b, int64_t h, float* buf, 
         for (int64_t db = 0; db < DB; db++)
             for (int p = 0; p < 16; p++) {
                 const int64_t j = kc * 32 + 2 * p;
-                const __m256i v0 = j < most ? _mm256_loadu_si256((const __m256i*)(vh + j * Dv + db * 16)) : _mm256_setzero_si256();
+                const __m256i v0 = j < most ? _mm256_loadu_si256((const __m256i*)(vh + j * Dv + db * 16))
+                                            : _mm256_setzero_si256();
                 const __m256i v1 = j + 1 < most ? _mm256_loadu_si256((const __m256i*)(vh + (j + 1) * Dv + db * 16))
                                                 : _mm256_setzero_si256();
                 _mm512_storeu_si512(vb + (kc * DB + db) * 512 + p * 32,
@@ -695,7 +697,8 @@ static void prompt_kv_head_amx(const Attn* a, int64_t b, int64_t h, float* buf, 
             const int64_t nq = q0 + r, g = nq / T, t = nq % T;
             uint16_t* dst = (uint16_t*)a->out + ((b * A + h * G + g) * T + t) * Dv;
             const __m512 inv = _mm512_set1_ps(n[nq] ? 1.0f / total[r] : 0.0f);
-            for (int64_t i = 0; i < Dv; i += 16) f_to_bf16x16(dst + i, _mm512_mul_ps(_mm512_loadu_ps(o + r * Dv + i), inv), 0xffff);
+            for (int64_t i = 0; i < Dv; i += 16)
+                f_to_bf16x16(dst + i, _mm512_mul_ps(_mm512_loadu_ps(o + r * Dv + i), inv), 0xffff);
         }
     }
     _tile_release();
