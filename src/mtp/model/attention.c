@@ -529,44 +529,9 @@ static void prompt_kv_head(const Attn* a, int64_t b, int64_t h, float* buf, int6
 }
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
-/* Linux hands a process the tile registers' state only when asked (as qmatmul.c's qmatmul_ready): 0 when granted
- * (attention_kernel.py loads the next build otherwise) */
-int attention_ready(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 0 : -1; }
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tile_config;
-
-/* 16 rows of 16 32-bit words at stride ss (words) -> the transpose, rows at stride ds (a bf16 pair a word: the keys'
- * pairs of dimensions into the tiles' [pair][key] layout) */
-static inline void transpose_words16(const uint32_t* src, int64_t ss, uint32_t* dst, int64_t ds) {
-    __m512i r[16], t[16];
-    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(src + i * ss);
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int i = 0; i < 2; i++)
-        for (int j = 0; j < 4; j++) {
-            t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0x88);
-            t[8 * i + j + 4] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0xDD);
-        }
-    for (int j = 0; j < 8; j++) {
-        _mm512_storeu_si512(dst + j * ds, _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88));
-        _mm512_storeu_si512(dst + (j + 8) * ds, _mm512_shuffle_i32x4(t[j], t[j + 8], 0xDD));
-    }
-}
+/* the tiles' state for this process (native.h; as qmatmul.c's qmatmul_ready): 0 when granted (attention_kernel.py loads
+ * the next build otherwise) */
+int attention_ready(void) { return amx_permission(); }
 
 /* sums tiles 0..n-1 (n <= 4) := 0 (tile numbers are constants in the instruction) */
 static inline void zero_tiles(int n) {
@@ -615,7 +580,7 @@ static void prompt_kv_head_amx(const Attn* a, int64_t b, int64_t h, float* buf, 
     for (int64_t kb0 = 0; kb0 < KB; kb0++) /* keys: 16 at a time, each 32 dimensions a tile of [pair][key] words */
         for (int64_t c = 0; c < DC; c++) {
             uint32_t* dst = (uint32_t*)(kb + (kb0 * DC + c) * 512);
-            if (kb0 * 16 + 16 <= most) transpose_words16((const uint32_t*)(kh + kb0 * 16 * D + c * 32), D / 2, dst, 16);
+            if (kb0 * 16 + 16 <= most) transpose_words16(kh + kb0 * 16 * D + c * 32, D / 2, dst, 16); /* (native.h) */
             else { /* the last block, partly filled: zeros past the keys */
                 memset(dst, 0, 1024);
                 for (int64_t j = kb0 * 16; j < most; j++)
@@ -636,7 +601,7 @@ static void prompt_kv_head_amx(const Attn* a, int64_t b, int64_t h, float* buf, 
                 _mm512_storeu_si512(vb + (kc * DB + db) * 512 + p * 32,
                                     _mm512_permutexvar_epi16(order, _mm512_inserti64x4(_mm512_castsi256_si512(v0), v1, 1)));
             }
-    tile_config cfg;
+    amx_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;

@@ -87,29 +87,9 @@ static inline void transpose8(const float* src, int64_t ss, float* dst, int64_t 
 }
 
 #if defined(__AVX512F__)
-/* a 16 x 16 block of floats, rows at stride ss, -> its transpose, rows at stride ds */
+/* a 16 x 16 block of floats, rows at stride ss, -> its transpose, rows at stride ds (native.h's, the bits moved) */
 static inline void transpose16(const float* src, int64_t ss, float* dst, int64_t ds) {
-    __m512 r[16], t[16];
-    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(src + i * ss);
-    for (int i = 0; i < 8; i++) { /* pairs of rows interleaved within each 128-bit quarter */
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) { /* quads of rows: each quarter holds one column of 4 rows */
-        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-    }
-    for (int i = 0; i < 2; i++) /* then the quarters across 8 and 16 rows */
-        for (int j = 0; j < 4; j++) {
-            t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + j + 4], 0x88);
-            t[8 * i + j + 4] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + j + 4], 0xDD);
-        }
-    for (int j = 0; j < 8; j++) {
-        _mm512_storeu_ps(dst + j * ds, _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88));
-        _mm512_storeu_ps(dst + (j + 8) * ds, _mm512_shuffle_f32x4(t[j], t[j + 8], 0xDD));
-    }
+    transpose_words16(src, ss, dst, ds);
 }
 #endif
 

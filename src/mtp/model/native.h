@@ -164,4 +164,49 @@ static inline void f_to_bf16x16(uint16_t* p, __m512 v, __mmask16 keep) {
 }
 #endif
 
+
+#if defined(__AVX512F__)
+/* a 16 x 16 block of 32-bit words, rows at stride ss (words) -> its transpose, rows at stride ds (data movement only:
+ * deltanet.c's conv outputs, attention.c's keys' pairs of bf16 dimensions into the tiles' layout) */
+static inline void transpose_words16(const void* src, int64_t ss, void* dst, int64_t ds) {
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512((const uint32_t*)src + i * ss);
+    for (int i = 0; i < 8; i++) { /* pairs of rows interleaved within each 128-bit quarter */
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* quads of rows: each quarter holds one column of 4 rows */
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 2; i++) /* then the quarters across 8 and 16 rows */
+        for (int j = 0; j < 4; j++) {
+            t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0x88);
+            t[8 * i + j + 4] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0xDD);
+        }
+    for (int j = 0; j < 8; j++) {
+        _mm512_storeu_si512((uint32_t*)dst + j * ds, _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88));
+        _mm512_storeu_si512((uint32_t*)dst + (j + 8) * ds, _mm512_shuffle_i32x4(t[j], t[j + 8], 0xDD));
+    }
+}
+#endif
+
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Linux hands a process the tile registers' state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA): 0
+ * when granted (each AMX build's `*_ready`: native.py loads another build otherwise) */
+static inline int amx_permission(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 0 : -1; }
+
+/* a tile configuration (palette 1): rows and bytes per row of tiles 0-7 */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) amx_config;
+#endif
+
 #endif

@@ -39,19 +39,7 @@
 const char* qmatmul_isa(void) { return QMATMUL_ISA; }
 
 #if defined(__AMX_TILE__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
-/* Linux hands a process the tile registers' state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA):
- * 0 when granted (qmatmul.py loads another build otherwise). */
-int qmatmul_ready(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 0 : -1; }
-
-/* a tile configuration (palette 1): rows and bytes per row of tiles 0-7 */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) amx_config;
+int qmatmul_ready(void) { return amx_permission(); } /* (native.h) */
 #else
 int qmatmul_ready(void) { return 0; }
 #endif
