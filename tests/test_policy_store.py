@@ -125,6 +125,23 @@ def test_a_bad_file_is_ignored_and_replaced(store, folder, caplog, text, why):
     assert not list(store.glob(".*.tmp"))
 
 
+def test_a_wide_servers_times_read_back(store, folder):
+    """An eager round keys its time by its decoding rows: a server of 64 rows measures up to 64 x 9 (B, k) pairs, and
+    its file reads back whole (a bound of 256 pairs had the next process ignore it)."""
+    model = mtp.load_model(folder)
+    key = policy_store.key(model, (False, torch.get_num_threads(), False, False, 64), None)
+    rounds, counts = RoundTimes(), Acceptance()
+    for b in range(1, 65):
+        for k in range(9):
+            rounds.record((b, k), (1.0 + 0.1 * b + 0.2 * b * k) * 1e-3)
+    path = policy_store.path_for(key)
+    path.parent.mkdir(parents=True)
+    path.write_text(policy_store.dump(key, rounds, counts))
+    again = RoundTimes()
+    assert policy_store.load(key, again, Acceptance())
+    assert again.samples == rounds.samples and len(again.samples) == 576
+
+
 def test_switched_off(store, folder, monkeypatch):
     monkeypatch.setenv("MTP_AUTO_STORE", "0")
     model = mtp.load_model(folder)

@@ -38,7 +38,9 @@ from .policy import QUIET_MAX, SETTLED_MAX, WINDOW, Acceptance, RoundTimes
 
 log = logging.getLogger("mtp.decode")
 VERSION = 1
-MAX_KEYS = 256  # (B, k) pairs a file may hold: batch buckets x (k_max + 1), with room
+# (B, k) pairs a file may hold: an eager round keys its times by its decoding rows (1 .. a server's max batch), a
+# compiled one by its bucket, times k = 0 .. k_max (a server of 64 rows: 576; at 256 there was no room past 28 rows)
+MAX_KEYS = 8192
 MAX_DEPTH = 16  # draft positions an acceptance record may hold
 MAX_FILES = 256  # store files kept (the oldest written go first)
 
