@@ -147,6 +147,20 @@ CONV_BLOCK(16, __m512, _mm512, BF16X16, round_bf16x16, exp16)
 #endif
 #undef CONV_BLOCK
 
+/* 8 channels' 4 values (bf16 or fp32, [8][4] as stored) -> v[j] = value j of the channels in lane order 0 2 4 6 1 3 5
+ * 7 (data movement only) */
+static inline void four_by_8(const void* src, int bf16, __m256* v) {
+    __m256 r[4];
+    for (int i = 0; i < 4; i++) /* r[i]: channels 2i, 2i + 1 */
+        r[i] = bf16 ? bf16x8_to_f((const uint16_t*)src + 8 * i) : _mm256_loadu_ps((const float*)src + 8 * i);
+    const __m256 lo01 = _mm256_unpacklo_ps(r[0], r[1]), hi01 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 lo23 = _mm256_unpacklo_ps(r[2], r[3]), hi23 = _mm256_unpackhi_ps(r[2], r[3]);
+    v[0] = _mm256_shuffle_ps(lo01, lo23, 0x44);
+    v[1] = _mm256_shuffle_ps(lo01, lo23, 0xEE);
+    v[2] = _mm256_shuffle_ps(hi01, hi23, 0x44);
+    v[3] = _mm256_shuffle_ps(hi01, hi23, 0xEE);
+}
+
 /* Conv and SiLU of tokens t0..T-1 of one row (the tokens a short forward has past its blocks of 8), channels
  * [c0, c0 + n): the conv 8 channels a vector, each lane conv_sums' arithmetic for its channel (channels past the last
  * multiple of 8: conv_sums itself), then SiLU over the token's n values (silu_n, rounded as the block path rounds).
@@ -156,25 +170,40 @@ CONV_BLOCK(16, __m512, _mm512, BF16X16, round_bf16x16, exp16)
 static void conv_tokens(const Shape* s, const void* window, const void* taps, int64_t t0, int64_t c0, int64_t n,
                         float* dst, int64_t C) {
     const int64_t W = s->kernel - 1 + s->T, K = s->kernel, n8 = n / 8 * 8;
-    /* the 8 channels' window and taps in fp32 as stored (channel-major), then channel-minor ([W][8], [K][8]): one
-     * gather a column, not two a tap and token (those were 8% of a verify's DeltaNet) */
-    float cm[(W + K) * 8], win[W * 8], tap[K * 8];
-    const __m256i wi = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)W));
-    const __m256i ki = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)K));
-    for (int64_t c = c0; c < c0 + n8; c += 8) {
-        for (int64_t i = 0; i < W * 8; i += 8) /* (8W and 8K values: whole vectors) */
-            _mm256_storeu_ps(cm + i, s->bf16 ? bf16x8_to_f((const uint16_t*)window + c * W + i)
-                                             : _mm256_loadu_ps((const float*)window + c * W + i));
-        for (int64_t i = 0; i < K * 8; i += 8)
-            _mm256_storeu_ps(cm + W * 8 + i, s->bf16 ? bf16x8_to_f((const uint16_t*)taps + c * K + i)
-                                                     : _mm256_loadu_ps((const float*)taps + c * K + i));
-        for (int64_t w = 0; w < W; w++) _mm256_storeu_ps(win + w * 8, _mm256_i32gather_ps(cm + w, wi, 4));
-        for (int64_t j = 0; j < K; j++) _mm256_storeu_ps(tap + j * 8, _mm256_i32gather_ps(cm + W * 8 + j, ki, 4));
-        for (int64_t t = t0; t < s->T; t++) {
+    if (W == 4 && K == 4 && t0 == 0) { /* one token (a plain step), 4 taps: shuffled, not gathered (the gathers were
+                                         * ~40% of an 8-row decode step's DeltaNet) */
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* (acc's lane l: channel 2 (l % 4) + l / 4) */
+        const size_t es = s->bf16 ? 2 : 4;
+        for (int64_t c = c0; c < c0 + n8; c += 8) {
+            __m256 win[4], tap[4];
+            four_by_8((const char*)window + (size_t)(c * 4) * es, s->bf16, win);
+            four_by_8((const char*)taps + (size_t)(c * 4) * es, s->bf16, tap);
             __m256 acc = _mm256_setzero_ps();
-            for (int64_t j = 0; j < K; j++) /* lane i: channel c + i's window at t + j, and its tap j */
-                acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(win + (t + j) * 8), _mm256_loadu_ps(tap + j * 8)));
-            _mm256_storeu_ps(dst + (t - t0) * C + (c - c0), s->bf16 ? round_bf16x8(acc) : acc);
+            for (int j = 0; j < 4; j++) acc = _mm256_add_ps(acc, _mm256_mul_ps(win[j], tap[j]));
+            acc = _mm256_permutevar8x32_ps(acc, order);
+            _mm256_storeu_ps(dst + (c - c0), s->bf16 ? round_bf16x8(acc) : acc);
+        }
+    } else {
+        /* the 8 channels' window and taps in fp32 as stored (channel-major), then channel-minor ([W][8], [K][8]): one
+         * gather a column, not two a tap and token (those were 8% of a verify's DeltaNet) */
+        float cm[(W + K) * 8], win[W * 8], tap[K * 8];
+        const __m256i wi = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)W));
+        const __m256i ki = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)K));
+        for (int64_t c = c0; c < c0 + n8; c += 8) {
+            for (int64_t i = 0; i < W * 8; i += 8) /* (8W and 8K values: whole vectors) */
+                _mm256_storeu_ps(cm + i, s->bf16 ? bf16x8_to_f((const uint16_t*)window + c * W + i)
+                                                 : _mm256_loadu_ps((const float*)window + c * W + i));
+            for (int64_t i = 0; i < K * 8; i += 8)
+                _mm256_storeu_ps(cm + W * 8 + i, s->bf16 ? bf16x8_to_f((const uint16_t*)taps + c * K + i)
+                                                         : _mm256_loadu_ps((const float*)taps + c * K + i));
+            for (int64_t w = 0; w < W; w++) _mm256_storeu_ps(win + w * 8, _mm256_i32gather_ps(cm + w, wi, 4));
+            for (int64_t j = 0; j < K; j++) _mm256_storeu_ps(tap + j * 8, _mm256_i32gather_ps(cm + W * 8 + j, ki, 4));
+            for (int64_t t = t0; t < s->T; t++) {
+                __m256 acc = _mm256_setzero_ps();
+                for (int64_t j = 0; j < K; j++) /* lane i: channel c + i's window at t + j, and its tap j */
+                    acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(win + (t + j) * 8), _mm256_loadu_ps(tap + j * 8)));
+                _mm256_storeu_ps(dst + (t - t0) * C + (c - c0), s->bf16 ? round_bf16x8(acc) : acc);
+            }
         }
     }
     for (int64_t t = t0; t < s->T; t++) {

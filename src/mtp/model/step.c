@@ -189,12 +189,46 @@ static inline void copy_bf16(uint16_t* dst, const uint16_t* src, int64_t n) {
     else memcpy(dst, src, sizeof(uint16_t) * (size_t)n);
 }
 
+/* One row's window for a step of one token with Qwen3.5's conv of 4 taps: win [C][4] := its conv inputs conv [C][3],
+ * then the token's qkv [C], two channels a shuffle (a copy of 6 bytes and one of 2 per channel and row were ~4% of an
+ * 8-row decode step) */
+static void window_step(uint16_t* win, const uint16_t* conv, const uint16_t* qkv, int64_t C) {
+    const __m128i from_conv = _mm_setr_epi8(0, 1, 2, 3, 4, 5, -1, -1, 6, 7, 8, 9, 10, 11, -1, -1);
+    const __m128i from_qkv = _mm_setr_epi8(-1, -1, -1, -1, -1, -1, 0, 1, -1, -1, -1, -1, -1, -1, 2, 3);
+    int64_t c = 0;
+    for (; c + 3 <= C; c += 2) { /* (16 bytes read from channel c's: c + 2 must be there) */
+        int32_t pair;
+        memcpy(&pair, qkv + c, sizeof pair);
+        const __m128i a = _mm_loadu_si128((const __m128i*)(conv + 3 * c)), b = _mm_cvtsi32_si128(pair);
+        _mm_storeu_si128((__m128i*)(win + 4 * c), _mm_or_si128(_mm_shuffle_epi8(a, from_conv), _mm_shuffle_epi8(b, from_qkv)));
+    }
+    for (; c < C; c++) {
+        memcpy(win + 4 * c, conv + 3 * c, 6);
+        win[4 * c + 3] = qkv[c];
+    }
+}
+
+/* ... and after it, the row's conv inputs conv [C][3] := each channel's last 3 of win [C][4] */
+static void window_keep(uint16_t* conv, const uint16_t* win, int64_t C) {
+    const __m128i last3 = _mm_setr_epi8(2, 3, 4, 5, 6, 7, 10, 11, 12, 13, 14, 15, -1, -1, -1, -1);
+    int64_t c = 0;
+    for (; c + 2 <= C; c += 2) {
+        const __m128i v = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i*)(win + 4 * c)), last3);
+        const int32_t tail = _mm_extract_epi32(v, 2);
+        _mm_storel_epi64((__m128i*)(conv + 3 * c), v);
+        memcpy(conv + 3 * c + 4, &tail, sizeof tail);
+    }
+    for (; c < C; c++) memcpy(conv + 3 * c, win + 4 * c + 1, 6);
+}
+
 static int deltanet(const Kernels* k, const Step* s, const Layer* l, const uint16_t* h, uint16_t* y, uint16_t* o,
                     int nth) {
     const int64_t B = s->B, T = s->T, M = B * T, kw = l->kernel - 1, W = kw + T;
     const int64_t C = 2 * l->Hk * l->Kd + l->Hv * l->Vd, Nin = l->Nin;
     if (project(k, l, h, M, y, o, s->prompt, nth)) return -1;
-    for (int64_t b = 0; b < B; b++) { /* window = cat(conv, qkv^T) */
+    const int step3 = T == 1 && kw == 3; /* a plain step's window, or a verify's and a prompt chunk's */
+    for (int64_t b = 0; b < B && step3; b++) window_step(l->window + b * C * W, l->conv + b * C * kw, y + b * Nin, C);
+    for (int64_t b = 0; b < B && !step3; b++) { /* window = cat(conv, qkv^T) */
         for (int64_t c = 0; c < C; c++) copy_bf16(l->window + (b * C + c) * W, l->conv + (b * C + c) * kw, kw);
         int64_t t0 = 0;
         for (; t0 + 8 <= T; t0 += 8) { /* a prompt's chunk: 8 x 8 blocks (element by element it was ~3% of its time) */
@@ -212,7 +246,9 @@ static int deltanet(const Kernels* k, const Step* s, const Layer* l, const uint1
                            y + l->off[3], T * Nin, Nin, l->A_log, l->dt_bias, y + l->off[1], T * Nin, Nin, l->gnorm,
                            l->geps, l->ssm, l->updates ? l->updates : l->ssm, o, nth))
         return -1;
-    if (!l->updates) /* kept in place (a plain step, a prompt's chunk): the conv inputs move on by the T tokens */
+    if (!l->updates && step3)
+        for (int64_t b = 0; b < B; b++) window_keep(l->conv + b * C * kw, l->window + b * C * W, C);
+    else if (!l->updates) /* kept in place (a plain step, a prompt's chunk): the conv inputs move on by the T tokens */
         for (int64_t b = 0; b < B; b++)
             for (int64_t c = 0; c < C; c++) copy_bf16(l->conv + (b * C + c) * kw, l->window + (b * C + c) * W + T, kw);
     return 0;
