@@ -108,17 +108,27 @@ static void widen_pairs(const void* src, int64_t n, int64_t D, int bf16, float* 
 #endif
 
 /* p[j] := exp(p[j] - m) for j < n, 8 at a time (native.h's exp8: the same arithmetic for every lane, so a score's
- * weight does not depend on where it sits; the tail through the same vector code) */
-static void exp_shifted(float* p, int64_t n, float m) {
+ * weight does not depend on where it sits; the tail through the same vector code) -> their total: lane l adds the
+ * weights j = l mod 8 in order, then lanes8_sum's tree (a fixed order for n weights, whatever the other queries; a
+ * total in order, one add's latency a weight, took ~16% of an 8-row step's attention) */
+static float exp_shifted(float* p, int64_t n, float m) {
     const __m256 mv = _mm256_set1_ps(m);
+    __m256 total = _mm256_setzero_ps();
     int64_t j = 0;
-    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(p + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv)));
+    for (; j + 8 <= n; j += 8) {
+        const __m256 w = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv));
+        _mm256_storeu_ps(p + j, w);
+        total = _mm256_add_ps(total, w);
+    }
     if (j < n) {
         float tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         memcpy(tail, p + j, sizeof(float) * (size_t)(n - j));
         _mm256_storeu_ps(tail, exp8(_mm256_sub_ps(_mm256_loadu_ps(tail), mv)));
         memcpy(p + j, tail, sizeof(float) * (size_t)(n - j));
+        memset(tail + (n - j), 0, sizeof(float) * (size_t)(8 - (n - j))); /* (the lanes past n add nothing) */
+        total = _mm256_add_ps(total, _mm256_loadu_ps(tail));
     }
+    return lanes8_sum(total);
 }
 
 /* Both kernels' arguments: q [B, A, T, D] at strides (sq0, sq1, sq2) (last 1), k [B, Hk, S, D] and v [B, Hk, S, Dv]
@@ -299,29 +309,9 @@ static void decode_head(const Attn* a, int64_t b, int64_t h, float* buf, int64_t
         }
     }
     for (int64_t i_q = 0; i_q < Q; i_q++) {
-        exp_shifted(p + i_q * S, n[i_q], m[i_q]);
-        sum[i_q] = 0.0f;
+        sum[i_q] = exp_shifted(p + i_q * S, n[i_q], m[i_q]);
         for (int64_t i = 0; i < Dv; i++) acc[i_q * Dv + i] = 0.0f;
     }
-    /* each query's total over its weights in order, the queries' sums side by side (one query's chain of adds waited on
-     * each add's latency) */
-    int64_t i_s = 0;
-#if defined(__AVX512F__)
-    for (; i_s < Q && (Q - 1) * S < INT32_MAX; i_s += 16) { /* 16 queries a vector: lane r adds query i_s + r's weights */
-        int32_t row[16] = {0}, keys[16] = {0};
-        for (int64_t r = 0; r < 16 && i_s + r < Q; r++) row[r] = (int32_t)((i_s + r) * S), keys[r] = (int32_t)n[i_s + r];
-        const __m512i rows = _mm512_loadu_si512(row), counts = _mm512_loadu_si512(keys);
-        __m512 total = _mm512_setzero_ps();
-        for (int64_t j = 0; j < most; j++) {
-            const __mmask16 in = _mm512_cmpgt_epi32_mask(counts, _mm512_set1_epi32((int)j));
-            total = _mm512_mask_add_ps(total, in, total, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), in, rows, p + j, 4));
-        }
-        _mm512_mask_storeu_ps(sum + i_s, lanes16(Q - i_s), total);
-    }
-#endif
-    for (int64_t j = 0; j < most; j++)
-        for (int64_t i_q = i_s; i_q < Q; i_q++)
-            if (j < n[i_q]) sum[i_q] += p[i_q * S + j];
     for (int64_t j0 = 0; j0 < most; j0 += VBLOCK) { /* VBLOCK values, then each query's sums over them (read in place
                                                     * at Dv = 64 in the AVX-512 build, else widened first) */
         const int64_t nj = most - j0 < VBLOCK ? most - j0 : VBLOCK;
