@@ -14,8 +14,8 @@
  * docs/decisions.md, 2026-12-05 fourth session). In the AVX-512 build the values (64 a row) are widened in registers
  * as they are read, not copied first; a bf16 model's scores take fused multiply-adds (a product of two bf16 values is
  * exact in fp32, so the fused form rounds what mul + add rounds: the same bits unless a product falls below 2^-126);
- * the queries' softmax totals run 16 queries a vector, each lane its query's weights in order (one call over 280 keys:
- * 15.3 -> 12.4 us with 3 queries a kv head, 37.5 -> 31.2 with 12; docs/decisions.md, 2026-12-06 ninth session). */
+ * a query's softmax total is summed as its weights are made, 8 lanes then a fixed tree (`exp_shifted`: an 8-row call
+ * over 400 keys 153 -> 134 us against a total in order; docs/decisions.md, 2026-12-07 eighteenth session). */
 
 #include <math.h>
 #include <stdint.h>
