@@ -40,9 +40,7 @@ static inline __m256 sigmoid8(__m256 v) {
 #define ACT_LANES 16
 /* up to n = 16 elements of a row: the SwiGLU and attention gates, the 8-lane code below on 16 lanes */
 static inline void silu_mul16(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t n) {
-    const __m512 g = bf16x16_to_f(gate, n);
-    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
-    const __m512 s = round_bf16x16(_mm512_div_ps(g, d));
+    const __m512 s = round_bf16x16(silu16(bf16x16_to_f(gate, n)));
     f_to_bf16x16(out, _mm512_mul_ps(s, bf16x16_to_f(up, n)), lanes16(n));
 }
 static inline void sigmoid_mul16(const uint16_t* x, const uint16_t* gate, uint16_t* out, int64_t n) {
@@ -60,9 +58,7 @@ static inline void sigmoid_mul16(const uint16_t* x, const uint16_t* gate, uint16
 #endif
 
 static inline void silu_mul8(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t n) {
-    const __m256 g = load8(gate, n);
-    const __m256 d = _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)));
-    const __m256 s = round_bf16x8(_mm256_div_ps(g, d)); /* as deltanet.c's silu_n */
+    const __m256 s = round_bf16x8(silu8(load8(gate, n)));
     store8(out, _mm256_mul_ps(s, load8(up, n)), n);
 }
 

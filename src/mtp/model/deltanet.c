@@ -38,11 +38,7 @@ static inline void store(void* p, int64_t i, float v, int bf16) {
 /* x[i] := silu(x[i]) = x / (1 + exp(-x)) for n values, 8 at a time; the tail goes through the same vector code. */
 static void silu_n(float* x, int64_t n) {
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const __m256 v = _mm256_loadu_ps(x + i);
-        const __m256 d = _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), v)));
-        _mm256_storeu_ps(x + i, _mm256_div_ps(v, d));
-    }
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, silu8(_mm256_loadu_ps(x + i)));
     if (i < n) {
         float tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         memcpy(tail, x + i, sizeof(float) * (size_t)(n - i));
@@ -102,7 +98,7 @@ static inline void transpose16(const float* src, int64_t ss, float* dst, int64_t
  * scalar per-channel sums. dst: the first token's channel c0 in qkv (rows of C floats); cm: scratch [n][L], written
  * out to dst a block of L x L at a time (`transpose8`, `transpose16`: the scalar copy was an eighth of a prompt's
  * DeltaNet time). */
-#define CONV_BLOCK(L, V, P, LOAD_BF16, ROUND, EXP)                                                                  \
+#define CONV_BLOCK(L, V, P, LOAD_BF16, ROUND, SILU)                                                                 \
     static void conv_block_##L(const Shape* s, const void* window, const void* taps, int64_t t0, int64_t c0,        \
                                int64_t n, int norm, float scale, float* dst, int64_t C, float* cm) {               \
         const int64_t W = s->kernel - 1 + s->T;                                                                     \
@@ -114,7 +110,7 @@ static inline void transpose16(const float* src, int64_t ss, float* dst, int64_t
                 acc = P##_add_ps(acc, P##_mul_ps(w, P##_set1_ps(load(taps, c * s->kernel + j, s->bf16))));         \
             }                                                                                                       \
             if (s->bf16) acc = ROUND(acc);                                                                          \
-            acc = P##_div_ps(acc, P##_add_ps(P##_set1_ps(1.0f), EXP(P##_sub_ps(P##_setzero_ps(), acc))));          \
+            acc = SILU(acc);                                                                                        \
             if (s->bf16) acc = ROUND(acc);                                                                          \
             P##_storeu_ps(cm + (c - c0) * L, acc);                                                                  \
         }                                                                                                           \
@@ -136,10 +132,10 @@ static inline void transpose16(const float* src, int64_t ss, float* dst, int64_t
         for (; i < n; i++)                                                                                          \
             for (int64_t l = 0; l < L; l++) dst[l * C + i] = cm[i * L + l];                                         \
     }
-CONV_BLOCK(8, __m256, _mm256, bf16x8_to_f, round_bf16x8, exp8)
+CONV_BLOCK(8, __m256, _mm256, bf16x8_to_f, round_bf16x8, silu8)
 #if defined(__AVX512F__)
 #define BF16X16(p) bf16x16_to_f(p, 16)
-CONV_BLOCK(16, __m512, _mm512, BF16X16, round_bf16x16, exp16)
+CONV_BLOCK(16, __m512, _mm512, BF16X16, round_bf16x16, silu16)
 #undef BF16X16
 #define CONV_BLOCK_MAX 16
 #else
@@ -201,7 +197,8 @@ static void conv_tokens(const Shape* s, const void* window, const void* taps, in
             for (int64_t t = t0; t < s->T; t++) {
                 __m256 acc = _mm256_setzero_ps();
                 for (int64_t j = 0; j < K; j++) /* lane i: channel c + i's window at t + j, and its tap j */
-                    acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(win + (t + j) * 8), _mm256_loadu_ps(tap + j * 8)));
+                    acc = _mm256_add_ps(acc,
+                                        _mm256_mul_ps(_mm256_loadu_ps(win + (t + j) * 8), _mm256_loadu_ps(tap + j * 8)));
                 _mm256_storeu_ps(dst + (t - t0) * C + (c - c0), s->bf16 ? round_bf16x8(acc) : acc);
             }
         }

@@ -94,6 +94,12 @@ static inline void transpose_words8(__m256 r[8]) {
     }
 static inline __m256 exp8(__m256 x) MTP_EXP(_mm256, __m256, __m256i, _mm256_round_ps, _mm256_castsi256_ps)
 
+/* silu(x) = x / (1 + exp8(-x)) lane by lane, not rounded (act.c's SwiGLU, deltanet.c's conv and gate, qmatmul.c's
+ * fused SwiGLU store: one arithmetic for all) */
+static inline __m256 silu8(__m256 x) {
+    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+
 static inline float round_bf16(float f) { return bf16_to_f(to_bf16(f)); } /* float rounded to bfloat16, as a float */
 
 /* 8 bf16 -> 8 floats (exact) */
@@ -129,6 +135,11 @@ static inline void f_to_bf16x8(uint16_t* p, __m256 v) {
 #if defined(__AVX512F__)
 /* exp8 on 16 lanes (MTP_EXP: the same operations, the same bits) */
 static inline __m512 exp16(__m512 x) MTP_EXP(_mm512, __m512, __m512i, _mm512_roundscale_ps, _mm512_castsi512_ps)
+
+/* silu8 on 16 lanes */
+static inline __m512 silu16(__m512 x) {
+    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+}
 
 /* the mask of the first n (<= 16 taken) of 16 lanes */
 static inline __mmask16 lanes16(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }

@@ -1057,8 +1057,7 @@ static void amx_store(const float* o, int rows, int64_t nb, int64_t b0, int64_t 
             for (int64_t j = 0; j < h; j++) {
                 const __m512 g = round_bf16x16(_mm512_loadu_ps(o + (r * nb + j) * 16));
                 const __m512 u = round_bf16x16(_mm512_loadu_ps(o + (r * nb + h + j) * 16));
-                const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
-                const __m512 sg = round_bf16x16(_mm512_div_ps(g, d));
+                const __m512 sg = round_bf16x16(silu16(g));
                 f_to_bf16x16(y + (m0 + r) * I + (b0 + j) * 16, _mm512_mul_ps(sg, u), 0xffff);
             }
         return;

@@ -200,10 +200,11 @@ static void window_step(uint16_t* win, const uint16_t* conv, const uint16_t* qkv
         int32_t pair;
         memcpy(&pair, qkv + c, sizeof pair);
         const __m128i a = _mm_loadu_si128((const __m128i*)(conv + 3 * c)), b = _mm_cvtsi32_si128(pair);
-        _mm_storeu_si128((__m128i*)(win + 4 * c), _mm_or_si128(_mm_shuffle_epi8(a, from_conv), _mm_shuffle_epi8(b, from_qkv)));
+        _mm_storeu_si128((__m128i*)(win + 4 * c),
+                         _mm_or_si128(_mm_shuffle_epi8(a, from_conv), _mm_shuffle_epi8(b, from_qkv)));
     }
     for (; c < C; c++) {
-        memcpy(win + 4 * c, conv + 3 * c, 6);
+        copy_bf16(win + 4 * c, conv + 3 * c, 3);
         win[4 * c + 3] = qkv[c];
     }
 }
@@ -218,7 +219,7 @@ static void window_keep(uint16_t* conv, const uint16_t* win, int64_t C) {
         _mm_storel_epi64((__m128i*)(conv + 3 * c), v);
         memcpy(conv + 3 * c + 4, &tail, sizeof tail);
     }
-    for (; c < C; c++) memcpy(conv + 3 * c, win + 4 * c + 1, 6);
+    for (; c < C; c++) copy_bf16(conv + 3 * c, win + 4 * c + 1, 3);
 }
 
 static int deltanet(const Kernels* k, const Step* s, const Layer* l, const uint16_t* h, uint16_t* y, uint16_t* o,
@@ -226,7 +227,7 @@ static int deltanet(const Kernels* k, const Step* s, const Layer* l, const uint1
     const int64_t B = s->B, T = s->T, M = B * T, kw = l->kernel - 1, W = kw + T;
     const int64_t C = 2 * l->Hk * l->Kd + l->Hv * l->Vd, Nin = l->Nin;
     if (project(k, l, h, M, y, o, s->prompt, nth)) return -1;
-    const int step3 = T == 1 && kw == 3; /* a plain step's window, or a verify's and a prompt chunk's */
+    const int step3 = T == 1 && kw == 3; /* one token, 4 taps (window_step, window_keep); else the general copies */
     for (int64_t b = 0; b < B && step3; b++) window_step(l->window + b * C * W, l->conv + b * C * kw, y + b * Nin, C);
     for (int64_t b = 0; b < B && !step3; b++) { /* window = cat(conv, qkv^T) */
         for (int64_t c = 0; c < C; c++) copy_bf16(l->window + (b * C + c) * W, l->conv + (b * C + c) * kw, kw);
