@@ -42,8 +42,9 @@ from .session import Session
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # batch sizes the round runs at (a compiled graph each)
 # Rounds just after a prompt chunk run slower, whatever their k, and recover over a few rounds (measured, 8 rows of the
 # shipped model, AMX Xeon: plain 4.3-4.6, 4.0-4.4, 3.6-3.9, 3.3-3.5 ms in the 1st-4th round after a chunk, 3.0-3.1 from
-# the 7th; k = 3: 10.8-10.9 down to 9.7-9.9). Not the caches: a 30 ms sleep or one 1 ms AMX product between rounds does
-# the same, so the core's clock, by all signs, comes back up over ~10 ms. In a server, the first round at a new batch
+# the 7th; k = 3: 10.8-10.9 down to 9.7-9.9). A 20 ms sleep or Python spin between rounds does the same, and a compute
+# loop's speed is unchanged after AMX products: data untouched for ~10 ms leaves the shared L3 (its neighbours' traffic)
+# and takes ~3 passes to come back (docs/decisions.md, eighteenth session). In a server, the first round at a new batch
 # size always follows the newcomer's last chunk: its time had made k = 0 look 1.4-2x its cost, so `auto` drafted 4-6
 # tokens where k = 0 and 3 tie.
 COLD_ROUNDS = 4
